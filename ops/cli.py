@@ -1,0 +1,89 @@
+"""The `ddops` command line: one Click group, one module per command in ops/commands/.
+
+    ddops --help
+    ddops --host sim:/tmp/pve1 health --ct 200
+
+Global options come before the command. Domain errors (DdopsError) become one line
+`Error: <object>: <cause>` on stderr and exit code 1; usage errors exit 2 (Click).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+
+import click
+
+from ops import __version__
+from ops.errors import DdopsError
+
+
+@dataclass
+class AppContext:
+    """What every command gets: where the site is and how to talk."""
+
+    inventory: str | None = None
+    host: str | None = None
+    json: bool = False
+    verbose: int = 0
+    accept_new_host_key: bool = False
+    _closers: list = field(default_factory=list)
+
+
+class DdopsGroup(click.Group):
+    """A Click group that turns DdopsError into `Error: ...` and exit 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except DdopsError as exc:
+            click.echo(f"Error: {exc}", err=True)
+            if exc.detail:
+                click.echo(exc.detail, err=True)
+            ctx.exit(1)
+
+
+@click.group(cls=DdopsGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ddops")
+@click.option(
+    "-i",
+    "--inventory",
+    envvar="DDOPS_INVENTORY",
+    type=click.Path(dir_okay=False),
+    help="The site file (YAML inventory). Env: DDOPS_INVENTORY.",
+)
+@click.option(
+    "--host",
+    "host",
+    metavar="TARGET",
+    help="One host without an inventory: local, sim:PATH, ssh://[user@]host[:port].",
+)
+@click.option(
+    "--json",
+    "json_output",
+    is_flag=True,
+    help="Machine-readable output: one JSON document on stdout.",
+)
+@click.option("-v", "--verbose", count=True, help="More logging (to stderr).")
+@click.option(
+    "--accept-new-host-key",
+    is_flag=True,
+    help="Trust an SSH host key not yet in known_hosts (recorded).",
+)
+@click.pass_context
+def cli(ctx: click.Context, inventory, host, json_output, verbose, accept_new_host_key) -> None:
+    """ddops: GPU LLM engines with DDTree speculative decoding on Proxmox VE LXC containers."""
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(
+        level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
+    )
+    ctx.obj = AppContext(inventory, host, json_output, verbose, accept_new_host_key)
+
+
+def main() -> None:
+    cli(prog_name="ddops")
+
+
+if __name__ == "__main__":
+    main()

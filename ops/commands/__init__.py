@@ -1,0 +1,1 @@
+"""One module per `ddops` command; each registers itself on `ops.cli.cli`."""
