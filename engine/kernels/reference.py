@@ -1,0 +1,117 @@
+"""Plain-torch references for the tree kernels: these functions ARE the specification.
+
+Each Triton kernel in engine/kernels/ must match the function of the same name here (tests
+compare them). Shapes carry no batch dimension: the engine decodes one sequence at a time.
+
+A "tree" of T pending tokens is given by `parents` [T] (int64): parents[i] < i is the index
+of token i's parent among the T tokens, or -1 when its parent is the last committed token.
+A chain (prefill, DFlash chain) is parents = [-1, 0, 1, ..., T-2].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def tree_attention(
+    q: torch.Tensor,  # [T, Hq, D]  queries of the T pending tokens (RoPE applied)
+    k: torch.Tensor,  # [S, Hkv, D] keys: S = prefix_len + T (committed prefix, then the T tokens)
+    v: torch.Tensor,  # [S, Hkv, D]
+    prefix_len: int,
+    tree_visible: torch.Tensor | None,  # [T, T] bool: j is i's ancestor or i itself; None = causal
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Each pending token attends to the whole committed prefix and to its own ancestors.
+
+    Grouped-query attention: query head h reads key/value head h // (Hq // Hkv).
+    Softmax in float32; the output has q's dtype.
+    """
+    T, Hq, D = q.shape
+    S, Hkv, _ = k.shape
+    assert S == prefix_len + T, (S, prefix_len, T)
+    if tree_visible is None:
+        tree_visible = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    visible = torch.ones(T, S, dtype=torch.bool, device=q.device)
+    visible[:, prefix_len:] = tree_visible
+    group = Hq // Hkv
+    kf = k.float().repeat_interleave(group, dim=1)  # [S, Hq, D]
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.float(), kf) * scale  # [Hq, T, S]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hts,shd->thd", probs, vf).to(q.dtype)
+
+
+def tree_gated_delta_rule(
+    q: torch.Tensor,  # [T, H, Dk]  (already L2-normalised; `scale` is applied here)
+    k: torch.Tensor,  # [T, H, Dk]  (already L2-normalised)
+    v: torch.Tensor,  # [T, H, Dv]
+    g: torch.Tensor,  # [T, H]      log of the per-step decay (<= 0)
+    beta: torch.Tensor,  # [T, H]   write strength in (0, 1)
+    parents: torch.Tensor,  # [T] int64
+    initial_state: torch.Tensor,  # [H, Dk, Dv] state after the last committed token
+    scale: float,
+    return_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta rule where each token's state starts from its parent's state.
+
+    For token i with previous state S (its parent's, or `initial_state` for a root):
+        S = S * exp(g_i)
+        S = S + k_i (beta_i * (v_i - S^T k_i))^T
+        o_i = S^T (scale * q_i)
+    Computed in float32. Returns (o [T, H, Dv] in v's dtype, states [T, H, Dk, Dv] float32
+    when return_states, the state after each token: state i is what committing the path
+    ending at i leaves behind).
+    """
+    T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    qf, kf, vf = q.float() * scale, k.float(), v.float()
+    decay, bf = g.float().exp(), beta.float()
+    states = torch.empty(T, H, Dk, Dv, dtype=torch.float32, device=q.device)
+    out = torch.empty(T, H, Dv, dtype=torch.float32, device=q.device)
+    init = initial_state.float()
+    for i in range(T):
+        p = int(parents[i])
+        s = (init if p < 0 else states[p]) * decay[i][:, None, None]
+        recalled = torch.einsum("hkv,hk->hv", s, kf[i])
+        delta = (vf[i] - recalled) * bf[i][:, None]
+        s = s + kf[i][:, :, None] * delta[:, None, :]
+        states[i] = s
+        out[i] = torch.einsum("hkv,hk->hv", s, qf[i])
+    return out.to(v.dtype), (states if return_states else None)
+
+
+def tree_causal_conv1d(
+    x: torch.Tensor,  # [T, C] inputs of the T pending tokens
+    parents: torch.Tensor,  # [T] int64
+    conv_state: torch.Tensor,  # [C, W] the W >= K-1 most recent committed inputs, oldest first
+    weight: torch.Tensor,  # [C, K] depthwise kernel
+    bias: torch.Tensor | None,  # [C]
+    activation: str | None = "silu",
+) -> torch.Tensor:  # [T, C]
+    """Depthwise causal conv where token i's window is the last K inputs along its path.
+
+    The path of i is: the committed inputs (conv_state), then i's ancestors root-first, then i.
+    Computed in float32; the output has x's dtype.
+    """
+    T, C = x.shape
+    K = weight.shape[-1]
+    xf, wf, state = x.float(), weight.float(), conv_state.float()
+    out = torch.empty(T, C, dtype=torch.float32, device=x.device)
+    for i in range(T):
+        window = [xf[i]]
+        node = int(parents[i])
+        while len(window) < K and node >= 0:
+            window.append(xf[node])
+            node = int(parents[node])
+        need = K - len(window)
+        cols = [state[:, state.shape[1] - need :]] if need else []
+        cols.append(torch.stack(window[::-1], dim=1))
+        win = torch.cat(cols, dim=1)  # [C, K], oldest first
+        out[i] = (win * wf).sum(dim=1)
+    if bias is not None:
+        out = out + bias.float()
+    if activation == "silu":
+        out = F.silu(out)
+    return out.to(x.dtype)
