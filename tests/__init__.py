@@ -1,0 +1,1 @@
+"""Tests for ddops and its engine."""
