@@ -14,6 +14,11 @@ import torch
 import torch.nn.functional as F
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision the references compute in: float32, or float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def tree_attention(
     q: torch.Tensor,  # [T, Hq, D]  queries of the T pending tokens (RoPE applied)
     k: torch.Tensor,  # [S, Hkv, D] keys: S = prefix_len + T (committed prefix, then the T tokens)
@@ -25,7 +30,7 @@ def tree_attention(
     """Each pending token attends to the whole committed prefix and to its own ancestors.
 
     Grouped-query attention: query head h reads key/value head h // (Hq // Hkv).
-    Softmax in float32; the output has q's dtype.
+    Computed in `compute_dtype` (float32, float64 for float64 inputs); the output has q's dtype.
     """
     T, Hq, D = q.shape
     S, Hkv, _ = k.shape
@@ -35,9 +40,10 @@ def tree_attention(
     visible = torch.ones(T, S, dtype=torch.bool, device=q.device)
     visible[:, prefix_len:] = tree_visible
     group = Hq // Hkv
-    kf = k.float().repeat_interleave(group, dim=1)  # [S, Hq, D]
-    vf = v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("thd,shd->hts", q.float(), kf) * scale  # [Hq, T, S]
+    dt = compute_dtype(q.dtype)
+    kf = k.to(dt).repeat_interleave(group, dim=1)  # [S, Hq, D]
+    vf = v.to(dt).repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.to(dt), kf) * scale  # [Hq, T, S]
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hts,shd->thd", probs, vf).to(q.dtype)
@@ -60,17 +66,18 @@ def tree_gated_delta_rule(
         S = S * exp(g_i)
         S = S + k_i (beta_i * (v_i - S^T k_i))^T
         o_i = S^T (scale * q_i)
-    Computed in float32. Returns (o [T, H, Dv] in v's dtype, states [T, H, Dk, Dv] float32
-    when return_states, the state after each token: state i is what committing the path
-    ending at i leaves behind).
+    Computed in `compute_dtype` (float32, float64 for float64 inputs). Returns (o [T, H, Dv] in
+    v's dtype, states [T, H, Dk, Dv] in the compute dtype when return_states, the state after
+    each token: state i is what committing the path ending at i leaves behind).
     """
     T, H, Dk = q.shape
     Dv = v.shape[-1]
-    qf, kf, vf = q.float() * scale, k.float(), v.float()
-    decay, bf = g.float().exp(), beta.float()
-    states = torch.empty(T, H, Dk, Dv, dtype=torch.float32, device=q.device)
-    out = torch.empty(T, H, Dv, dtype=torch.float32, device=q.device)
-    init = initial_state.float()
+    dt = compute_dtype(v.dtype)
+    qf, kf, vf = q.to(dt) * scale, k.to(dt), v.to(dt)
+    decay, bf = g.to(dt).exp(), beta.to(dt)
+    states = torch.empty(T, H, Dk, Dv, dtype=dt, device=q.device)
+    out = torch.empty(T, H, Dv, dtype=dt, device=q.device)
+    init = initial_state.to(dt)
     for i in range(T):
         p = int(parents[i])
         s = (init if p < 0 else states[p]) * decay[i][:, None, None]
@@ -93,25 +100,29 @@ def tree_causal_conv1d(
     """Depthwise causal conv where token i's window is the last K inputs along its path.
 
     The path of i is: the committed inputs (conv_state), then i's ancestors root-first, then i.
-    Computed in float32; the output has x's dtype.
+    Computed in `compute_dtype`; the output has x's dtype.
     """
     T, C = x.shape
+    W = conv_state.shape[1]
     K = weight.shape[-1]
-    xf, wf, state = x.float(), weight.float(), conv_state.float()
-    out = torch.empty(T, C, dtype=torch.float32, device=x.device)
-    for i in range(T):
-        window = [xf[i]]
-        node = int(parents[i])
-        while len(window) < K and node >= 0:
-            window.append(xf[node])
-            node = int(parents[node])
-        need = K - len(window)
-        cols = [state[:, state.shape[1] - need :]] if need else []
-        cols.append(torch.stack(window[::-1], dim=1))
-        win = torch.cat(cols, dim=1)  # [C, K], oldest first
-        out[i] = (win * wf).sum(dim=1)
+    assert W >= K - 1, (W, K)
+    dt = compute_dtype(x.dtype)
+    # One sequence of W + T columns: the committed inputs, then the pending tokens. `previous`
+    # gives each column's predecessor on its path (a root's is the newest committed input).
+    columns = torch.cat([conv_state.to(dt), x.to(dt).T], dim=1)  # [C, W + T]
+    previous = torch.cat(
+        [
+            torch.arange(-1, W - 1, device=x.device),
+            torch.where(parents >= 0, parents + W, W - 1).to(x.device),
+        ]
+    )  # [W + T]
+    window = [torch.arange(W, W + T, device=x.device)]  # column of each tap, newest first
+    for _ in range(K - 1):
+        window.append(previous[window[-1]])
+    taps = torch.stack(window[::-1], dim=1)  # [T, K] oldest first
+    out = (columns[:, taps] * weight.to(dt)[:, None, :]).sum(dim=-1).T  # [T, C]
     if bias is not None:
-        out = out + bias.float()
+        out = out + bias.to(dt)
     if activation == "silu":
         out = F.silu(out)
     return out.to(x.dtype)
