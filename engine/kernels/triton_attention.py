@@ -1,0 +1,217 @@
+"""Triton kernel: attention of T tree queries over [committed prefix ; tree] (GQA, online softmax).
+
+Matches `engine.kernels.reference.tree_attention` (the specification). Layout of the work:
+
+- Query rows are packed per key/value head: the T * G query heads that read one kv head
+  (G = Hq // Hkv) form the rows of one tile, so each K/V block is loaded once for all of them.
+  Row r is token r // G, query head kv_head * G + r % G.
+- Keys are split into NUM_SPLITS contiguous ranges (flash-decoding): with few queries, one
+  program per (row block, kv head) would leave most of a GPU idle on a long prefix. Each split
+  keeps a running max / sum (online softmax) and writes its normalised output with its
+  log-sum-exp; `_merge_splits` combines them. With one split the kernel writes the output.
+- A key j < prefix_len is visible to every row; a tree key is visible when tree_visible[t,
+  j - prefix_len] (or, with no tree given, when j - prefix_len <= t: causal).
+
+Scores use exp2 (scale folded with log2(e)). Under the interpreter, and for float32 inputs,
+the dots run in float32 ("ieee": no TF32), because bf16 `tl.dot` is wrong in the interpreter.
+
+Run on CPU with TRITON_INTERPRET=1 set before this module is imported (tests do).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_NO_SCORE: tl.constexpr = tl.constexpr(
+    -1.0e30
+)  # finite "minus infinity": keeps exp2(m_old - m_new) free of NaN
+
+
+@triton.jit
+def _tree_attention_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_ptr,  # [S, Hkv, D]
+    v_ptr,  # [S, Hkv, D]
+    visible_ptr,  # [T, T] int8 (unused when CAUSAL)
+    out_ptr,  # [T, Hq, D] (one split) or [NUM_SPLITS, T, Hq, D] float32
+    lse_ptr,  # [NUM_SPLITS, T, Hq] float32, log2 domain (unused with one split)
+    T,
+    Hkv,
+    S,
+    prefix_len,
+    keys_per_split,
+    scale_log2,
+    D: tl.constexpr,
+    GROUP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    token = rows // GROUP  # [BM]
+    head = kv_head * GROUP + rows % GROUP  # [BM]
+    row_ok = token < T
+    dims = tl.arange(0, BLOCK_D)  # [BD]
+    dim_ok = dims < D
+    Hq = Hkv * GROUP
+    q_rows = (token * Hq + head) * D  # [BM]
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :])
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m = tl.full([BLOCK_M], _NO_SCORE, tl.float32)  # running max of the scores (log2 units)
+    l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    start = split * keys_per_split
+    end = tl.minimum(start + keys_per_split, S)
+    for block_start in range(start, end, BLOCK_N):
+        keys = block_start + tl.arange(0, BLOCK_N)  # [BN]
+        key_ok = keys < end
+        kv_off = (keys * Hkv + kv_head) * D  # [BN]
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee" if DOT_FP32 else None)
+        scores = scores * scale_log2  # [BM, BN]
+
+        tree_col = keys - prefix_len  # [BN], < 0 for prefix keys
+        in_tree = tree_col >= 0
+        if CAUSAL:
+            sees_tree = tree_col[None, :] <= token[:, None]
+        else:
+            sees_tree = tl.load(
+                visible_ptr + token[:, None] * T + tree_col[None, :],
+                mask=row_ok[:, None] & (in_tree & key_ok)[None, :],
+                other=0,
+            )
+            sees_tree = sees_tree != 0
+        visible = key_ok[None, :] & (~in_tree[None, :] | sees_tree)  # [BM, BN]
+        scores = tl.where(visible, scores, float("-inf"))
+
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        p = tl.exp2(scores - m_new[:, None])  # [BM, BN]
+        rescale = tl.exp2(m - m_new)
+        l = l * rescale + tl.sum(p, axis=1)
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    has_keys = l > 0
+    out = acc / tl.where(has_keys, l, 1.0)[:, None]
+    out_mask = row_ok[:, None] & dim_ok[None, :]
+    if NUM_SPLITS == 1:
+        out_ptrs = out_ptr + q_rows[:, None] + dims[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        split_rows = split * T * Hq * D + q_rows  # [BM]
+        tl.store(out_ptr + split_rows[:, None] + dims[None, :], out, mask=out_mask)
+        lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), _NO_SCORE)
+        tl.store(lse_ptr + split * T * Hq + token * Hq + head, lse, mask=row_ok)
+
+
+@dataclass(frozen=True)
+class _Launch:
+    block_m: int
+    block_n: int
+    block_d: int
+    num_splits: int
+    keys_per_split: int
+    num_warps: int
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _default_num_splits(row_blocks: int, Hkv: int, S: int, block_n: int, device) -> int:
+    """Enough key splits to give every SM about two programs, at least 4 key blocks each."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = triton.cdiv(2 * sms, row_blocks * Hkv)
+    return max(1, min(wanted, triton.cdiv(S, 4 * block_n)))
+
+
+def _launch_config(
+    rows: int, Hkv: int, S: int, D: int, device, num_splits: int | None, block_n: int | None
+) -> _Launch:
+    block_d = max(16, triton.next_power_of_2(D))
+    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    block_n = block_n or (64 if block_d <= 128 else 32)
+    row_blocks = triton.cdiv(rows, block_m)
+    splits = num_splits or _default_num_splits(row_blocks, Hkv, S, block_n, device)
+    keys_per_split = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
+    splits = triton.cdiv(S, keys_per_split)  # no empty trailing split
+    num_warps = 8 if block_d > 128 else 4
+    return _Launch(block_m, block_n, block_d, splits, keys_per_split, num_warps)
+
+
+def _merge_splits(
+    partial: torch.Tensor,  # [NS, T, Hq, D] float32, each split normalised on its own
+    lse: torch.Tensor,  # [NS, T, Hq] float32, log2 of each split's softmax denominator
+) -> torch.Tensor:  # [T, Hq, D] float32
+    weights = torch.softmax(lse * math.log(2.0), dim=0)  # [NS, T, Hq]
+    return (weights[..., None] * partial).sum(dim=0)
+
+
+def tree_attention(
+    q: torch.Tensor,  # [T, Hq, D] (RoPE applied)
+    k: torch.Tensor,  # [S, Hkv, D], S = prefix_len + T
+    v: torch.Tensor,  # [S, Hkv, D]
+    prefix_len: int,
+    tree_visible: torch.Tensor | None,  # [T, T] bool, None = causal
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:  # [T, Hq, D] in q's dtype
+    """Triton version of `reference.tree_attention`: same arguments, same result.
+
+    `num_splits` (key ranges processed in parallel) and `block_n` (keys per step) override the
+    launch heuristics; results do not depend on them beyond rounding.
+    """
+    T, Hq, D = q.shape
+    S, Hkv, _ = k.shape
+    if S != prefix_len + T:
+        raise ValueError(f"{S} keys for a prefix of {prefix_len} and {T} queries")
+    if Hq % Hkv:
+        raise ValueError(f"{Hq} query heads do not share {Hkv} kv heads evenly")
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    group = Hq // Hkv
+    cfg = _launch_config(T * group, Hkv, S, D, q.device, num_splits, block_n)
+    causal = tree_visible is None
+    visible = q if causal else tree_visible.to(device=q.device, dtype=torch.int8).contiguous()
+    if cfg.num_splits == 1:
+        target, lse = out, out
+    else:
+        target = torch.empty(cfg.num_splits, T, Hq, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(cfg.num_splits, T, Hq, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(T * group, cfg.block_m), Hkv, cfg.num_splits)
+    _tree_attention_kernel[grid](
+        q, k, v, visible, target, lse,
+        T, Hkv, S, prefix_len, cfg.keys_per_split, float(scale) * _LOG2E,
+        D=D, GROUP=group, CAUSAL=causal, NUM_SPLITS=cfg.num_splits,
+        DOT_FP32=q.dtype == torch.float32 or _interpreting(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    if cfg.num_splits == 1:
+        return out
+    return _merge_splits(target, lse).to(q.dtype)
