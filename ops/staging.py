@@ -1,0 +1,405 @@
+"""Model staging: hub -> persistent on-disk cache -> /dev/shm/models/<name>, verified.
+
+Two halves, one module:
+
+- the agent, run INSIDE the container by the engine's Python (which has huggingface_hub):
+      python -m ops.staging stage --repo ORG/NAME --revision REV --name NAME [--endpoint URL] --json
+      python -m ops.staging check --name NAME [--hashes] --json
+  `stage` makes sure the persistent cache holds the snapshot (downloading only what is missing or
+  damaged, resumable), then copies it into /dev/shm, hashing while copying, so every staged byte
+  is checked against the manifest taken when the snapshot was first downloaded and verified
+  against the hub's own file list. An intact cache means zero bytes from the hub. The HF token
+  arrives on stdin (`--token-stdin`), never on a command line.
+- the controller (`stage_model`, `check_staged`): runs the agent through `pct exec` over a
+  Transport and turns its JSON into a report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ops.errors import DdopsError
+from ops.inventory import ModelRef, validate_vmid
+
+CACHE_DIR = "/var/cache/ddops/hf"
+SHM_MODELS = "/dev/shm/models"
+STAMP = ".ddops-staged.json"
+CHUNK = 8 << 20
+
+
+@dataclass
+class FileEntry:
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    repo: str
+    revision: str
+    commit: str
+    files: list[FileEntry]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @classmethod
+    def load(cls, path: Path) -> Manifest | None:
+        try:
+            data = json.loads(path.read_text())
+            return cls(
+                data["repo"],
+                data["revision"],
+                data["commit"],
+                [FileEntry(**f) for f in data["files"]],
+            )
+        except (FileNotFoundError, KeyError, TypeError, ValueError):
+            return None
+
+    def save(self, path: Path) -> None:
+        _atomic_write(path, json.dumps(asdict(self), indent=1).encode())
+
+
+@dataclass
+class StageReport:
+    name: str
+    changed: bool
+    downloaded_files: list[str] = field(default_factory=list)
+    copied_files: list[str] = field(default_factory=list)
+    repaired_cache_files: list[str] = field(default_factory=list)
+    bytes_total: int = 0
+    commit: str = ""
+
+
+# -- agent side (inside the container) -------------------------------------------------------
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ddops-")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _manifest_path(cache: Path, ref: ModelRef) -> Path:
+    return (
+        cache
+        / "ddops-manifests"
+        / f"{ref.repo.replace('/', '--')}@{ref.revision.replace('/', '--')}.json"
+    )
+
+
+def _download(
+    ref: ModelRef,
+    cache: Path,
+    endpoint: str | None,
+    token: str | None,
+    force: list[str] | None = None,
+) -> Path:
+    """snapshot_download (only missing files travel); `force` re-fetches damaged files."""
+    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        for path in force or []:
+            hf_hub_download(
+                ref.repo,
+                path,
+                revision=ref.revision,
+                cache_dir=cache,
+                endpoint=endpoint,
+                token=token,
+                force_download=True,
+            )
+        return Path(
+            snapshot_download(
+                ref.repo, revision=ref.revision, cache_dir=cache, endpoint=endpoint, token=token
+            )
+        )
+    except RepositoryNotFoundError as exc:
+        raise DdopsError(
+            f"model {ref.repo}", "repository not found on the hub (or no access: check HF_TOKEN)"
+        ) from exc
+    except RevisionNotFoundError as exc:
+        raise DdopsError(
+            f"model {ref.repo}", f"revision {ref.revision!r} not found on the hub"
+        ) from exc
+    except HfHubHTTPError as exc:
+        raise DdopsError(f"model {ref.repo}", f"hub error: {exc}") from exc
+
+
+def _verified_manifest(
+    ref: ModelRef, snapshot: Path, endpoint: str | None, token: str | None
+) -> Manifest:
+    """Hash the downloaded snapshot and check it against the hub's file list (sizes, LFS sha256)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+
+    commit = snapshot.name
+    remote = {
+        f.path: f
+        for f in HfApi(endpoint=endpoint, token=token).list_repo_tree(
+            ref.repo, revision=commit, recursive=True
+        )
+        if isinstance(f, RepoFile)
+    }
+    files = []
+    for path, info in sorted(remote.items()):
+        local = snapshot / path
+        entry = FileEntry(path, local.stat().st_size, _sha256(local))
+        if entry.size != info.size or (info.lfs is not None and info.lfs.sha256 != entry.sha256):
+            raise DdopsError(
+                f"model {ref.repo}", f"{path} does not match the hub's size/hash after download"
+            )
+        files.append(entry)
+    return Manifest(ref.repo, ref.revision, commit, files)
+
+
+def _snapshot_dir(cache: Path, ref: ModelRef, commit: str) -> Path:
+    return cache / f"models--{ref.repo.replace('/', '--')}" / "snapshots" / commit
+
+
+def _copy_hashed(src: Path, dest: Path) -> str:
+    """Copy src to dest atomically, returning the sha256 of the bytes copied."""
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".ddops-")
+    try:
+        with open(src, "rb") as fin, os.fdopen(fd, "wb") as fout:
+            while chunk := fin.read(CHUNK):
+                digest.update(chunk)
+                fout.write(chunk)
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return digest.hexdigest()
+
+
+def _ensure_space(shm_root: Path, manifest: Manifest, dest: Path) -> None:
+    present = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file()) if dest.exists() else 0
+    need = manifest.total_bytes - present
+    free = shutil.disk_usage(shm_root).free
+    if need > free:
+        raise DdopsError(
+            f"{dest}",
+            f"no space left in {shm_root}: the model needs {need / 2**30:.2f} GiB more, {free / 2**30:.2f} GiB free",
+        )
+
+
+def stage_local(
+    ref: ModelRef,
+    *,
+    endpoint: str | None,
+    token: str | None,
+    cache: Path,
+    shm_root: Path,
+    log=print,
+) -> StageReport:
+    """The agent's work: cache -> /dev/shm, downloading and repairing only what is needed."""
+    report = StageReport(ref.name, changed=False)
+    manifest_file = _manifest_path(cache, ref)
+    manifest = Manifest.load(manifest_file)
+    if manifest is None or not _snapshot_dir(cache, ref, manifest.commit).is_dir():
+        log(f"downloading {ref.repo}@{ref.revision} into the cache")
+        snapshot = _download(ref, cache, endpoint, token)
+        manifest = _verified_manifest(ref, snapshot, endpoint, token)
+        manifest.save(manifest_file)
+        report.downloaded_files = [f.path for f in manifest.files]
+    snapshot = _snapshot_dir(cache, ref, manifest.commit)
+    dest = shm_root / ref.name
+    dest.mkdir(parents=True, exist_ok=True)
+    _ensure_space(shm_root, manifest, dest)
+    for entry in manifest.files:
+        target = dest / entry.path
+        if (
+            target.is_file()
+            and target.stat().st_size == entry.size
+            and _stamp_says_done(dest, manifest)
+        ):
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        src = snapshot / entry.path
+        if (
+            not src.is_file()
+            or src.stat().st_size != entry.size
+            or _copy_hashed(src, target) != entry.sha256
+        ):
+            log(f"cache copy of {entry.path} is damaged: downloading it again")
+            _download(ref, cache, endpoint, token, force=[entry.path])
+            report.repaired_cache_files.append(entry.path)
+            if _copy_hashed(src, target) != entry.sha256:
+                raise DdopsError(
+                    f"model {ref.repo}", f"{entry.path} still does not match after re-download"
+                )
+        report.copied_files.append(entry.path)
+    _remove_extras(dest, {f.path for f in manifest.files})
+    if report.copied_files or not _stamp_says_done(dest, manifest):
+        _atomic_write(dest / STAMP, json.dumps(asdict(manifest)).encode())
+    report.changed = bool(
+        report.copied_files or report.downloaded_files or report.repaired_cache_files
+    )
+    report.bytes_total = manifest.total_bytes
+    report.commit = manifest.commit
+    return report
+
+
+def _stamp_says_done(dest: Path, manifest: Manifest) -> bool:
+    stamped = Manifest.load(dest / STAMP)
+    return stamped is not None and stamped.commit == manifest.commit
+
+
+def _remove_extras(dest: Path, wanted: set[str]) -> None:
+    for p in sorted(dest.rglob("*"), reverse=True):
+        rel = p.relative_to(dest).as_posix()
+        if p.is_file() and rel not in wanted and rel != STAMP:
+            p.unlink()
+
+
+def check_local(name: str, shm_root: Path, hashes: bool = False) -> list[str]:
+    """Problems with /dev/shm/models/<name> (empty list: complete)."""
+    dest = shm_root / name
+    stamp = Manifest.load(dest / STAMP)
+    if stamp is None:
+        return [f"{dest} is not staged (no {STAMP})"]
+    problems = []
+    for entry in stamp.files:
+        target = dest / entry.path
+        if not target.is_file():
+            problems.append(f"{entry.path}: missing")
+        elif target.stat().st_size != entry.size:
+            problems.append(f"{entry.path}: {target.stat().st_size} bytes, expected {entry.size}")
+        elif hashes and _sha256(target) != entry.sha256:
+            problems.append(f"{entry.path}: content differs (sha256)")
+    return problems
+
+
+def agent_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ops.staging", description="Stage a model into /dev/shm."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    stage = sub.add_parser("stage")
+    stage.add_argument("--repo", required=True)
+    stage.add_argument("--revision", default="main")
+    stage.add_argument("--name", required=True)
+    stage.add_argument("--endpoint")
+    stage.add_argument(
+        "--token-stdin", action="store_true", help="read the HF token from the first stdin line"
+    )
+    check = sub.add_parser("check")
+    check.add_argument("--name", required=True)
+    check.add_argument("--hashes", action="store_true")
+    for p in (stage, check):
+        p.add_argument("--cache", default=CACHE_DIR)
+        p.add_argument("--shm", default=SHM_MODELS)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "check":
+            problems = check_local(args.name, Path(args.shm), args.hashes)
+            print(json.dumps({"name": args.name, "complete": not problems, "problems": problems}))
+            return 0
+        token = (sys.stdin.readline().strip() or None) if args.token_stdin else None
+        ref = ModelRef(args.repo, args.revision, args.name)
+        report = stage_local(
+            ref,
+            endpoint=args.endpoint,
+            token=token,
+            cache=Path(args.cache),
+            shm_root=Path(args.shm),
+            log=lambda msg: print(msg, file=sys.stderr, flush=True),
+        )
+        print(json.dumps(asdict(report)))
+        return 0
+    except DdopsError as exc:
+        print(json.dumps({"error": str(exc)}))
+        return 1
+
+
+# -- controller side ---------------------------------------------------------------------------
+def _run_agent(
+    t, vmid: int, python: str, args: list[str], *, input: str | None = None, timeout: float = 3600
+) -> dict:
+    vmid = validate_vmid(vmid)
+    result = t.run(
+        ["pct", "exec", str(vmid), "--", python, "-m", "ops.staging", *args],
+        input=input,
+        timeout=timeout,
+    )
+    try:
+        payload = json.loads(result.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        result.check(f"CT {vmid}")  # the agent never ran: report pct's own words
+        raise DdopsError(
+            f"CT {vmid}", f"staging agent gave no report: {result.stderr.strip()[-300:]}"
+        ) from None
+    if "error" in payload:
+        raise DdopsError(f"CT {vmid}", payload["error"])
+    return payload
+
+
+def stage_model(
+    t,
+    vmid: int,
+    ref: ModelRef,
+    *,
+    python: str,
+    endpoint: str | None = None,
+    token: str | None = None,
+    cache: str = CACHE_DIR,
+    shm: str = SHM_MODELS,
+) -> StageReport:
+    """Stage one model into the CT's /dev/shm through `pct exec` (token on stdin, never argv)."""
+    args = [
+        "stage",
+        "--repo",
+        ref.repo,
+        "--revision",
+        ref.revision,
+        "--name",
+        ref.name,
+        "--cache",
+        cache,
+        "--shm",
+        shm,
+    ]
+    if endpoint:
+        args += ["--endpoint", endpoint]
+    if token:
+        args.append("--token-stdin")
+    payload = _run_agent(t, vmid, python, args, input=f"{token}\n" if token else None)
+    return StageReport(**payload)
+
+
+def check_staged(
+    t, vmid: int, name: str, *, python: str, shm: str = SHM_MODELS, hashes: bool = False
+) -> list[str]:
+    """Problems with the staged copy in the CT (empty: complete)."""
+    args = ["check", "--name", name, "--shm", shm] + (["--hashes"] if hashes else [])
+    return _run_agent(t, vmid, python, args, timeout=600)["problems"]
+
+
+if __name__ == "__main__":
+    sys.exit(agent_main())
