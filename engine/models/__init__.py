@@ -1,1 +1,30 @@
-"""Our own compact model code: dense Qwen3, hybrid Qwen3.5/3.6, the DFlash drafter; HF-format loading."""
+"""Our own compact model code: dense Qwen3, hybrid Qwen3.5/3.6, the DFlash drafter; HF-format loading.
+
+`load_target(dir)` picks the model class from config.json's `model_type`;
+`load_drafter(dir)` loads a z-lab-layout DFlash drafter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.models.common import read_config
+
+
+def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """The target model in `model_dir`, dispatched on config.json's model_type."""
+    model_type = read_config(model_dir).get("model_type")
+    if model_type == "qwen3":
+        from engine.models.qwen3 import load_qwen3
+
+        return load_qwen3(model_dir, dtype, device)
+    raise ValueError(f"{model_dir}: unsupported target model_type {model_type!r}")
+
+
+def load_drafter(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """The DFlash drafter in `model_dir` (z-lab layout)."""
+    from engine.models.dflash import load_dflash
+
+    return load_dflash(model_dir, dtype, device)

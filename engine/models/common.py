@@ -1,0 +1,192 @@
+"""Layers and loading shared by every model in the engine (dense Qwen3, hybrid Qwen3.5, DFlash).
+
+- `RMSNorm`, `SwiGLU`, `Rotary` (RoPE with an optional partial rotary factor);
+- `KVCache`: a preallocated per-layer K/V store with pending tokens and `commit`;
+- HF-directory loading: `read_config`, `load_state_dict` (single file or sharded index), and
+  `load_weights` (strict copy into a module, with a key prefix stripped);
+- dtype/device helpers for the command line (`resolve_dtype`, `default_device`).
+
+Every layer works on tensors with any number of leading dimensions ([..., T, H]) so the drafter
+can train on batches of blocks with the same code that decodes one sequence.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def resolve_dtype(name: str | None, device: str) -> torch.dtype:
+    """The dtype named on the command line; default bf16 on CUDA, float32 elsewhere."""
+    if name is None:
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return DTYPES[name]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype reductions (norms, softmax, RoPE tables) run in: float32, or float64 for float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class RMSNorm(nn.Module):
+    """y = weight * x / rms(x), normalised in float32 (float64 for float64 inputs), like HF Qwen3."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(compute_dtype(x.dtype))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), no biases."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (HF "rotate_half" layout) on the first `rotary_dim` of head_dim.
+
+    `rotary_dim = head_dim * partial_rotary_factor`; the remaining dims pass through unrotated.
+    """
+
+    def __init__(self, head_dim: int, theta: float, partial_rotary_factor: float = 1.0) -> None:
+        super().__init__()
+        self.rotary_dim = int(head_dim * partial_rotary_factor)
+        self.theta = theta
+
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [..., T, rotary_dim] for integer positions [..., T] (angles in float32, as HF)."""
+        steps = torch.arange(0, self.rotary_dim, 2, device=positions.device).float()
+        inv_freq = 1.0 / (self.theta ** (steps / self.rotary_dim))  # [R/2]
+        freqs = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, R/2]
+        angles = torch.cat([freqs, freqs], dim=-1)  # [..., T, R]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [..., T, heads, D] rotated by tables [..., T, R] (broadcast over heads)."""
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [..., T, 1, R]
+        half = self.rotary_dim // 2
+        rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        return torch.cat([rot * cos + rotated_half * sin, rest], dim=-1)
+
+
+class KVCache:
+    """Preallocated keys/values [L, max_len, Hkv, D] plus `length`, the committed token count.
+
+    A forward writes its T pending tokens at slots length .. length+T-1 without advancing
+    `length`; `commit(accepted)` moves the accepted pending slots into place and advances it.
+    """
+
+    def __init__(
+        self, layers: int, max_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device
+    ) -> None:
+        shape = (layers, max_len, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[1]
+
+    def check_room(self, pending: int) -> None:
+        if self.length + pending > self.max_len:
+            raise ValueError(
+                f"KV cache full: {self.length} committed + {pending} pending > max_len {self.max_len}"
+            )
+
+    def write(
+        self, layer: int, offset: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [T, Hkv, D] at slots offset.. and return the layer's K/V up to them."""
+        end = offset + k.shape[0]
+        self.k[layer, offset:end] = k
+        self.v[layer, offset:end] = v
+        return self.k[layer, :end], self.v[layer, :end]  # [end, Hkv, D]
+
+    def commit(self, accepted: torch.Tensor) -> None:
+        """Pending slots length + accepted[i] become committed slot length + i."""
+        count = accepted.shape[0]
+        self.check_room(count)
+        source = self.length + accepted.to(self.k.device)
+        start, end = self.length, self.length + count
+        self.k[:, start:end] = self.k[:, source]  # advanced indexing gathers a copy first
+        self.v[:, start:end] = self.v[:, source]
+        self.length = end
+
+
+def read_config(model_dir: str | Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def rope_theta(config: dict, default: float = 10000.0) -> float:
+    """rope_theta from the top level (older configs) or from rope_parameters (transformers 5)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(
+            f"unsupported rope_type {rope_type!r} (only 'default' RoPE is implemented)"
+        )
+    return float(params.get("rope_theta", config.get("rope_theta", default)))
+
+
+def load_state_dict(model_dir: str | Path, device: str | torch.device = "cpu") -> dict:
+    """All tensors of an HF directory: model.safetensors, or the shards its index names."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        shards = [p.name for p in sorted(model_dir.glob("*.safetensors"))]
+    if not shards:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        tensors.update(load_file(model_dir / shard, device=str(device)))
+    return tensors
+
+
+def load_weights(module: nn.Module, tensors: dict, prefix: str = "", skip: tuple = ()) -> None:
+    """Copy `prefix + name` tensors into every parameter of `module`; missing ones are an error.
+
+    Tensors whose names start with an entry of `skip` (after the prefix) are ignored, as is
+    everything outside the prefix (e.g. a vision tower).
+    """
+    own = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+    own = {k: v for k, v in own.items() if not k.startswith(skip)} if skip else own
+    params = dict(module.named_parameters())
+    missing = sorted(set(params) - set(own))
+    unexpected = sorted(set(own) - set(params))
+    if missing or unexpected:
+        raise ValueError(
+            f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(own[name])

@@ -1,0 +1,271 @@
+"""The DFlash block drafter (z-lab checkpoint layout), for inference and for training.
+
+The drafter has no embedding and no lm_head: it borrows the target's. Context features are the
+target's hidden states after `target_layer_ids`, concatenated, then `fc` and `hidden_norm`.
+Each layer: pre-norm attention whose queries come from the block stream only and whose keys and
+values come from [context ; block] (per-head q/k RMSNorm before RoPE, non-causal inside the
+block), then a pre-norm SwiGLU MLP. A block is [bonus, mask x (B-1)] at the positions right
+after the context; one pass gives logits for the B-1 mask positions.
+
+Inference: `drafter.draft(target, cache, context, bonus)` keeps the context K/V in a
+preallocated cache across rounds and discards the block part every round.
+Training: `drafter.block_logits(target, context, block_ids, block_starts)` is differentiable
+and runs many blocks per sequence (and any leading batch dims) with an explicit mask: the same
+layer code as `draft`.
+
+Sliding-window layers (some checkpoints' `layer_types`) see the context tokens within
+`sliding_window` positions of the block's first (bonus) position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.kernels import tree_attention
+from engine.models.common import (
+    KVCache,
+    RMSNorm,
+    Rotary,
+    SwiGLU,
+    compute_dtype,
+    load_state_dict,
+    load_weights,
+    read_config,
+    rope_theta,
+)
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> DFlashConfig:
+        """Both z-lab layouts: block_size / rope_theta top-level or in dflash_config / rope_parameters."""
+        dflash = raw.get("dflash_config", {})
+        merged = {**raw, **dflash}
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in merged.items() if k in known}
+        values.setdefault("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
+        values["rope_theta"] = rope_theta(raw, cls.rope_theta)
+        values["target_layer_ids"] = tuple(values["target_layer_ids"])
+        values["layer_types"] = tuple(raw.get("layer_types") or ())
+        return cls(**values)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, or None for full attention."""
+        sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else None
+
+
+class DraftAttention(nn.Module):
+    """Projections of one draft layer; the attention itself is done by the caller's kernel."""
+
+    def __init__(self, cfg: DFlashConfig, rotary: Rotary) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = rotary
+
+    def key_values(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [..., T, Hkv, D] of x [..., T, H] (context features or the normed block)."""
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)))
+        v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+        return self.rotary.apply(k, *rope), v
+
+    def queries(self, x: torch.Tensor, rope) -> torch.Tensor:  # [..., T, Hq, D]
+        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.heads, self.head_dim)))
+        return self.rotary.apply(q, *rope)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig, rotary: Rotary) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def block_qkv(self, x: torch.Tensor, rope):
+        """Queries and keys/values of the block stream x [..., T, H]."""
+        h = self.input_layernorm(x)
+        return (self.self_attn.queries(h, rope), *self.self_attn.key_values(h, rope))
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual after attention output attn [..., T, Hq, D], then the MLP block."""
+        x = x + self.self_attn.o_proj(attn.flatten(-2))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def masked_attention(
+    q: torch.Tensor,  # [..., T, Hq, D]
+    k: torch.Tensor,  # [..., S, Hkv, D]
+    v: torch.Tensor,  # [..., S, Hkv, D]
+    visible: torch.Tensor,  # [..., T, S] bool
+    scale: float,
+) -> torch.Tensor:  # [..., T, Hq, D]
+    """Differentiable grouped-query attention under an explicit mask (training path)."""
+    group = q.shape[-2] // k.shape[-2]
+    k, v = k.repeat_interleave(group, dim=-2), v.repeat_interleave(group, dim=-2)
+    work = compute_dtype(q.dtype)
+    scores = torch.einsum("...thd,...shd->...hts", q.to(work), k.to(work)) * scale
+    scores = scores.masked_fill(~visible.unsqueeze(-3), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("...hts,...shd->...thd", probs, v.to(work)).to(q.dtype)
+
+
+class DFlashDrafter(nn.Module):
+    """Parameter names are the z-lab checkpoint's (no prefix)."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        n_features = len(cfg.target_layer_ids) * cfg.hidden_size
+        self.fc = nn.Linear(n_features, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DraftLayer(cfg, self.rotary) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.config.target_layer_ids
+
+    def new_cache(self, max_len: int) -> KVCache:
+        """Context K/V for up to max_len committed tokens, plus room for one block."""
+        cfg, weight = self.config, self.fc.weight
+        return KVCache(
+            cfg.num_hidden_layers,
+            max_len + cfg.block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            weight.dtype,
+            weight.device,
+        )
+
+    def _positions_rope(self, positions: torch.Tensor):
+        return self.rotary.tables(positions, self.fc.weight.dtype)
+
+    @torch.no_grad()
+    def draft(
+        self,
+        target: nn.Module,
+        cache: KVCache,
+        context: torch.Tensor,  # [N, n*H] target features of tokens committed since last call
+        bonus: int,
+    ) -> torch.Tensor:  # [B-1, V] float32
+        """Append the context to the cache, run [bonus, mask x (B-1)] after it, return its logits."""
+        B, N, device = self.block_size, context.shape[0], self.fc.weight.device
+        cache.check_room(N + B)
+        start = cache.length + N  # the bonus token's position
+        ctx = self.hidden_norm(self.fc(context.to(self.fc.weight.dtype)))  # [N, H]
+        ctx_rope = self._positions_rope(torch.arange(cache.length, start, device=device))
+        block_rope = self._positions_rope(torch.arange(start, start + B, device=device))
+        ids = torch.full((B,), self.mask_token_id, dtype=torch.long, device=device)
+        ids[0] = bonus
+        x = target.embed_tokens(ids)  # [B, H]
+        all_visible = torch.ones(B, B, dtype=torch.bool, device=device)
+        for index, layer in enumerate(self.layers):
+            cache.write(index, cache.length, *layer.self_attn.key_values(ctx, ctx_rope))
+            q, k, v = layer.block_qkv(x, block_rope)
+            keys, values = cache.write(index, start, k, v)  # [start + B, Hkv, D]
+            window = self.config.window(index)
+            first = 0 if window is None else max(0, start - window + 1)
+            attn = tree_attention(
+                q, keys[first:], values[first:], start - first, all_visible, self._scale
+            )
+            x = layer.finish(x, attn)
+        cache.length = start
+        return target.lm_head(self.norm(x[1:])).float()
+
+    @property
+    def _scale(self) -> float:
+        return self.config.head_dim**-0.5
+
+    def block_logits(
+        self,
+        target: nn.Module,
+        context: torch.Tensor,  # [..., C, n*H] target features of sequence tokens 0..C-1
+        block_ids: torch.Tensor,  # [..., nb, B] each block: [bonus token, mask x (B-1)]
+        block_starts: torch.Tensor,  # [..., nb] position of each block's bonus token (<= C)
+    ) -> torch.Tensor:  # [..., nb, B-1, V] float32
+        """Differentiable draft logits of many blocks at once (training).
+
+        Block b sits at positions block_starts[b] .. + B-1, sees the context tokens before its
+        bonus (position < block_starts[b]) and its own B tokens, exactly as `draft` would.
+        """
+        nb, B, C = block_ids.shape[-2], block_ids.shape[-1], context.shape[-2]
+        device = context.device
+        ctx = self.hidden_norm(self.fc(context.to(self.fc.weight.dtype)))  # [..., C, H]
+        ctx_pos = torch.arange(C, device=device)
+        block_pos = block_starts[..., None] + torch.arange(B, device=device)  # [..., nb, B]
+        ctx_rope = self._positions_rope(ctx_pos)
+        block_rope = self._positions_rope(block_pos.flatten(-2))
+        x = target.embed_tokens(block_ids).flatten(-3, -2)  # [..., nb*B, H]
+        row_block = torch.arange(nb, device=device).repeat_interleave(B)  # [nb*B]
+        same_block = row_block[:, None] == row_block[None, :]  # [nb*B, nb*B]
+        row_start = block_starts.repeat_interleave(B, dim=-1)[..., None]  # [..., nb*B, 1]
+        for index, layer in enumerate(self.layers):
+            sees_ctx = ctx_pos < row_start  # [..., nb*B, C]
+            if (window := self.config.window(index)) is not None:
+                sees_ctx = sees_ctx & (ctx_pos > row_start - window)
+            visible = torch.cat([sees_ctx, same_block.expand(*sees_ctx.shape[:-1], -1)], dim=-1)
+            k_ctx, v_ctx = layer.self_attn.key_values(ctx, ctx_rope)
+            q, k, v = layer.block_qkv(x, block_rope)
+            attn = masked_attention(
+                q,
+                torch.cat([k_ctx, k], dim=-3),
+                torch.cat([v_ctx, v], dim=-3),
+                visible,
+                self._scale,
+            )
+            x = layer.finish(x, attn)
+        logits = target.lm_head(self.norm(x)).float()  # [..., nb*B, V]
+        return logits.unflatten(-2, (nb, B))[..., 1:, :]
+
+
+def load_dflash(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> DFlashDrafter:
+    """A DFlash drafter from a z-lab-layout directory (config.json + safetensors)."""
+    cfg = DFlashConfig.from_dict(read_config(model_dir))
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg)
+    drafter = drafter.to_empty(device=device).to(dtype)
+    load_weights(drafter, load_state_dict(model_dir, device))
+    return drafter.eval()

@@ -1,0 +1,182 @@
+"""Dense Qwen3 target model: our own compact implementation, loaded from an HF directory.
+
+Architecture: token embedding, L x [RMSNorm -> GQA attention (per-head q/k RMSNorm, RoPE)
+-> residual, RMSNorm -> SwiGLU -> residual], final RMSNorm, lm_head (tied or not).
+
+Interface shared by every target model (see engine/decode.py):
+- `new_cache(max_len)`; `forward(ids [T], cache, parents [T] | None, hidden_layers)` runs T
+  pending tokens after the committed prefix (a chain when parents is None, else a tree: token
+  i sees the prefix, its ancestors and itself, at RoPE position cache.length + depth(i)) and
+  returns (float32 logits [T, V], concatenated outputs of the requested layers [T, n*H] | None;
+  layer L's output is HF's hidden_states[L + 1], so the last layer's is taken after the final norm);
+- `commit(cache, accepted [K])` keeps the accepted root-to-node path and drops the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.kernels import tree_attention
+from engine.models.common import (
+    KVCache,
+    RMSNorm,
+    Rotary,
+    SwiGLU,
+    load_state_dict,
+    load_weights,
+    read_config,
+    rope_theta,
+)
+from engine.tree import tree_layout
+
+
+@dataclass
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> Qwen3Config:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in raw.items() if k in known}
+        values.setdefault("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
+        values["rope_theta"] = rope_theta(raw, cls.rope_theta)
+        return cls(**values)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with per-head q/k RMSNorm before RoPE, through tree_attention."""
+
+    def __init__(self, cfg: Qwen3Config, rotary: Rotary) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = rotary
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [T, R]
+        cache: KVCache,
+        layer: int,
+        visible: torch.Tensor | None,  # [T, T] bool, None = causal
+    ) -> torch.Tensor:  # [T, H]
+        T = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(T, self.heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(T, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(T, self.kv_heads, self.head_dim)
+        q, k = self.rotary.apply(q, *rope), self.rotary.apply(k, *rope)
+        keys, values = cache.write(layer, cache.length, k, v)  # [S, Hkv, D]
+        out = tree_attention(q, keys, values, cache.length, visible, self.head_dim**-0.5)
+        return self.o_proj(out.reshape(T, self.heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3Config, rotary: Rotary) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, rope, cache, layer, visible) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, layer, visible)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nn.Module):
+    """The dense target. Parameter names follow HF's without the `model.` prefix."""
+
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def new_cache(self, max_len: int) -> KVCache:
+        weight = self.embed_tokens.weight
+        cfg = self.config
+        return KVCache(
+            cfg.num_hidden_layers,
+            max_len,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            weight.dtype,
+            weight.device,
+        )
+
+    @torch.no_grad()
+    def forward(
+        self,
+        ids: torch.Tensor,  # [T] int64
+        cache: KVCache,
+        parents: torch.Tensor | None = None,  # [T] int64, None = chain
+        hidden_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [T, V] float32, hidden [T, n*H]
+        T = ids.shape[0]
+        cache.check_room(T)
+        depths, visible = tree_layout(parents, T, ids.device)
+        rope = self.rotary.tables(cache.length + depths, self.embed_tokens.weight.dtype)
+        x = self.embed_tokens(ids)  # [T, H]
+        wanted = {layer: None for layer in hidden_layers}
+        for index, layer in enumerate(self.layers):
+            x = layer(x, rope, cache, index, visible)
+            if index in wanted:
+                wanted[index] = x
+        x = self.norm(x)
+        if self.config.num_hidden_layers - 1 in wanted:  # HF's last hidden state is the normed one
+            wanted[self.config.num_hidden_layers - 1] = x
+        hidden = torch.cat([wanted[i] for i in hidden_layers], dim=-1) if hidden_layers else None
+        return self.lm_head(x).float(), hidden
+
+    def commit(self, cache: KVCache, accepted: torch.Tensor) -> None:
+        cache.commit(accepted)
+
+
+def load_qwen3(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> Qwen3Model:
+    """A dense Qwen3 from an HF directory (config.json + safetensors, sharded or not)."""
+    cfg = Qwen3Config.from_dict(read_config(model_dir))
+    with torch.device("meta"):
+        model = Qwen3Model(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()  # materialising meta parameters unties them
+    tensors = {
+        name.removeprefix("model."): t for name, t in load_state_dict(model_dir, device).items()
+    }
+    load_weights(model, tensors, skip=("lm_head.",) if cfg.tie_word_embeddings else ())
+    return model.eval()
