@@ -1,0 +1,216 @@
+"""Gated DeltaNet, the linear-attention mixer of the hybrid Qwen3.5/3.6 targets, with tree-aware state.
+
+A GDN layer carries two pieces of state across tokens: the causal conv1d window (the last K-1
+inputs of its depthwise conv, `conv` [C, K-1]) and the delta-rule matrix (`recurrent`
+[Hv, Dk, Dv], kept in float32, float64 for float64 models). In a verify pass over a tree of
+pending tokens each node's conv window is gathered along its ancestors and its recurrent state
+starts from its parent's (engine.kernels tree_causal_conv1d / tree_gated_delta_rule). Nothing
+is written to the committed state during the pass; `commit` then installs exactly the state of
+the last accepted node. Two strategies, selectable per model:
+
+- "replay" (default): the pass keeps each node's delta-rule inputs (its conv output and g,
+  beta); commit re-runs the recurrence along the accepted path only. Extra memory per node
+  is O(conv_dim), a few tens of KiB per layer at 27B shapes.
+- "snapshot": the pass keeps every node's recurrent state; commit picks one. Extra memory per
+  node is Hv*Dk*Dv floats per layer (3 MiB per layer at 27B shapes).
+
+`pending_bytes` gives the extra memory per round of either strategy for any config.
+Parameter names and the maths follow transformers' Qwen3_5GatedDeltaNet, so HF checkpoints load
+as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kernels import tree_causal_conv1d, tree_gated_delta_rule
+from engine.models.common import compute_dtype
+
+StateStrategy = Literal["replay", "snapshot"]
+STATE_STRATEGIES: tuple[str, ...] = ("replay", "snapshot")
+
+
+@dataclass
+class GDNShape:
+    """The sizes of one GDN layer, read from the model config."""
+
+    hidden_size: int
+    key_heads: int  # Hk
+    value_heads: int  # Hv (a multiple of Hk: each key head serves Hv // Hk value heads)
+    key_dim: int  # Dk
+    value_dim: int  # Dv
+    conv_kernel: int  # K
+    eps: float
+
+    @property
+    def conv_dim(self) -> int:  # C: q, k and v go through the conv together
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
+@dataclass
+class RecurrentState:
+    """The committed state of one GDN layer."""
+
+    conv: torch.Tensor  # [C, K-1] the last K-1 conv inputs, oldest first (model dtype)
+    recurrent: torch.Tensor  # [Hv, Dk, Dv] (float32, float64 for float64 models)
+
+
+@dataclass
+class PendingRecurrence:
+    """What a verify pass leaves behind in one GDN layer for `commit` to choose from."""
+
+    parents: torch.Tensor  # [T]
+    conv_inputs: torch.Tensor  # [T, C] the new conv state is built from the accepted ones
+    conv_outputs: torch.Tensor | None = None  # [T, C]  replay: delta-rule inputs, with g and beta
+    g: torch.Tensor | None = None  # [T, Hv]
+    beta: torch.Tensor | None = None  # [T, Hv]
+    node_states: torch.Tensor | None = None  # [T, Hv, Dk, Dv]  snapshot: the state after each node
+
+    def nbytes(self) -> int:
+        tensors = (self.conv_inputs, self.conv_outputs, self.g, self.beta, self.node_states)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (the FLA / transformers convention)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """weight * rmsnorm(x) * silu(gate), normalised in float32 (float64 for float64 inputs)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dt = compute_dtype(x.dtype)
+        xf = x.to(dt)
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * normed * F.silu(gate.to(dt))).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """One Gated DeltaNet mixer over the T pending tokens of a tree (batch 1, no batch dim)."""
+
+    def __init__(self, shape: GDNShape) -> None:
+        super().__init__()
+        self.shape = shape
+        s = shape
+        qk_dim, v_dim = s.key_heads * s.key_dim, s.value_heads * s.value_dim
+        self.in_proj_qkv = nn.Linear(s.hidden_size, 2 * qk_dim + v_dim, bias=False)
+        self.in_proj_z = nn.Linear(s.hidden_size, v_dim, bias=False)
+        self.in_proj_b = nn.Linear(s.hidden_size, s.value_heads, bias=False)
+        self.in_proj_a = nn.Linear(s.hidden_size, s.value_heads, bias=False)
+        # Only its weight [C, 1, K] is used (by the tree conv); a Conv1d keeps HF's key name.
+        self.conv1d = nn.Conv1d(
+            s.conv_dim, s.conv_dim, s.conv_kernel, groups=s.conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(s.value_heads))
+        self.A_log = nn.Parameter(torch.zeros(s.value_heads))
+        self.norm = GatedRMSNorm(s.value_dim, s.eps)
+        self.out_proj = nn.Linear(v_dim, s.hidden_size, bias=False)
+
+    def new_state(self, dtype: torch.dtype, device: torch.device | str) -> RecurrentState:
+        s = self.shape
+        return RecurrentState(
+            conv=torch.zeros(s.conv_dim, s.conv_kernel - 1, dtype=dtype, device=device),
+            recurrent=torch.zeros(
+                s.value_heads, s.key_dim, s.value_dim, dtype=compute_dtype(dtype), device=device
+            ),
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden] (normed)
+        state: RecurrentState,
+        parents: torch.Tensor,  # [T]
+        strategy: StateStrategy,
+    ) -> tuple[torch.Tensor, PendingRecurrence]:
+        """Mix the pending tokens; returns the output [T, hidden] and what commit needs."""
+        T = x.shape[0]
+        s = self.shape
+        conv_inputs = self.in_proj_qkv(x)  # [T, C]
+        conv_outputs = tree_causal_conv1d(
+            conv_inputs, parents, state.conv, self.conv1d.weight[:, 0], None, "silu"
+        )  # [T, C]
+        beta = self.in_proj_b(x).sigmoid()  # [T, Hv]
+        dt = compute_dtype(x.dtype)
+        # g = log of the per-step decay: -exp(A_log) * softplus(a + dt_bias) <= 0
+        g = -self.A_log.to(dt).exp() * F.softplus(self.in_proj_a(x).to(dt) + self.dt_bias)
+        out, node_states = self._delta_rule(
+            conv_outputs, g, beta, parents, state.recurrent, strategy == "snapshot"
+        )  # [T, Hv, Dv]
+        z = self.in_proj_z(x).view(T, s.value_heads, s.value_dim)
+        out = self.norm(out, z).reshape(T, -1)
+        pending = PendingRecurrence(parents=parents, conv_inputs=conv_inputs)
+        if strategy == "snapshot":
+            pending.node_states = node_states
+        else:
+            pending.conv_outputs, pending.g, pending.beta = conv_outputs, g, beta
+        return self.out_proj(out), pending
+
+    def commit(
+        self, state: RecurrentState, pending: PendingRecurrence, accepted: torch.Tensor
+    ) -> None:
+        """Install the state after the last node of `accepted` (a root-to-node path)."""
+        window = state.conv.shape[1]
+        path_inputs = pending.conv_inputs[accepted].T  # [C, K_acc]
+        state.conv = torch.cat([state.conv, path_inputs], dim=1)[:, -window:]
+        if pending.node_states is not None:
+            state.recurrent = pending.node_states[accepted[-1]].clone()  # frees the rest
+            return
+        chain = torch.arange(-1, accepted.shape[0] - 1, device=accepted.device)
+        _, path_states = self._delta_rule(
+            pending.conv_outputs[accepted],
+            pending.g[accepted],
+            pending.beta[accepted],
+            chain,
+            state.recurrent,
+            return_states=True,
+        )
+        state.recurrent = path_states[-1].clone()
+
+    def _delta_rule(
+        self,
+        conv_outputs: torch.Tensor,  # [T, C]
+        g: torch.Tensor,  # [T, Hv]
+        beta: torch.Tensor,  # [T, Hv]
+        parents: torch.Tensor,  # [T]
+        initial_state: torch.Tensor,  # [Hv, Dk, Dv]
+        return_states: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Split the conv output into heads, L2-normalise q/k and run the tree recurrence."""
+        T = conv_outputs.shape[0]
+        s = self.shape
+        qk_dim = s.key_heads * s.key_dim
+        q, k, v = conv_outputs.split([qk_dim, qk_dim, s.value_heads * s.value_dim], dim=-1)
+        dt = compute_dtype(conv_outputs.dtype)
+        repeat = s.value_heads // s.key_heads  # key head h serves value heads h*repeat ..
+        q = l2norm(q.reshape(T, s.key_heads, s.key_dim).to(dt)).repeat_interleave(repeat, dim=1)
+        k = l2norm(k.reshape(T, s.key_heads, s.key_dim).to(dt)).repeat_interleave(repeat, dim=1)
+        v = v.reshape(T, s.value_heads, s.value_dim)
+        return tree_gated_delta_rule(
+            q, k, v, g, beta, parents, initial_state, s.key_dim**-0.5, return_states
+        )
+
+
+def pending_bytes(
+    shape: GDNShape, layers: int, tokens: int, strategy: StateStrategy, dtype: torch.dtype
+) -> int:
+    """Extra memory one verify round of `tokens` keeps for commit in `layers` GDN layers."""
+    model_bytes = torch.empty(0, dtype=dtype).element_size()
+    state_bytes = torch.empty(0, dtype=compute_dtype(dtype)).element_size()
+    per_node = shape.conv_dim * model_bytes  # conv inputs: both strategies
+    if strategy == "snapshot":
+        per_node += shape.value_heads * shape.key_dim * shape.value_dim * state_bytes
+    else:  # conv outputs, beta (model dtype) and g (compute dtype)
+        per_node += (shape.conv_dim + shape.value_heads) * model_bytes
+        per_node += shape.value_heads * state_bytes
+    return per_node * tokens * layers

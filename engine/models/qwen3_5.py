@@ -1,0 +1,340 @@
+"""The hybrid target Qwen3.5 / Qwen3.6: Gated DeltaNet layers + gated full attention, tree-aware.
+
+Layer i is "linear_attention" (a Gated DeltaNet, engine/models/gated_deltanet.py) or
+"full_attention" (GQA whose q_proj is twice as wide: the query and a sigmoid output gate;
+q/k RMSNorm; RoPE on the first `partial_rotary_factor` of each head). Every RMSNorm outside the
+GDN scales by (1 + weight), as in transformers' Qwen3_5RMSNorm. Text-only positions make the
+checkpoints' multimodal RoPE (mrope) the plain RoPE used here: its three position streams are
+equal.
+
+The target interface shared with the dense model (see engine/decode.py):
+    cache = model.new_cache(max_len)
+    logits, hidden = model.forward(ids [T], cache, parents [T] | None, hidden_layers)
+    model.commit(cache, accepted [K])
+A forward runs a tree of pending tokens (parents[i] < i, or -1 = child of the last committed
+token) without touching the committed state; attention layers write the pending K/V behind the
+committed prefix, GDN layers keep what commit needs (see gated_deltanet.py for the two
+strategies). `load_qwen3_5(path)` reads `qwen3_5_text` checkpoints and the text part of
+`qwen3_5` multimodal ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.kernels import tree_attention
+from engine.models.common import (
+    KVCache,
+    Rotary,
+    SwiGLU,
+    compute_dtype,
+    load_state_dict,
+    load_weights,
+    read_config,
+    rope_theta,
+)
+from engine.models.gated_deltanet import (
+    STATE_STRATEGIES,
+    GatedDeltaNet,
+    GDNShape,
+    PendingRecurrence,
+    RecurrentState,
+    StateStrategy,
+)
+from engine.tree import tree_layout
+
+LINEAR, FULL = "linear_attention", "full_attention"
+MULTIMODAL_TEXT_PREFIX = "model.language_model."  # `qwen3_5` checkpoints (vision + text)
+TEXT_PREFIX = "model."  # `qwen3_5_text` checkpoints
+
+
+@dataclass(frozen=True)
+class Qwen3_5Config:
+    """The fields of a `qwen3_5_text` config.json (or a `qwen3_5` one's text_config) we use."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.25
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf(cls, config: dict) -> Qwen3_5Config:
+        """From a config.json dict: `qwen3_5_text`, or `qwen3_5` (its text_config is read)."""
+        text = config.get("text_config", config)
+        names = cls.__dataclass_fields__.keys() - {
+            "layer_types",
+            "rope_theta",
+            "tie_word_embeddings",
+        }
+        fields = {name: text[name] for name in names if name in text}
+        rope = text.get("rope_parameters") or {}
+        if "partial_rotary_factor" in rope:
+            fields["partial_rotary_factor"] = rope["partial_rotary_factor"]
+        interval = text.get("full_attention_interval", 4)
+        layer_types = text.get("layer_types") or [
+            FULL if (i + 1) % interval == 0 else LINEAR for i in range(text["num_hidden_layers"])
+        ]
+        return cls(
+            **fields,
+            layer_types=tuple(layer_types),
+            rope_theta=rope_theta(text),
+            tie_word_embeddings=config.get(
+                "tie_word_embeddings", text.get("tie_word_embeddings", False)
+            ),
+        )
+
+    def gdn_shape(self) -> GDNShape:
+        return GDNShape(
+            hidden_size=self.hidden_size,
+            key_heads=self.linear_num_key_heads,
+            value_heads=self.linear_num_value_heads,
+            key_dim=self.linear_key_head_dim,
+            value_dim=self.linear_value_head_dim,
+            conv_kernel=self.linear_conv_kernel_dim,
+            eps=self.rms_norm_eps,
+        )
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """(1 + weight) * x / rms(x), all in float32 (float64 for float64), like HF Qwen3_5RMSNorm."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = compute_dtype(x.dtype)
+        xf = x.to(dt)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.to(dt))).to(x.dtype)
+
+
+@dataclass
+class HybridCache:
+    """Committed state of the hybrid target: K/V of the attention layers, GDN states.
+
+    `pending` holds, per GDN layer, what the last forward left for `commit`.
+    """
+
+    kv: KVCache
+    recurrent: list[RecurrentState]
+    pending: list[PendingRecurrence] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return self.kv.length
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.max_len
+
+
+@dataclass
+class TreePass:
+    """Everything the layers of one forward share: the tree, RoPE tables and the cache."""
+
+    cache: HybridCache
+    parents: torch.Tensor  # [T] (a chain when the caller gave none)
+    visible: torch.Tensor | None  # [T, T] bool ancestor-or-self; None = causal (a chain)
+    cos: torch.Tensor  # [T, rotary_dim]
+    sin: torch.Tensor  # [T, rotary_dim]
+    rotary: Rotary
+
+
+class GatedAttention(nn.Module):
+    """Full attention with a sigmoid output gate, q/k RMSNorm and partial RoPE."""
+
+    def __init__(self, config: Qwen3_5Config) -> None:
+        super().__init__()
+        c = config
+        self.heads, self.kv_heads, self.head_dim = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
+        self.q_proj = nn.Linear(c.hidden_size, 2 * c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, tree: TreePass, slot: int) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; writes this layer's pending K/V in cache slot `slot`."""
+        T = x.shape[0]
+        query_gate = self.q_proj(x).view(T, self.heads, 2 * self.head_dim)
+        q, gate = query_gate.chunk(2, dim=-1)  # [T, Hq, D] each
+        q = tree.rotary.apply(self.q_norm(q), tree.cos, tree.sin)
+        k = self.k_norm(self.k_proj(x).view(T, self.kv_heads, self.head_dim))
+        k = tree.rotary.apply(k, tree.cos, tree.sin)  # [T, Hkv, D]
+        v = self.v_proj(x).view(T, self.kv_heads, self.head_dim)
+        prefix = tree.cache.length
+        keys, values = tree.cache.kv.write(slot, prefix, k, v)  # [prefix + T, Hkv, D]
+        out = tree_attention(q, keys, values, prefix, tree.visible, self.head_dim**-0.5)
+        out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
+        return self.o_proj(out)
+
+
+class HybridDecoderLayer(nn.Module):
+    """Pre-norm mixer (GDN or gated attention) + SwiGLU MLP, with residuals."""
+
+    def __init__(self, config: Qwen3_5Config, layer_type: str, slot: int) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.slot = slot  # index among the layers of the same type (its cache entry)
+        if layer_type == LINEAR:
+            self.linear_attn = GatedDeltaNet(config.gdn_shape())
+        elif layer_type == FULL:
+            self.self_attn = GatedAttention(config)
+        else:
+            raise ValueError(f"unknown layer type {layer_type!r}")
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, tree: TreePass, strategy: StateStrategy) -> torch.Tensor:
+        normed = self.input_layernorm(h)
+        if self.layer_type == LINEAR:
+            state = tree.cache.recurrent[self.slot]
+            mixed, pending = self.linear_attn(normed, state, tree.parents, strategy)
+            tree.cache.pending.append(pending)
+        else:
+            mixed = self.self_attn(normed, tree, self.slot)
+        h = h + mixed
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3_5Model(nn.Module):
+    """The hybrid causal LM (batch 1, no batch dimension) with the engine's target interface."""
+
+    def __init__(self, config: Qwen3_5Config, state_strategy: StateStrategy = "replay") -> None:
+        super().__init__()
+        if state_strategy not in STATE_STRATEGIES:
+            raise ValueError(f"state_strategy must be one of {STATE_STRATEGIES}")
+        self.config = config
+        self.state_strategy = state_strategy
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        slots = {LINEAR: 0, FULL: 0}
+        layers = []
+        for layer_type in config.layer_types:
+            layers.append(HybridDecoderLayer(config, layer_type, slots[layer_type]))
+            slots[layer_type] += 1
+        self.layers = nn.ModuleList(layers)
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = self._new_rotary()
+
+    def _new_rotary(self) -> Rotary:
+        c = self.config
+        return Rotary(c.head_dim, c.rope_theta, c.partial_rotary_factor)
+
+    def _layers_of(self, layer_type: str) -> list[HybridDecoderLayer]:
+        return [layer for layer in self.layers if layer.layer_type == layer_type]
+
+    def new_cache(self, max_len: int) -> HybridCache:
+        c, weight = self.config, self.embed_tokens.weight
+        attention_layers = len(self._layers_of(FULL))
+        kv = KVCache(
+            attention_layers,
+            max_len,
+            c.num_key_value_heads,
+            c.head_dim,
+            weight.dtype,
+            weight.device,
+        )
+        recurrent = [
+            layer.linear_attn.new_state(weight.dtype, weight.device)
+            for layer in self._layers_of(LINEAR)
+        ]
+        return HybridCache(kv=kv, recurrent=recurrent)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        ids: torch.Tensor,  # [T]
+        cache: HybridCache,
+        parents: torch.Tensor | None = None,  # [T]; None = a chain
+        hidden_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [T, V] (float32) of the pending tokens, and the requested layers' outputs.
+
+        Token i sits at position cache.length + depth(i) and sees the committed prefix, its
+        ancestors and itself. The committed state is left as it is until `commit`.
+        """
+        T = ids.shape[0]
+        cache.kv.check_room(T)
+        depth, visible = tree_layout(parents, T, ids.device)
+        if parents is None:
+            parents = torch.arange(-1, T - 1, device=ids.device)
+        h = self.embed_tokens(ids)  # [T, hidden]
+        cos, sin = self.rotary.tables(cache.length + depth, h.dtype)
+        tree = TreePass(cache, parents, visible, cos, sin, self.rotary)
+        cache.pending = []
+        captured = {}
+        wanted = set(hidden_layers)
+        for index, layer in enumerate(self.layers):
+            h = layer(h, tree, self.state_strategy)
+            if index in wanted:
+                captured[index] = h
+        logits = self.lm_head(self.norm(h)).float()
+        hidden = torch.cat([captured[i] for i in hidden_layers], dim=-1) if hidden_layers else None
+        return logits, hidden
+
+    @torch.no_grad()
+    def commit(self, cache: HybridCache, accepted: torch.Tensor) -> None:
+        """The pending path `accepted` [K] (root first) becomes committed; the rest is dropped."""
+        if len(cache.pending) != len(cache.recurrent):
+            raise ValueError("commit without a forward pass to commit from")
+        accepted = accepted.to(self.embed_tokens.weight.device)
+        gdn_layers = self._layers_of(LINEAR)
+        for layer, state, pending in zip(gdn_layers, cache.recurrent, cache.pending, strict=True):
+            layer.linear_attn.commit(state, pending, accepted)
+        cache.kv.commit(accepted)
+        cache.pending = []
+
+
+def hf_text_prefix(config: dict) -> str:
+    """Where the text model's tensors live in a checkpoint of this config."""
+    return MULTIMODAL_TEXT_PREFIX if config.get("model_type") == "qwen3_5" else TEXT_PREFIX
+
+
+def load_qwen3_5(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    state_strategy: StateStrategy = "replay",
+) -> Qwen3_5Model:
+    """Load a `qwen3_5_text` checkpoint or the text part of a `qwen3_5` (multimodal) one."""
+    hf_config = read_config(path)
+    config = Qwen3_5Config.from_hf(hf_config)
+    model = Qwen3_5Model(config, state_strategy)
+    tensors = load_state_dict(path)
+    prefix = hf_text_prefix(hf_config)
+    text = {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
+    if "lm_head.weight" in tensors and not config.tie_word_embeddings:
+        text["lm_head.weight"] = tensors["lm_head.weight"]
+    load_weights(model, text)
+    model = model.to(device=device, dtype=dtype).eval()
+    model.rotary = model._new_rotary().to(device)  # keep float32 frequencies (.to(dtype) rounds)
+    return model
