@@ -1,0 +1,82 @@
+"""Prometheus metrics of the engine server (served at `/metrics` in the text format).
+
+Each server owns its registry, so several apps (tests) never share counters. Names:
+
+- `ddops_engine_requests_total{endpoint, method}`: generation requests accepted
+- `ddops_engine_errors_total{endpoint, status}`: requests answered with an error
+- `ddops_engine_prompt_tokens_total{method}`, `ddops_engine_generated_tokens_total{method}`
+- `ddops_engine_acceptance_length{method}`: histogram of tokens committed per round (bonus
+  included), the speculative decoders' tau
+- `ddops_engine_decode_tokens_per_second{method}`, `ddops_engine_ttft_seconds{method}`: histograms
+- `ddops_engine_queue_waiting`: requests waiting for the worker
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+_ACCEPTANCE_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32)
+_SPEED_BUCKETS = (1, 5, 10, 25, 50, 100, 150, 200, 300, 500, 1000, 2000)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "ddops_engine_requests",
+            "Generation requests accepted.",
+            ["endpoint", "method"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "ddops_engine_errors",
+            "Requests answered with an error.",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "ddops_engine_prompt_tokens", "Prompt tokens processed.", ["method"], registry=r
+        )
+        self.generated_tokens = Counter(
+            "ddops_engine_generated_tokens", "Tokens generated.", ["method"], registry=r
+        )
+        self.acceptance_length = Histogram(
+            "ddops_engine_acceptance_length",
+            "Tokens committed per decoding round, bonus token included.",
+            ["method"],
+            buckets=_ACCEPTANCE_BUCKETS,
+            registry=r,
+        )
+        self.decode_speed = Histogram(
+            "ddops_engine_decode_tokens_per_second",
+            "Decode speed of each generation.",
+            ["method"],
+            buckets=_SPEED_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "ddops_engine_ttft_seconds",
+            "Time to first token of each generation.",
+            ["method"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.queue_waiting = Gauge(
+            "ddops_engine_queue_waiting", "Requests waiting for the engine worker.", registry=r
+        )
+
+    def observe_generation(self, method: str, prompt_tokens: int, result) -> None:
+        """Record one finished generation (an engine.decode.GenerationResult)."""
+        self.prompt_tokens.labels(method).inc(prompt_tokens)
+        self.generated_tokens.labels(method).inc(len(result.output_ids))
+        for accepted in result.acceptance_lengths:
+            self.acceptance_length.labels(method).observe(accepted)
+        self.decode_speed.labels(method).observe(result.decode_tokens_per_s)
+        self.ttft.labels(method).observe(result.ttft_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

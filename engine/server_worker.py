@@ -1,0 +1,163 @@
+"""The engine worker: one thread that runs generations one at a time, fed by a bounded queue.
+
+The engine decodes one sequence at a time (batch 1), so the HTTP server hands each request to
+this worker as a `Job` and awaits its events. A job is an ordinary value: the prompt ids, the
+`GenerationConfig`, a `TextAssembler`, a cancel flag, and `emit`, a thread-safe callable the
+worker calls with `Delta` (text to show), then `Done` (the GenerationResult) or `Failed`.
+
+- `submit` raises `QueueFull` when `max_waiting` jobs already wait (the server answers 503).
+- Setting `job.cancel` (client gone) makes the running generation stop at its next round
+  (`should_stop`), or skips the job if it is still waiting.
+- `stop()` cancels the running job, fails every waiting one, and joins the thread.
+
+Before taking jobs the thread runs `startup` (load the model, one 1-token generation): `ready`
+is set when it succeeded; when it raised, `startup_error` says why and `on_fatal` is called.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.server_text import TextAssembler
+
+log = logging.getLogger(__name__)
+
+# generate(prompt_ids, cfg, on_tokens=..., should_stop=...) -> GenerationResult: the engine
+# with its models bound (see engine.server.bind_engine).
+GenerateFn = Callable[..., Any]
+
+
+class QueueFull(Exception):
+    """Every waiting slot is taken."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    result: Any  # engine.decode.GenerationResult; None when the job was skipped (cancelled early)
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+    status: int = 500
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    cfg: Any  # engine.decode.GenerationConfig
+    text: TextAssembler
+    emit: Callable[[Delta | Done | Failed], None]
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+_STOP = object()  # queue sentinel
+
+
+class GenerationWorker:
+    """Runs `startup`, then jobs from the queue through `generate`, on one daemon thread."""
+
+    def __init__(self, max_waiting: int) -> None:
+        self.max_waiting = max_waiting
+        self.ready = threading.Event()
+        self.startup_error: str | None = None
+        self._jobs: queue.Queue = queue.Queue(maxsize=max_waiting)
+        self._generate: GenerateFn | None = None
+        self._current: Job | None = None
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def waiting(self) -> int:
+        return self._jobs.qsize()
+
+    def start(
+        self,
+        startup: Callable[[], GenerateFn],
+        on_fatal: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Start the thread; `startup` returns the generate function jobs will run through."""
+        self._thread = threading.Thread(
+            target=self._main, args=(startup, on_fatal), name="engine-worker", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        if self._stopping.is_set():
+            raise QueueFull("the server is shutting down")
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            raise QueueFull(f"{self.max_waiting} requests are already waiting") from None
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stopping.set()
+        current = self._current
+        if current is not None:
+            current.cancel.set()
+        self._fail_waiting_jobs()
+        with contextlib.suppress(queue.Full):  # then the thread sees _stopping after its next job
+            self._jobs.put_nowait(_STOP)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _main(self, startup: Callable[[], GenerateFn], on_fatal: Callable[[], None]) -> None:
+        try:
+            self._generate = startup()
+        except Exception as exc:  # any start-up failure is reported, then fatal
+            log.exception("engine start-up failed")
+            self.startup_error = f"{type(exc).__name__}: {exc}"
+            on_fatal()
+            return
+        self.ready.set()
+        while not self._stopping.is_set():
+            job = self._jobs.get()
+            if job is _STOP:
+                break
+            self._current = job
+            self._run(job)
+            self._current = None
+        self._fail_waiting_jobs()
+
+    def _run(self, job: Job) -> None:
+        if job.cancel.is_set() or self._stopping.is_set():
+            job.emit(Done(None))
+            return
+        try:
+            result = self._generate(
+                job.prompt_ids,
+                job.cfg,
+                on_tokens=lambda ids: _emit_text(job, job.text.add(ids)),
+                should_stop=lambda: job.cancel.is_set() or job.text.stopped,
+            )
+        except Exception as exc:  # one failed generation must not end the worker
+            log.exception("generation failed")
+            job.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
+            return
+        _emit_text(job, job.text.finish())
+        job.emit(Done(result))
+
+    def _fail_waiting_jobs(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not _STOP:
+                job.emit(Failed("the server is shutting down", status=503))
+
+
+def _emit_text(job: Job, text: str) -> None:
+    if text:
+        job.emit(Delta(text))
