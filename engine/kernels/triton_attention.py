@@ -12,26 +12,27 @@ Matches `engine.kernels.reference.tree_attention` (the specification). Layout of
 - A key j < prefix_len is visible to every row; a tree key is visible when tree_visible[t,
   j - prefix_len] (or, with no tree given, when j - prefix_len <= t: causal).
 
-Scores use exp2 (scale folded with log2(e)). Under the interpreter, and for float32 inputs,
-the dots run in float32 ("ieee": no TF32), because bf16 `tl.dot` is wrong in the interpreter.
+Precision follows the reference: softmax and accumulation in float32 (float64 for float64
+inputs). The dots take bf16/fp16 inputs as they are, and float32 inputs without TF32
+("ieee"). Under the interpreter every dot runs in the compute type: bf16 `tl.dot` is wrong there.
 
 Run on CPU with TRITON_INTERPRET=1 set before this module is imported (tests do).
 """
 
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
-_NO_SCORE: tl.constexpr = tl.constexpr(
-    -1.0e30
-)  # finite "minus infinity": keeps exp2(m_old - m_new) free of NaN
+from engine.kernels.reference import compute_dtype
+from engine.kernels.triton_common import tl_compute_dtype, tl_dot_dtype
+
+# A finite "minus infinity" for the running max: keeps exp(m_old - m_new) free of NaN on rows
+# that have seen no visible key yet.
+_NO_SCORE: tl.constexpr = tl.constexpr(-1.0e30)
 
 
 @triton.jit
@@ -40,19 +41,20 @@ def _tree_attention_kernel(
     k_ptr,  # [S, Hkv, D]
     v_ptr,  # [S, Hkv, D]
     visible_ptr,  # [T, T] int8 (unused when CAUSAL)
-    out_ptr,  # [T, Hq, D] (one split) or [NUM_SPLITS, T, Hq, D] float32
-    lse_ptr,  # [NUM_SPLITS, T, Hq] float32, log2 domain (unused with one split)
+    out_ptr,  # [T, Hq, D] (one split) or [NUM_SPLITS, T, Hq, D] in COMPUTE
+    lse_ptr,  # [NUM_SPLITS, T, Hq] in COMPUTE (unused with one split)
     T,
     Hkv,
     S,
     prefix_len,
     keys_per_split,
-    scale_log2,
+    scale,
     D: tl.constexpr,
     GROUP: tl.constexpr,
     CAUSAL: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    COMPUTE: tl.constexpr,  # softmax / accumulator type
+    DOT: tl.constexpr,  # operand type of the dots
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -67,13 +69,12 @@ def _tree_attention_kernel(
     dim_ok = dims < D
     Hq = Hkv * GROUP
     q_rows = (token * Hq + head) * D  # [BM]
-    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :])
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    q_mask = row_ok[:, None] & dim_ok[None, :]
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=q_mask, other=0.0).to(DOT)
 
-    m = tl.full([BLOCK_M], _NO_SCORE, tl.float32)  # running max of the scores (log2 units)
-    l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m = tl.full([BLOCK_M], _NO_SCORE, COMPUTE)  # running max of the scores
+    l = tl.zeros([BLOCK_M], COMPUTE)  # running sum of exp(score - m)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], COMPUTE)  # running sum of exp(score - m) * v
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, S)
     for block_start in range(start, end, BLOCK_N):
@@ -81,37 +82,32 @@ def _tree_attention_kernel(
         key_ok = keys < end
         kv_off = (keys * Hkv + kv_head) * D  # [BN]
         kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee" if DOT_FP32 else None)
-        scores = scores * scale_log2  # [BM, BN]
+        k = tl.load(k_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(DOT)
+        v = tl.load(v_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(DOT)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee").to(COMPUTE) * scale  # [BM, BN]
 
         tree_col = keys - prefix_len  # [BN], < 0 for prefix keys
         in_tree = tree_col >= 0
         if CAUSAL:
             sees_tree = tree_col[None, :] <= token[:, None]
         else:
-            sees_tree = tl.load(
-                visible_ptr + token[:, None] * T + tree_col[None, :],
-                mask=row_ok[:, None] & (in_tree & key_ok)[None, :],
-                other=0,
-            )
-            sees_tree = sees_tree != 0
+            tree_mask = row_ok[:, None] & (in_tree & key_ok)[None, :]
+            tree_ptrs = visible_ptr + token[:, None] * T + tree_col[None, :]
+            sees_tree = tl.load(tree_ptrs, mask=tree_mask, other=0) != 0
         visible = key_ok[None, :] & (~in_tree[None, :] | sees_tree)  # [BM, BN]
         scores = tl.where(visible, scores, float("-inf"))
 
         m_new = tl.maximum(m, tl.max(scores, axis=1))
-        p = tl.exp2(scores - m_new[:, None])  # [BM, BN]
-        rescale = tl.exp2(m - m_new)
+        p = tl.exp(scores - m_new[:, None])  # [BM, BN]
+        rescale = tl.exp(m - m_new)
         l = l * rescale + tl.sum(p, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+        pv = tl.dot(p.to(DOT), v, input_precision="ieee").to(COMPUTE)
+        acc = acc * rescale[:, None] + pv
         m = m_new
 
     has_keys = l > 0
-    out = acc / tl.where(has_keys, l, 1.0)[:, None]
+    safe_l = tl.where(has_keys, l, 1.0)
+    out = acc / safe_l[:, None]
     out_mask = row_ok[:, None] & dim_ok[None, :]
     if NUM_SPLITS == 1:
         out_ptrs = out_ptr + q_rows[:, None] + dims[None, :]
@@ -119,7 +115,7 @@ def _tree_attention_kernel(
     else:
         split_rows = split * T * Hq * D + q_rows  # [BM]
         tl.store(out_ptr + split_rows[:, None] + dims[None, :], out, mask=out_mask)
-        lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), _NO_SCORE)
+        lse = tl.where(has_keys, m + tl.log(safe_l), _NO_SCORE)  # [BM]
         tl.store(lse_ptr + split * T * Hq + token * Hq + head, lse, mask=row_ok)
 
 
@@ -131,10 +127,6 @@ class _Launch:
     num_splits: int
     keys_per_split: int
     num_warps: int
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _default_num_splits(row_blocks: int, Hkv: int, S: int, block_n: int, device) -> int:
@@ -161,10 +153,10 @@ def _launch_config(
 
 
 def _merge_splits(
-    partial: torch.Tensor,  # [NS, T, Hq, D] float32, each split normalised on its own
-    lse: torch.Tensor,  # [NS, T, Hq] float32, log2 of each split's softmax denominator
-) -> torch.Tensor:  # [T, Hq, D] float32
-    weights = torch.softmax(lse * math.log(2.0), dim=0)  # [NS, T, Hq]
+    partial: torch.Tensor,  # [NS, T, Hq, D], each split normalised on its own
+    lse: torch.Tensor,  # [NS, T, Hq], log of each split's softmax denominator
+) -> torch.Tensor:  # [T, Hq, D]
+    weights = torch.softmax(lse, dim=0)  # [NS, T, Hq]
     return (weights[..., None] * partial).sum(dim=0)
 
 
@@ -193,6 +185,10 @@ def tree_attention(
     out = torch.empty_like(q)
     if T == 0:
         return out
+    compute = compute_dtype(q.dtype)
+    if compute == torch.float64:
+        # A float argument reaches a kernel as float32: fold the scale in exactly instead.
+        q, scale = q * scale, 1.0
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     group = Hq // Hkv
     cfg = _launch_config(T * group, Hkv, S, D, q.device, num_splits, block_n)
@@ -201,14 +197,15 @@ def tree_attention(
     if cfg.num_splits == 1:
         target, lse = out, out
     else:
-        target = torch.empty(cfg.num_splits, T, Hq, D, dtype=torch.float32, device=q.device)
-        lse = torch.empty(cfg.num_splits, T, Hq, dtype=torch.float32, device=q.device)
+        target = torch.empty(cfg.num_splits, T, Hq, D, dtype=compute, device=q.device)
+        lse = torch.empty(cfg.num_splits, T, Hq, dtype=compute, device=q.device)
     grid = (triton.cdiv(T * group, cfg.block_m), Hkv, cfg.num_splits)
     _tree_attention_kernel[grid](
         q, k, v, visible, target, lse,
-        T, Hkv, S, prefix_len, cfg.keys_per_split, float(scale) * _LOG2E,
+        T, Hkv, S, prefix_len, cfg.keys_per_split, float(scale),
         D=D, GROUP=group, CAUSAL=causal, NUM_SPLITS=cfg.num_splits,
-        DOT_FP32=q.dtype == torch.float32 or _interpreting(),
+        COMPUTE=tl_compute_dtype(q.dtype),
+        DOT=tl_dot_dtype(q.dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
         num_warps=cfg.num_warps,
     )  # fmt: skip

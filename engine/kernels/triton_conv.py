@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.triton_common import tl_compute_dtype
+
 
 @triton.jit
 def _tree_conv_kernel(
@@ -30,6 +32,7 @@ def _tree_conv_kernel(
     C,
     W,
     K: tl.constexpr,
+    COMPUTE: tl.constexpr,  # tl.float32, or tl.float64 for float64 inputs
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -37,8 +40,8 @@ def _tree_conv_kernel(
     node = tl.program_id(0)
     chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC]
     chan_ok = chans < C
-    acc = tl.load(x_ptr + node * C + chans, mask=chan_ok, other=0.0).to(tl.float32)
-    acc = acc * tl.load(weight_ptr + chans * K + (K - 1), mask=chan_ok, other=0.0).to(tl.float32)
+    acc = tl.load(x_ptr + node * C + chans, mask=chan_ok, other=0.0).to(COMPUTE)
+    acc = acc * tl.load(weight_ptr + chans * K + (K - 1), mask=chan_ok, other=0.0).to(COMPUTE)
     pos = node.to(tl.int64)
     for tap in tl.static_range(K - 2, -1, -1):  # taps from the newest older input backwards
         up = tl.load(parents_ptr + tl.maximum(pos, 0))
@@ -49,9 +52,9 @@ def _tree_conv_kernel(
             state_ptr + chans * W + (W + pos), mask=chan_ok & ~is_pending, other=0.0
         )
         tap_weight = tl.load(weight_ptr + chans * K + tap, mask=chan_ok, other=0.0)
-        acc += (pending.to(tl.float32) + committed.to(tl.float32)) * tap_weight.to(tl.float32)
+        acc += (pending.to(COMPUTE) + committed.to(COMPUTE)) * tap_weight.to(COMPUTE)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
+        acc += tl.load(bias_ptr + chans, mask=chan_ok, other=0.0).to(COMPUTE)
     if SILU:
         acc = acc * tl.sigmoid(acc)
     tl.store(out_ptr + node * C + chans, acc.to(out_ptr.dtype.element_ty), mask=chan_ok)
@@ -82,6 +85,7 @@ def tree_causal_conv1d(
     _tree_conv_kernel[(T, triton.cdiv(C, block_c))](
         x, parents, conv_state, weight, bias if bias is not None else x, out,
         C, W,
-        K=K, HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_C=block_c,
+        K=K, COMPUTE=tl_compute_dtype(x.dtype),
+        HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_C=block_c,
     )  # fmt: skip
     return out

@@ -20,10 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.reference import compute_dtype
+from engine.kernels.triton_common import tl_compute_dtype
+
 
 @triton.jit
 def _tree_gated_delta_kernel(
-    q_ptr,  # [T, H, Dk]
+    q_ptr,  # [T, H, Dk] already multiplied by the scale, in COMPUTE
     k_ptr,  # [T, H, Dk]
     v_ptr,  # [T, H, Dv]
     g_ptr,  # [T, H]
@@ -31,13 +34,13 @@ def _tree_gated_delta_kernel(
     parents_ptr,  # [T] int64
     snapshot_ptr,  # [T] int8: 1 = write this node's state to states_ptr
     init_ptr,  # [H, Dk, Dv]
-    states_ptr,  # [T, H, Dk, Dv] float32 scratch / per-node states
+    states_ptr,  # [T, H, Dk, Dv] COMPUTE scratch / per-node states
     out_ptr,  # [T, H, Dv]
     T,
     H,
     Dk,
     Dv,
-    scale,
+    COMPUTE: tl.constexpr,  # tl.float32, or tl.float64 for float64 inputs
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -48,22 +51,22 @@ def _tree_gated_delta_kernel(
     tile_ok = row_ok[:, None] & (cols < Dv)[None, :]
     tile = rows[:, None] * Dv + cols[None, :]  # [BK, BV] offsets inside one [Dk, Dv] state
     init_tile = init_ptr + head * Dk * Dv + tile
-    state = tl.load(init_tile, mask=tile_ok, other=0.0).to(tl.float32)  # [BK, BV]
+    state = tl.load(init_tile, mask=tile_ok, other=0.0).to(COMPUTE)  # [BK, BV]
     for i in range(T):
         parent = tl.load(parents_ptr + i)
         if parent != i - 1:  # branching off: fetch the parent's (or the committed) state
             if parent < 0:
-                state = tl.load(init_tile, mask=tile_ok, other=0.0).to(tl.float32)
+                state = tl.load(init_tile, mask=tile_ok, other=0.0).to(COMPUTE)
             else:
                 parent_tile = states_ptr + (parent * H + head) * Dk * Dv + tile
                 state = tl.load(parent_tile, mask=tile_ok, other=0.0)
         qk_off = (i * H + head) * Dk + rows
         v_off = (i * H + head) * Dv + cols
-        q = tl.load(q_ptr + qk_off, mask=row_ok, other=0.0).to(tl.float32) * scale  # [BK]
-        k = tl.load(k_ptr + qk_off, mask=row_ok, other=0.0).to(tl.float32)  # [BK]
-        v = tl.load(v_ptr + v_off, mask=cols < Dv, other=0.0).to(tl.float32)  # [BV]
-        decay = tl.exp(tl.load(g_ptr + i * H + head).to(tl.float32))
-        beta = tl.load(beta_ptr + i * H + head).to(tl.float32)
+        q = tl.load(q_ptr + qk_off, mask=row_ok, other=0.0)  # [BK]
+        k = tl.load(k_ptr + qk_off, mask=row_ok, other=0.0).to(COMPUTE)  # [BK]
+        v = tl.load(v_ptr + v_off, mask=cols < Dv, other=0.0).to(COMPUTE)  # [BV]
+        decay = tl.exp(tl.load(g_ptr + i * H + head).to(COMPUTE))
+        beta = tl.load(beta_ptr + i * H + head).to(COMPUTE)
         state = state * decay
         recalled = tl.sum(state * k[:, None], axis=0)  # [BV] = S^T k
         state = state + k[:, None] * ((v - recalled) * beta)[None, :]
@@ -99,14 +102,16 @@ def tree_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton version of `reference.tree_gated_delta_rule`: same arguments, same results.
 
-    Returns (o [T, H, Dv] in v's dtype, states [T, H, Dk, Dv] float32 or None).
+    Returns (o [T, H, Dv] in v's dtype, states [T, H, Dk, Dv] in `compute_dtype` or None).
     """
     T, H, Dk = q.shape
     Dv = v.shape[-1]
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    compute = compute_dtype(v.dtype)
+    scaled_q = (q.to(compute) * scale).contiguous()  # [T, H, Dk], exactly as the reference
+    k, v, g, beta = (x.contiguous() for x in (k, v, g, beta))
     parents = parents.to(device=q.device, dtype=torch.int64).contiguous()
     initial_state = initial_state.contiguous()
-    states = torch.empty(T, H, Dk, Dv, dtype=torch.float32, device=q.device)
+    states = torch.empty(T, H, Dk, Dv, dtype=compute, device=q.device)
     out = torch.empty(T, H, Dv, dtype=v.dtype, device=q.device)
     if T == 0:
         return out, (states if return_states else None)
@@ -118,8 +123,9 @@ def tree_gated_delta_rule(
     block_v = min(triton.next_power_of_2(Dv), max(16, 4096 // block_k))
     grid = (H, triton.cdiv(Dv, block_v))
     _tree_gated_delta_kernel[grid](
-        q, k, v, g, beta, parents, snapshot, initial_state, states, out,
-        T, H, Dk, Dv, float(scale),
+        scaled_q, k, v, g, beta, parents, snapshot, initial_state, states, out,
+        T, H, Dk, Dv,
+        COMPUTE=tl_compute_dtype(v.dtype),
         BLOCK_K=block_k, BLOCK_V=block_v,
     )  # fmt: skip
     return out, (states if return_states else None)
