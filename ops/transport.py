@@ -17,6 +17,7 @@ puts the sysroot's bin directories first on PATH, so a directory can play a whol
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import tempfile
@@ -56,6 +57,27 @@ class Result:
 
 class CommandTimeout(DdopsError):
     """A command ran past its timeout (the process was killed)."""
+
+
+# A constant script: export the NAME=VALUE lines read from stdin up to an empty line, then exec
+# "$@" with the rest of stdin. `read` consumes a pipe byte by byte, so the command gets exactly
+# the bytes after the empty line. Used where env must cross a process boundary (SSH, `pct exec`)
+# without its values ever appearing on a command line.
+ENV_FROM_STDIN_SCRIPT = 'while IFS= read -r kv && [ -n "$kv" ]; do export "$kv"; done; exec "$@"'
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def env_via_stdin(
+    argv: Sequence[str], env: Mapping[str, str], input: str | None
+) -> tuple[list[str], str]:
+    """Wrap argv so `env` travels on stdin ahead of `input`; returns (argv, stdin)."""
+    lines = []
+    for name, value in env.items():
+        if not _ENV_NAME.fullmatch(name) or "\n" in value or "\x00" in value:
+            raise DdopsError(f"env {name!r}", "names must be identifiers, values one line")
+        lines.append(f"{name}={value}\n")
+    wrapped = ["sh", "-c", ENV_FROM_STDIN_SCRIPT, "ddops-env", *argv]
+    return wrapped, "".join(lines) + "\n" + (input or "")
 
 
 def validate_host_path(path: str) -> str:
