@@ -1,0 +1,96 @@
+"""What the sim's boot honours besides the kernel: modules-load.d and the units ddops installs.
+
+Modules: every non-comment line of PATH/etc/modules-load.d/*.conf names a module to load.
+
+Units: a unit PATH/etc/systemd/system/<name>.service runs at boot when it is enabled (a link or
+file named <name>.service in some PATH/etc/systemd/system/*.wants/ directory). Of the unit, the
+sim honours only `ExecStart=` lines (in order; a leading `-` ignores the command's failure) and
+runs them after the modules load and before the `onboot: 1` CTs start (as
+`Before=pve-guests.service` orders it on a real host). Only commands the simulated host can run
+are executed: its own tools (nvidia-modprobe, modprobe, ...), run from PATH/usr/{s,}bin, and
+`ddops`, run as `ddops --host sim:PATH ...`. Any other command is logged as skipped: the sim runs
+on a real machine and never executes arbitrary boot commands on it.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from ops.sim.commands import HOST_TOOLS
+from ops.sim.state import log
+
+UNIT_DIR = "etc/systemd/system"
+
+
+def modules_to_load(root: Path) -> list[str]:
+    names = []
+    for conf in sorted((root / "etc/modules-load.d").glob("*.conf")):
+        for line in conf.read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line and not line.startswith(";"):
+                names.append(line.replace("-", "_"))
+    return names
+
+
+def enabled_units(root: Path) -> list[Path]:
+    unit_dir = root / UNIT_DIR
+    wanted = {link.name for link in unit_dir.glob("*.wants/*.service")}
+    return [unit for unit in sorted(unit_dir.glob("*.service")) if unit.name in wanted]
+
+
+def exec_starts(unit: Path) -> list[str]:
+    # systemd allows repeated keys (configparser does not): read the [Service] lines directly.
+    in_service = False
+    lines = []
+    for raw in unit.read_text().splitlines():
+        line = raw.strip()
+        if line.startswith("["):
+            in_service = line == "[Service]"
+        elif in_service and line.startswith("ExecStart="):
+            lines.append(line.removeprefix("ExecStart=").strip())
+    return lines
+
+
+def run_boot_units(root: Path) -> list[str]:
+    """Run the enabled units' ExecStart commands; the names of the units run."""
+    ran = []
+    for unit in enabled_units(root):
+        for command in exec_starts(unit):
+            ignore_failure = command.startswith("-")
+            argv = _sim_argv(root, shlex.split(command.lstrip("-")))
+            if argv is None:
+                log(
+                    root, f"boot: {unit.name}: skipped (not a command the sim host runs): {command}"
+                )
+                continue
+            rc = subprocess.run(
+                argv, env=_boot_env(root), capture_output=True, text=True
+            ).returncode
+            log(root, f"boot: {unit.name}: {command} -> exit {rc}")
+            if rc != 0 and not ignore_failure:
+                break
+        ran.append(unit.stem)
+    return ran
+
+
+def _sim_argv(root: Path, argv: list[str]) -> list[str] | None:
+    program = os.path.basename(argv[0])
+    if program in HOST_TOOLS:
+        bin_dir, _ = HOST_TOOLS[program]
+        return [str(root / bin_dir / program), *argv[1:]]
+    if program == "ddops":
+        ddops = shutil.which("ddops") or sys.executable
+        prefix = [ddops] if ddops != sys.executable else [ddops, "-m", "ops.cli"]
+        return [*prefix, "--host", f"sim:{root}", *argv[1:]]
+    return None
+
+
+def _boot_env(root: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{root / 'usr/sbin'}:{root / 'usr/bin'}:{env.get('PATH', '')}"
+    return env

@@ -1,0 +1,172 @@
+"""Create, reboot and destroy a simulated Proxmox VE host (the library behind `ddops sim`).
+
+    from ops.sim.host import init_host, reboot_host, destroy_host
+    init_host(Path("/tmp/pve1"), gpus=2, ct=200)      # a healthy host with CT 200 running
+    reboot_host(Path("/tmp/pve1"), uvm_major=509)     # the incident's starting point
+
+A reboot stops every CT (their /dev/shm empties), unloads the modules and removes every
+/dev/nvidia* node, may change the uvm major, loads `nvidia` (udev does, for the PCI device)
+plus the modules named in PATH/etc/modules-load.d/*.conf, runs the boot units the sim
+honours (ops/sim/boot.py), then starts the CTs with `onboot: 1`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ops.errors import DdopsError
+from ops.sim import boot, kernel, pveconf
+from ops.sim.commands import install_host_tools
+from ops.sim.pct import Pct, PctError, host_lock
+from ops.sim.state import CT_CONF_DIR, NVIDIA_MODULES, SimState, is_sim_root, log, save_state
+
+UVM_MAJOR_RANGE = (234, 511)
+DEMO_CT_OPTIONS = {"hostname": "llm", "memory": "8192", "cores": "4", "onboot": "1"}
+
+
+@dataclass
+class BootReport:
+    """What a reboot did, for humans and --json."""
+
+    uvm_major_before: int
+    uvm_major: int
+    stopped: list[int] = field(default_factory=list)
+    started: list[int] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+    units: list[str] = field(default_factory=list)
+    modules: list[str] = field(default_factory=list)
+
+
+def lxc_available() -> bool:
+    return os.geteuid() == 0 and all(
+        shutil.which(t) for t in ("lxc-start", "lxc-attach", "lxc-create")
+    )
+
+
+def choose_containers(mode: str) -> str:
+    """ "lxc" or "process" for --containers lxc|process|auto; DdopsError when lxc is impossible."""
+    if mode == "auto":
+        return "lxc" if lxc_available() else "process"
+    if mode == "lxc" and not lxc_available():
+        raise DdopsError(
+            "sim", "real containers need root and Debian's lxc (apt-get install lxc busybox-static)"
+        )
+    return mode
+
+
+def init_host(
+    root: Path,
+    *,
+    gpus: int = 1,
+    uvm_major: int = 511,
+    pve_version: str = "8.2.4",
+    driver: str = "550.90.07",
+    containers: str = "auto",
+    ct: int | None = None,
+) -> bool:
+    """Make `root` a healthy sim host; False (nothing touched) when it already is one."""
+    if is_sim_root(root):
+        return False
+    if root.exists() and any(root.iterdir()):
+        raise DdopsError(str(root), "exists and is not a simulated host: refusing to clobber it")
+    if not UVM_MAJOR_RANGE[0] <= uvm_major <= UVM_MAJOR_RANGE[1]:
+        raise DdopsError(
+            str(root), f"--uvm-major {uvm_major} outside {UVM_MAJOR_RANGE[0]}..{UVM_MAJOR_RANGE[1]}"
+        )
+    state = SimState(
+        pve_version=pve_version,
+        driver_version=driver,
+        gpus=gpus,
+        uvm_major=uvm_major,
+        caps_major=_other_major(uvm_major),
+        containers=choose_containers(containers),
+        device_nodes="mknod" if os.geteuid() == 0 else "file",
+    )
+    for sub in (CT_CONF_DIR, "etc/modules-load.d", "etc/systemd/system", "dev", "tmp"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    (root / "etc/hostname").write_text(state.node + "\n")
+    install_host_tools(root)
+    kernel.write_proc(root, state)
+    for module in ("nvidia", "nvidia_modeset"):
+        kernel.load_module(root, state, module)
+    kernel.create_uvm_nodes(root, state)
+    save_state(root, state)
+    log(
+        root,
+        f"sim host created: {gpus} GPU(s), uvm major {uvm_major}, containers: {state.containers}",
+    )
+    if ct is not None:
+        with host_lock(root):
+            pct = Pct(root)
+            pct.create(ct, "local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst", DEMO_CT_OPTIONS)
+            pct.start(ct)
+            save_state(root, pct.state)
+    return True
+
+
+def _other_major(uvm_major: int) -> int:
+    """nvidia-caps gets the next dynamic major the kernel hands out (below uvm's, like real hosts)."""
+    return uvm_major - 1 if uvm_major > UVM_MAJOR_RANGE[0] else uvm_major + 1
+
+
+def reboot_host(root: Path, *, uvm_major: int | None = None) -> BootReport:
+    """Power-cycle the sim host; `uvm_major` None = a new random one differing from the old."""
+    with host_lock(root):
+        pct = Pct(root)
+        state = pct.state
+        report = BootReport(uvm_major_before=state.uvm_major, uvm_major=state.uvm_major)
+        for vmid in pct.vmids():
+            if pct.cts.is_running(vmid):
+                pct.cts.stop(vmid)
+                report.stopped.append(vmid)
+        kernel.power_off(root, state)
+        state.uvm_major = uvm_major if uvm_major is not None else _new_major(state.uvm_major)
+        state.caps_major = _other_major(state.uvm_major)
+        state.boots += 1
+        report.uvm_major = state.uvm_major
+        for module in ["nvidia", *boot.modules_to_load(root)]:
+            if module in NVIDIA_MODULES:
+                kernel.load_module(root, state, module)
+        save_state(root, state)
+        report.modules = list(state.modules)
+    log(root, f"boot {state.boots}: uvm major {report.uvm_major_before} -> {report.uvm_major}")
+    report.units = boot.run_boot_units(root)
+    _start_onboot(root, report)
+    return report
+
+
+def _new_major(old: int) -> int:
+    return random.choice([m for m in range(UVM_MAJOR_RANGE[0], UVM_MAJOR_RANGE[1] + 1) if m != old])
+
+
+def _start_onboot(root: Path, report: BootReport) -> None:
+    with host_lock(root):
+        pct = Pct(root)  # boot units may have changed the state (nvidia-modprobe)
+        for vmid in pct.vmids():
+            if pveconf.values(pct.conf(vmid)).get("onboot") == "1":
+                try:
+                    pct.start(vmid)
+                    report.started.append(vmid)
+                except PctError as exc:
+                    report.failed[vmid] = str(exc).splitlines()[0]
+                    log(root, f"CT {vmid}: onboot start failed: {report.failed[vmid]}")
+        save_state(root, pct.state)
+
+
+def destroy_host(root: Path) -> list[int]:
+    """Stop and destroy every CT, then remove the sim root; the CTs destroyed."""
+    if not is_sim_root(root):
+        raise DdopsError(str(root), "not a simulated host: refusing to delete it")
+    with host_lock(root):
+        pct = Pct(root)
+        destroyed = pct.vmids()
+        for vmid in destroyed:
+            if pct.cts.is_running(vmid):
+                pct.cts.stop(vmid)
+            pct.cts.destroy(vmid)
+    shutil.rmtree(root)
+    return destroyed

@@ -1,0 +1,159 @@
+"""The sim's stand-ins for nvidia-smi, nvidia-modprobe, modprobe, lsmod and pveversion.
+
+Each takes its argv (without the program name) and returns an exit code, printing what the real
+tool prints for the uses ddops has. On the host they read the sim state; inside a CT,
+`nvidia-smi` reads the CT's driver userspace description /etc/ddops-sim/nvidia.json (the sim's
+stand-in for the libnvidia-ml the CT has installed) and opens /dev/nvidiactl as NVML does:
+it lists the GPUs even when /dev/nvidia-uvm is blocked (the incident).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import sys
+import uuid
+from pathlib import Path
+
+from ops.sim import kernel
+from ops.sim.state import NVIDIA_MODULES, SimState, load_state, save_state
+
+GPU_NAME = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
+GPU_MEMORY_MIB = 97887
+CUDA_VERSION = "12.4"
+CT_USERSPACE_FILE = "etc/ddops-sim/nvidia.json"
+NO_DRIVER = (
+    "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+    "Make sure that the latest NVIDIA driver is installed and running."
+)
+QUERY_FIELDS = {
+    "index": lambda g: str(g["index"]),
+    "name": lambda g: GPU_NAME,
+    "uuid": lambda g: g["uuid"],
+    "driver_version": lambda g: g["driver_version"],
+    "memory.total": lambda g: f"{GPU_MEMORY_MIB} MiB",
+    "memory.used": lambda g: "0 MiB",
+    "memory.free": lambda g: f"{GPU_MEMORY_MIB} MiB",
+    "utilization.gpu": lambda g: "0 %",
+    "pci.bus_id": lambda g: f"00000000:{0x41 + g['index']:02X}:00.0",
+}
+
+
+def gpu_uuid(node: str, index: int) -> str:
+    return f"GPU-{uuid.uuid5(uuid.NAMESPACE_DNS, f'{node}.gpu{index}.ddops-sim')}"
+
+
+def nvidia_smi_host(root: Path, args: list[str]) -> int:
+    state = load_state(root)
+    if not state.module_loaded("nvidia"):
+        print(NO_DRIVER)
+        return 9
+    return _print_gpus(_gpus(state.node, state.gpus, state.driver_version), args)
+
+
+def nvidia_smi_ct(ct_root: Path, args: list[str]) -> int:
+    """nvidia-smi as seen inside a CT whose root is `ct_root` ("/" inside a real container)."""
+    try:
+        userspace = json.loads((ct_root / CT_USERSPACE_FILE).read_text())
+    except FileNotFoundError:
+        print("nvidia-smi: command not found", file=sys.stderr)
+        return 127
+    try:
+        os.close(os.open(ct_root / "dev/nvidiactl", os.O_RDWR))
+    except OSError as exc:
+        if exc.errno not in (errno.ENXIO, errno.ENODEV):
+            print(NO_DRIVER)
+            return 9
+    if userspace["userspace_version"] != userspace.get("kernel_module_version"):
+        print("Failed to initialize NVML: Driver/library version mismatch")
+        print(f"NVML library version: {userspace['userspace_version']}")
+        return 18
+    gpus = _gpus(userspace["node"], userspace["gpus"], userspace["userspace_version"])
+    return _print_gpus(gpus, args)
+
+
+def _gpus(node: str, count: int, driver: str) -> list[dict]:
+    return [{"index": i, "uuid": gpu_uuid(node, i), "driver_version": driver} for i in range(count)]
+
+
+def _print_gpus(gpus: list[dict], args: list[str]) -> int:
+    query = next((a.split("=", 1)[1] for a in args if a.startswith("--query-gpu=")), None)
+    if "-L" in args or "--list-gpus" in args:
+        for g in gpus:
+            print(f"GPU {g['index']}: {GPU_NAME} (UUID: {g['uuid']})")
+    elif query:
+        fields = [f.strip() for f in query.split(",")]
+        unknown = [f for f in fields if f not in QUERY_FIELDS]
+        if unknown:
+            print(f'Field "{unknown[0]}" is not a valid field to query.')
+            return 2
+        fmt = next((a.split("=", 1)[1] for a in args if a.startswith("--format=")), "csv")
+        if "noheader" not in fmt:
+            print(", ".join(fields))
+        for g in gpus:
+            cells = [QUERY_FIELDS[f](g) for f in fields]
+            if "nounits" in fmt:
+                cells = [c.removesuffix(" MiB").removesuffix(" %") for c in cells]
+            print(", ".join(cells))
+    else:
+        driver = gpus[0]["driver_version"] if gpus else "N/A"
+        print(
+            f"| NVIDIA-SMI {driver}    Driver Version: {driver}    CUDA Version: {CUDA_VERSION} |"
+        )
+        for g in gpus:
+            print(f"|   {g['index']}  {GPU_NAME}  |  0MiB / {GPU_MEMORY_MIB}MiB |")
+    return 0
+
+
+def nvidia_modprobe(root: Path, args: list[str]) -> int:
+    """`-u` loads nvidia_uvm and creates its nodes; `-c=N` the GPU node N; `-m` modeset."""
+    state = load_state(root)
+    kernel.load_module(root, state, "nvidia")
+    if "-u" in args:
+        kernel.create_uvm_nodes(root, state)
+    if "-m" in args:
+        kernel.load_module(root, state, "nvidia_modeset")
+    save_state(root, state)
+    return 0
+
+
+def modprobe(root: Path, args: list[str]) -> int:
+    names = [a.replace("-", "_") for a in args if not a.startswith("-")]
+    state = load_state(root)
+    for name in names:
+        if name not in NVIDIA_MODULES:
+            print(
+                f"modprobe: FATAL: Module {name} not found in directory /lib/modules/6.8.12-1-pve"
+            )
+            return 1
+        if "-r" in args:
+            print(f"modprobe: FATAL: Module {name} is in use.")
+            return 1
+        kernel.load_module(root, state, name)
+    save_state(root, state)
+    return 0
+
+
+def lsmod(root: Path, args: list[str]) -> int:
+    print("Module                  Size  Used by")
+    for line in (root / "proc/modules").read_text().splitlines():
+        name, size, count, users = line.split()[:4]
+        print(f"{name:<24}{size:>8}  {count} {users.rstrip(',').replace('-', '')}".rstrip())
+    return 0
+
+
+def pveversion(root: Path, args: list[str]) -> int:
+    state = load_state(root)
+    print(f"pve-manager/{state.pve_version}/faa83925c9641325 (running kernel: 6.8.12-1-pve)")
+    return 0
+
+
+def ct_userspace(state: SimState, existing: dict | None) -> dict:
+    """The CT's driver userspace description at start: installed once, kernel view refreshed."""
+    return {
+        "node": state.node,
+        "gpus": state.gpus,
+        "userspace_version": (existing or {}).get("userspace_version", state.driver_version),
+        "kernel_module_version": state.driver_version if state.module_loaded("nvidia") else None,
+    }

@@ -1,0 +1,295 @@
+"""The sim's `pct`: Proxmox's container tool with its real messages and exit codes (0, or 255).
+
+    pct status|config|start|stop|shutdown|reboot|unlock|destroy <vmid>
+    pct exec <vmid> -- <argv...>         (the command's own exit code; needs a running CT)
+    pct push <vmid> <file> <dest> [--perms 0644]   pct pull <vmid> <path> <dest>
+    pct create <vmid> <ostemplate> [--key value ...]   pct set <vmid> [--key value ...] [--delete k,..]
+    pct list
+
+Host paths given to push/pull are paths on the simulated host, so they live below its root.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import sys
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+from ops.sim import nvidia, pveconf
+from ops.sim.launcher import write_launcher
+from ops.sim.lxc import LxcContainers
+from ops.sim.processct import ProcessContainers
+from ops.sim.startplan import StartError, plan_start
+from ops.sim.state import CT_CONF_DIR, SimState, load_state, save_state
+
+TASK_ERROR = 255
+CT_SIDE_TOOLS = ("nvidia-smi",)
+
+
+class PctError(Exception):
+    """A failed pct task; the message is what pct prints."""
+
+
+def containers_for(root: Path, state: SimState) -> LxcContainers | ProcessContainers:
+    """The container backend the sim was initialised with (`state.containers`)."""
+    backend = LxcContainers if state.containers == "lxc" else ProcessContainers
+    return backend(root, state)
+
+
+class Pct:
+    """One `pct` invocation's view of the sim host."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.state = load_state(root)
+        self.cts = containers_for(root, self.state)
+
+    # -- config files -------------------------------------------------------------------------
+    def conf_path(self, vmid: int) -> Path:
+        return self.root / CT_CONF_DIR / f"{vmid}.conf"
+
+    def conf(self, vmid: int) -> str:
+        try:
+            return self.conf_path(vmid).read_text()
+        except FileNotFoundError:
+            raise PctError(
+                f"Configuration file 'nodes/{self.state.node}/lxc/{vmid}.conf' does not exist"
+            ) from None
+
+    def vmids(self) -> list[int]:
+        return sorted(
+            int(p.stem) for p in (self.root / CT_CONF_DIR).glob("*.conf") if p.stem.isdigit()
+        )
+
+    def _check_unlocked(self, vmid: int, options: dict[str, str]) -> None:
+        lock = pveconf.values(self.conf(vmid)).get("lock")
+        if lock and options.get("skiplock") != "1":
+            raise PctError(f"CT is locked ({lock})")
+
+    def _require_running(self, vmid: int) -> None:
+        self.conf(vmid)
+        if not self.cts.is_running(vmid):
+            raise PctError(f"CT {vmid} not running")
+
+    # -- subcommands ----------------------------------------------------------------------------
+    def status(self, vmid: int) -> None:
+        self.conf(vmid)
+        print(f"status: {'running' if self.cts.is_running(vmid) else 'stopped'}")
+
+    def config(self, vmid: int) -> None:
+        found = pveconf.entries(self.conf(vmid))
+        pve = sorted((k, v) for k, v in found if not k.startswith("lxc."))
+        for key, value in pve + [(k, v) for k, v in found if k.startswith("lxc.")]:
+            print(f"{key}: {value}")
+
+    def list(self) -> None:
+        print(f"{'VMID':<10} {'Status':<10} {'Lock':<12} Name")
+        for vmid in self.vmids():
+            settings = pveconf.values(self.conf(vmid))
+            running = "running" if self.cts.is_running(vmid) else "stopped"
+            print(
+                f"{vmid:<10} {running:<10} {settings.get('lock', ''):<12} {settings.get('hostname', '')}"
+            )
+
+    def start(self, vmid: int, options: dict[str, str] | None = None) -> None:
+        conf = self.conf(vmid)
+        self._check_unlocked(vmid, options or {})
+        if self.cts.is_running(vmid):
+            raise PctError(f"CT {vmid} already running")
+        try:
+            plan = plan_start(vmid, conf, self.root)
+            self.cts.create(vmid)
+            self._install_ct_userspace(vmid)
+            self.cts.start(vmid, plan)
+        except StartError as exc:
+            raise PctError(f"{exc}\nstartup for container '{vmid}' failed") from None
+
+    def _install_ct_userspace(self, vmid: int) -> None:
+        """The CT's driver userspace (a stand-in for libcuda) and its nvidia-smi, as a CT image has."""
+        rootfs = self.cts.rootfs(vmid)
+        described = rootfs / nvidia.CT_USERSPACE_FILE
+        existing = json.loads(described.read_text()) if described.exists() else None
+        described.parent.mkdir(parents=True, exist_ok=True)
+        described.write_text(json.dumps(nvidia.ct_userspace(self.state, existing)) + "\n")
+        for tool in CT_SIDE_TOOLS:
+            write_launcher(rootfs / "bin" / tool, tool, self.root, in_ct=True)
+
+    def stop(self, vmid: int, options: dict[str, str], *, graceful: bool = False) -> None:
+        self._check_unlocked(vmid, options)
+        self._require_running(vmid)
+        try:
+            self.cts.stop(vmid, graceful=graceful, timeout=int(options.get("timeout", 60)))
+        except StartError as exc:
+            raise PctError(str(exc)) from None
+
+    def reboot(self, vmid: int, options: dict[str, str]) -> None:
+        self.stop(vmid, options, graceful=True)
+        self.start(vmid, options)
+
+    def unlock(self, vmid: int) -> None:
+        self.conf_path(vmid).write_text(pveconf.set_keys(self.conf(vmid), {"lock": None}))
+
+    def set(self, vmid: int, options: dict[str, str]) -> None:
+        conf = self.conf(vmid)
+        self._check_unlocked(vmid, options)
+        updates: dict[str, str | None] = {k: v for k, v in options.items() if k != "delete"}
+        updates.update({k: None for k in options.get("delete", "").split(",") if k})
+        for key in updates:
+            if key.startswith("lxc.") or key in ("skiplock",):
+                raise PctError(f"Unknown option: {key}\n400 unable to parse option")
+        self.conf_path(vmid).write_text(pveconf.set_keys(conf, updates))
+
+    def create(self, vmid: int, ostemplate: str, options: dict[str, str]) -> None:
+        if self.conf_path(vmid).exists():
+            raise PctError(
+                f"unable to create CT {vmid} - CT {vmid} already exists on node '{self.state.node}'"
+            )
+        settings = {
+            "arch": "amd64",
+            "ostype": "debian",
+            "rootfs": f"local-lvm:vm-{vmid}-disk-0,size=8G",
+        }
+        settings.update({k: v for k, v in options.items() if k not in ("start", "storage")})
+        self.conf_path(vmid).parent.mkdir(parents=True, exist_ok=True)
+        self.conf_path(vmid).write_text("".join(f"{k}: {v}\n" for k, v in sorted(settings.items())))
+        try:
+            self.cts.create(vmid)
+        except StartError as exc:
+            self.conf_path(vmid).unlink()
+            raise PctError(f"unable to create CT {vmid} - {exc}") from None
+        if options.get("start") == "1":
+            self.start(vmid)
+
+    def destroy(self, vmid: int, options: dict[str, str]) -> None:
+        self.conf(vmid)
+        self._check_unlocked(vmid, options)
+        if self.cts.is_running(vmid):
+            raise PctError(f"CT {vmid} is running - destroy failed")
+        self.cts.destroy(vmid)
+        self.conf_path(vmid).unlink()
+
+    def exec(self, vmid: int, argv: list[str]) -> int:
+        self._require_running(vmid)
+        if not argv:
+            raise PctError("400 missing command")
+        return self.cts.exec(vmid, argv)
+
+    def push(self, vmid: int, source: str, dest: str, options: dict[str, str]) -> None:
+        self._require_running(vmid)
+        try:
+            data = self.host_file(source).read_bytes()
+        except OSError as exc:
+            raise PctError(f"failed to open {source} for reading") from exc
+        try:
+            self.cts.push(vmid, data, dest, int(options.get("perms", "0644"), 8))
+        except StartError as exc:
+            raise PctError(str(exc)) from None
+
+    def pull(self, vmid: int, path: str, dest: str) -> None:
+        self._require_running(vmid)
+        try:
+            data = self.cts.pull(vmid, path)
+        except StartError as exc:
+            raise PctError(str(exc)) from None
+        self.host_file(dest).write_bytes(data)
+
+    def host_file(self, path: str) -> Path:
+        return self.root / path.lstrip("/") if path.startswith("/") else Path(path)
+
+
+def parse_options(args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(positional args, {option: value}); a bare `--flag` means "1", as pct's boolean options."""
+    positional, options = [], {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--"):
+            has_value = i + 1 < len(args) and not args[i + 1].startswith("--")
+            options[arg[2:]] = args[i + 1] if has_value else "1"
+            i += 2 if has_value else 1
+        else:
+            positional.append(arg)
+            i += 1
+    return positional, options
+
+
+@contextmanager
+def host_lock(root: Path):
+    """Serialise state-changing pct calls on one sim host (pmxcfs locks per CT; one lock here)."""
+    path = root / "var/lib/ddops-sim/lock"
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _vmid(positional: list[str], usage: str) -> int:
+    if not positional or not positional[0].isdigit():
+        raise PctError(f"400 not enough arguments\n{usage}")
+    return int(positional[0])
+
+
+def main(root: Path, args: list[str]) -> int:
+    """Run `pct args...` against the sim host at `root`; the exit code."""
+    if not args:
+        print("USAGE: pct <COMMAND> [ARGS] [OPTIONS]", file=sys.stderr)
+        return TASK_ERROR
+    command, rest = args[0], args[1:]
+    if command == "exec":
+        before, _, argv = _split_dashdash(rest)
+        try:
+            return Pct(root).exec(_vmid(before, "pct exec <vmid> [<extra-args>]"), argv)
+        except PctError as exc:
+            print(exc, file=sys.stderr)
+            return TASK_ERROR
+    try:
+        with host_lock(root):
+            pct = Pct(root)
+            _dispatch(pct, command, rest)
+            save_state(root, pct.state)
+    except PctError as exc:
+        print(exc, file=sys.stderr)
+        return TASK_ERROR
+    return 0
+
+
+def _split_dashdash(args: list[str]) -> tuple[list[str], bool, list[str]]:
+    if "--" in args:
+        i = args.index("--")
+        return args[:i], True, args[i + 1 :]
+    return args[:1], False, args[1:]
+
+
+def _dispatch(pct: Pct, command: str, args: list[str]) -> None:
+    positional, options = parse_options(args)
+    usage = f"pct {command} <vmid>"
+    by_vmid: dict[str, Callable[[int], None]] = {
+        "status": pct.status,
+        "config": pct.config,
+        "start": lambda v: pct.start(v, options),
+        "stop": lambda v: pct.stop(v, options),
+        "shutdown": lambda v: pct.stop(v, options, graceful=True),
+        "reboot": lambda v: pct.reboot(v, options),
+        "unlock": pct.unlock,
+        "set": lambda v: pct.set(v, options),
+        "destroy": lambda v: pct.destroy(v, options),
+    }
+    if command == "list":
+        pct.list()
+    elif command in by_vmid:
+        by_vmid[command](_vmid(positional, usage))
+    elif command in ("push", "pull", "create"):
+        need = 2 if command == "create" else 3
+        if len(positional) < need:
+            raise PctError(f"400 not enough arguments\npct {command} <vmid> ...")
+        vmid = _vmid(positional, usage)
+        if command == "push":
+            pct.push(vmid, positional[1], positional[2], options)
+        elif command == "pull":
+            pct.pull(vmid, positional[1], positional[2])
+        else:
+            pct.create(vmid, positional[1], options)
+    else:
+        raise PctError(f"unknown command 'pct {command}'")

@@ -1,0 +1,106 @@
+"""Containers as plain processes: the sim's fallback without root or without lxc.
+
+No isolation: a CT is a directory PATH/var/lib/ddops-sim/rootfs/<vmid> and `pct exec` runs the
+argv on the host with that directory as cwd, `DDOPS_CT_ROOT` pointing at it (the probe checks
+/dev nodes below it) and its bin/ first on PATH. An argv element that is an absolute path
+existing in the CT (e.g. a file `pct push`ed to /tmp) is mapped into the CT directory. Device
+nodes are copied into the CT's dev/ at start, a missing devN node still fails the start, and
+dev/shm is emptied at stop. Device cgroup rules are not enforced (there is no cgroup).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from ops.sim.kernel import make_node, node_numbers
+from ops.sim.startplan import SHM_TARGET, StartError, StartPlan, mount_options
+from ops.sim.state import ROOTFS_DIR, SimState
+
+CT_ROOT_ENV = "DDOPS_CT_ROOT"
+SKELETON = ("bin", "dev/shm", "etc", "root", "tmp")
+
+
+class ProcessContainers:
+    """The containers of one sim host as directories; running state kept in the sim state."""
+
+    def __init__(self, root: Path, state: SimState) -> None:
+        self.root = root
+        self.state = state
+
+    def rootfs(self, vmid: int) -> Path:
+        return self.root / ROOTFS_DIR / str(vmid)
+
+    def create(self, vmid: int) -> None:
+        for sub in SKELETON:
+            (self.rootfs(vmid) / sub).mkdir(parents=True, exist_ok=True)
+
+    def is_running(self, vmid: int) -> bool:
+        return vmid in self.state.running
+
+    def start(self, vmid: int, plan: StartPlan) -> None:
+        self.create(vmid)
+        dev = self.rootfs(vmid) / "dev"
+        for device in plan.devices:
+            make_node(dev / device.name, device.major, device.minor, self.state.device_nodes)
+        for entry in plan.mounts:
+            self._apply_mount(dev.parent, entry)
+        self.state.running.append(vmid)
+
+    def _apply_mount(self, ct_root: Path, entry: str) -> None:
+        """Bind mounts of device nodes become copies of the node; other mounts are not simulated."""
+        source, target = entry.split()[:2]
+        if target == SHM_TARGET or not target.startswith("dev/"):
+            return
+        numbers = node_numbers(Path(source))
+        if numbers is not None:
+            make_node(ct_root / target, *numbers, self.state.device_nodes)
+        elif "optional" not in mount_options(entry):
+            raise StartError(f"failed to mount {source} onto {target}: No such file or directory")
+
+    def stop(self, vmid: int, *, graceful: bool = False, timeout: int = 60) -> None:
+        dev = self.rootfs(vmid) / "dev"
+        shutil.rmtree(dev, ignore_errors=True)  # /dev and its /dev/shm tmpfs vanish at stop
+        (dev / "shm").mkdir(parents=True)
+        self.state.running.remove(vmid)
+
+    def exec(self, vmid: int, argv: Sequence[str]) -> int:
+        rootfs = self.rootfs(vmid)
+        env = dict(os.environ)
+        env.update(
+            PATH=f"{rootfs / 'bin'}:{self.state.effective_ct_path()}",
+            HOME=str(rootfs / "root"),
+            **{CT_ROOT_ENV: str(rootfs)},
+        )
+        mapped = [
+            self.ct_path(vmid, a) if a.startswith("/") and self._in_ct(vmid, a) else a for a in argv
+        ]
+        try:
+            return subprocess.run(mapped, cwd=rootfs, env=env).returncode
+        except FileNotFoundError:
+            print(f"lxc-attach: {vmid}: failed to exec '{argv[0]}': No such file or directory")
+            return 127
+
+    def ct_path(self, vmid: int, path: str) -> Path:
+        return self.rootfs(vmid) / path.lstrip("/")
+
+    def _in_ct(self, vmid: int, path: str) -> bool:
+        return os.path.lexists(self.ct_path(vmid, path))
+
+    def push(self, vmid: int, data: bytes, dest: str, mode: int) -> None:
+        target = self.ct_path(vmid, dest)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        target.chmod(mode)
+
+    def pull(self, vmid: int, path: str) -> bytes:
+        try:
+            return self.ct_path(vmid, path).read_bytes()
+        except OSError as exc:
+            raise StartError(f"failed to read {path}: {exc.strerror}") from exc
+
+    def destroy(self, vmid: int) -> None:
+        shutil.rmtree(self.rootfs(vmid), ignore_errors=True)

@@ -1,0 +1,99 @@
+"""The simulated host's own state: one JSON file below the sim root, plus its fixed layout.
+
+A sim root PATH mirrors a Proxmox VE host (PATH/etc/pve/lxc, PATH/proc, PATH/dev, PATH/usr/sbin);
+what a real host keeps in its kernel (loaded modules, the uvm major, the driver version) lives
+in PATH/var/lib/ddops-sim/state.json. Only the sim reads and writes this file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ops.errors import DdopsError
+
+STATE_FILE = "var/lib/ddops-sim/state.json"
+LOG_FILE = "var/log/ddops-sim.log"
+LXC_PATH = "var/lib/lxc"
+CT_CONF_DIR = "etc/pve/lxc"
+ROOTFS_DIR = "var/lib/ddops-sim/rootfs"
+BIN_DIR = "usr/bin"
+SBIN_DIR = "usr/sbin"
+
+# The nvidia modules a host loads, in dependency order.
+NVIDIA_MODULES = ("nvidia", "nvidia_modeset", "nvidia_uvm", "nvidia_drm")
+
+
+def default_extra_binds() -> list[str]:
+    """Host dirs bound read-only into every real container: the Python prefix and this project."""
+    project = str(Path(__file__).resolve().parents[2])
+    prefixes = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix), project}
+    return sorted(prefixes)
+
+
+@dataclass
+class SimState:
+    """What the simulated kernel and driver look like now."""
+
+    node: str = "pve"
+    pve_version: str = "8.2.4"
+    driver_version: str = "550.90.07"
+    gpus: int = 1
+    uvm_major: int = 511
+    caps_major: int = 510
+    modules: list[str] = field(default_factory=list)
+    containers: str = "lxc"  # "lxc": real LXC containers; "process": plain processes
+    device_nodes: str = "mknod"  # "mknod": real character nodes; "file": placeholders (non-root)
+    extra_binds: list[str] = field(default_factory=default_extra_binds)
+    ct_path: str = ""  # PATH inside containers (`pct exec`); empty = default_ct_path()
+    running: list[int] = field(default_factory=list)  # process mode only: CTs "running"
+    boots: int = 1
+    sim: int = 1
+
+    def module_loaded(self, name: str) -> bool:
+        return name in self.modules
+
+    def effective_ct_path(self) -> str:
+        return self.ct_path or default_ct_path()
+
+
+def default_ct_path() -> str:
+    """The PATH `pct exec` gives a command: this Python's bin dir first, then the usual dirs."""
+    python_bin = os.path.dirname(os.path.realpath(sys.executable))
+    return f"{python_bin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def is_sim_root(root: Path) -> bool:
+    return (root / STATE_FILE).is_file()
+
+
+def load_state(root: Path) -> SimState:
+    """The state of the sim at `root`; DdopsError when `root` is not a sim host."""
+    path = root / STATE_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DdopsError(
+            str(root), "not a simulated host (no var/lib/ddops-sim/state.json)"
+        ) from None
+    known = {k: v for k, v in data.items() if k in SimState.__dataclass_fields__}
+    return SimState(**known)
+
+
+def save_state(root: Path, state: SimState) -> None:
+    path = root / STATE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(state), indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def log(root: Path, message: str) -> None:
+    """Append one line to the sim's log (what a real host would put in its journal)."""
+    path = root / LOG_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(message.rstrip("\n") + "\n")
