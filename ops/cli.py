@@ -85,5 +85,9 @@ def main() -> None:
     cli(prog_name="ddops")
 
 
+from ops.commands.sim import sim  # noqa: E402
+
+cli.add_command(sim)
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,103 @@
+"""`ddops sim`: create, reboot and destroy a simulated Proxmox VE host (see ops/sim).
+
+ddops sim init /tmp/pve1 --gpus 2 --ct 200     # a healthy host, CT 200 running (onboot: 1)
+ddops sim reboot /tmp/pve1 --uvm-major 509     # the incident: uvm nodes gone, major changed
+ddops --host sim:/tmp/pve1 health --ct 200     # then look at it like any host
+ddops sim destroy /tmp/pve1
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import click
+
+from ops.sim.host import destroy_host, init_host, reboot_host
+from ops.sim.state import load_state
+
+UVM_MAJOR = click.IntRange(234, 511)
+
+
+def _emit(ctx: click.Context, document: dict, human: str) -> None:
+    click.echo(json.dumps(document, indent=2) if ctx.obj.json else human)
+
+
+@click.group()
+def sim() -> None:
+    """A simulated Proxmox VE host: real LXC containers, fake GPUs."""
+
+
+@sim.command()
+@click.argument("path", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--gpus", default=1, show_default=True, type=click.IntRange(1, 16))
+@click.option("--uvm-major", default=511, show_default=True, type=UVM_MAJOR)
+@click.option("--pve-version", default="8.2.4", show_default=True)
+@click.option("--driver", default="550.90.07", show_default=True, help="NVIDIA driver version.")
+@click.option(
+    "--containers",
+    type=click.Choice(["auto", "lxc", "process"]),
+    default="auto",
+    show_default=True,
+    help="Real LXC containers (root + lxc) or plain processes; auto picks lxc where possible.",
+)
+@click.option("--ct", type=click.IntRange(100, 999999999), help="Also create and start this CT.")
+@click.pass_context
+def init(ctx, path: Path, gpus, uvm_major, pve_version, driver, containers, ct) -> None:
+    """Make PATH a simulated Proxmox host (a no-op when it already is one)."""
+    path = path.resolve()
+    changed = init_host(
+        path,
+        gpus=gpus,
+        uvm_major=uvm_major,
+        pve_version=pve_version,
+        driver=driver,
+        containers=containers,
+        ct=ct,
+    )
+    state = load_state(path)
+    document = {"path": str(path), "changed": changed, **asdict(state)}
+    if changed:
+        human = (
+            f"{path}: simulated Proxmox VE {state.pve_version} host created: {state.gpus} GPU(s), "
+            f"driver {state.driver_version}, uvm major {state.uvm_major}, "
+            f"containers: {state.containers}" + (f", CT {ct} running" if ct else "")
+        )
+    else:
+        human = f"{path}: already a simulated host: unchanged"
+    _emit(ctx, document, human)
+
+
+@sim.command()
+@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--uvm-major", type=UVM_MAJOR, help="The uvm major after boot (default: a new one).")
+@click.pass_context
+def reboot(ctx, path: Path, uvm_major) -> None:
+    """Reboot the simulated host: CTs stop, /dev/shm empties, uvm nodes vanish, onboot CTs start."""
+    report = reboot_host(path.resolve(), uvm_major=uvm_major)
+    lines = [
+        f"{path}: rebooted: uvm major {report.uvm_major_before} -> {report.uvm_major}",
+        f"  modules loaded: {', '.join(report.modules) or 'none'}",
+        f"  boot units run: {', '.join(report.units) or 'none'}",
+        f"  CTs stopped: {_ids(report.stopped)}; started (onboot): {_ids(report.started)}",
+    ]
+    lines += [f"  CT {vmid}: start failed: {why}" for vmid, why in report.failed.items()]
+    _emit(ctx, {"path": str(path.resolve()), **asdict(report)}, "\n".join(lines))
+
+
+@sim.command()
+@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.pass_context
+def destroy(ctx, path: Path) -> None:
+    """Stop and destroy the host's containers, then delete PATH."""
+    destroyed = destroy_host(path.resolve())
+    _emit(
+        ctx,
+        {"path": str(path.resolve()), "destroyed": destroyed},
+        f"{path}: simulated host destroyed (CTs: {_ids(destroyed)})",
+    )
+
+
+def _ids(vmids: list[int]) -> str:
+    return ", ".join(map(str, vmids)) or "none"
