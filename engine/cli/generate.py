@@ -1,0 +1,97 @@
+"""`python -m engine generate`: one generation with ar, linear (DFlash chain) or ddtree decoding.
+
+    python -m engine generate --model DIR --draft DRAFT_DIR --method ddtree --budget 15 \
+        --prompt "w1 w2" --max-new-tokens 64 --json [--trace]
+
+Prints the text (or, with --json, one JSON document: output_ids, text, acceptance_lengths,
+decode_tokens_per_s, stage_seconds, finish_reason, ttft_s, and rounds with --trace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", required=True, type=Path, help="target model directory (HF format)"
+    )
+    parser.add_argument("--draft", type=Path, help="DFlash drafter directory (linear, ddtree)")
+    parser.add_argument("--method", choices=("ar", "linear", "ddtree"), default="ddtree")
+    parser.add_argument("--budget", type=int, default=15, help="ddtree node budget")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument(
+        "--prompt", help="prompt text, encoded with the model directory's tokenizer"
+    )
+    prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float64"))
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument(
+        "--trace", action="store_true", help="add the per-round trees (with --json)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine.decode import GenerationConfig, generate
+    from engine.models import load_drafter, load_target
+    from engine.models.common import default_device, resolve_dtype
+
+    if args.method != "ar" and args.draft is None:
+        print(f"Error: --method {args.method} needs --draft DIR", file=sys.stderr)
+        return 2
+    tokenizer = _tokenizer_or_none(args.model)
+    if args.prompt is not None and tokenizer is None:
+        print(f"Error: {args.model}: no tokenizer.json for --prompt", file=sys.stderr)
+        return 2
+    device = args.device or default_device()
+    dtype = resolve_dtype(args.dtype, device)
+    prompt_ids = (
+        tokenizer.encode(args.prompt)
+        if args.prompt is not None
+        else [int(i) for i in args.prompt_ids.split(",") if i.strip()]
+    )
+    target = load_target(args.model, dtype, device)
+    drafter = load_drafter(args.draft, dtype, device) if args.method != "ar" else None
+    cfg = GenerationConfig(
+        method=args.method,
+        budget=args.budget,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        stop_token_ids=tokenizer.eos_token_ids if tokenizer else (),
+        trace=args.trace,
+    )
+    with torch.inference_mode():
+        result = generate(target, drafter, prompt_ids, cfg)
+    text = tokenizer.decode(result.output_ids) if tokenizer else None
+    if not args.json:
+        print(text if text is not None else " ".join(map(str, result.output_ids)))
+        return 0
+    document = {
+        "output_ids": result.output_ids,
+        "text": text,
+        "acceptance_lengths": result.acceptance_lengths,
+        "decode_tokens_per_s": result.decode_tokens_per_s,
+        "stage_seconds": result.stage_seconds,
+        "finish_reason": result.finish_reason,
+        "ttft_s": result.ttft_s,
+    }
+    if args.trace:
+        document["rounds"] = result.rounds
+    print(json.dumps(document))
+    return 0
+
+
+def _tokenizer_or_none(model_dir: Path):
+    from engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
