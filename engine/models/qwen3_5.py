@@ -277,7 +277,7 @@ class Qwen3_5Model(nn.Module):
         parents: torch.Tensor | None = None,  # [T]; None = a chain
         hidden_layers: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [T, V] (float32) of the pending tokens, and the requested layers' outputs.
+        """Logits [T, V] (float32; float64 for float64 models) and the requested layers' outputs.
 
         Token i sits at position cache.length + depth(i) and sees the committed prefix, its
         ancestors and itself. The committed state is left as it is until `commit`.
@@ -297,7 +297,7 @@ class Qwen3_5Model(nn.Module):
             h = layer(h, tree, self.state_strategy)
             if index in wanted:
                 captured[index] = h
-        logits = self.lm_head(self.norm(h)).float()
+        logits = self.lm_head(self.norm(h)).to(compute_dtype(h.dtype))  # float64 stays float64
         hidden = torch.cat([captured[i] for i in hidden_layers], dim=-1) if hidden_layers else None
         return logits, hidden
 
