@@ -1,0 +1,339 @@
+"""The Triton tree kernels match their plain-torch references (engine/kernels/reference.py).
+
+The kernels run in Triton's CPU interpreter: TRITON_INTERPRET=1 is set below before the
+kernel modules are imported (Triton decides at definition time), and modules imported earlier
+in this process without it are reloaded. Shapes stay tiny: the interpreter costs ~0.5 ms per
+program. Run: python -m pytest -q tests/test_kernels.py
+
+Tolerances: float32 inputs 1e-5 (same math, another summation order); bf16 inputs compare
+against the reference on the same bf16 inputs at 1.6e-2 relative, one or two bf16 rounding
+steps of the output (both compute in float32 and round once); float64 inputs 1e-12.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels below are defined
+
+import engine.kernels as kernels  # noqa: E402
+from engine.kernels import reference  # noqa: E402
+
+
+def _interpreted(name: str):
+    module = sys.modules.get(name)
+    return importlib.reload(module) if module else importlib.import_module(name)
+
+
+triton_attention = _interpreted("engine.kernels.triton_attention")
+triton_conv = _interpreted("engine.kernels.triton_conv")
+triton_gated_delta = _interpreted("engine.kernels.triton_gated_delta")
+
+TOLERANCE = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2},
+    torch.float64: {"atol": 1e-12, "rtol": 1e-12},
+}
+
+TREES = {
+    "single": [-1],
+    "all_roots": [-1, -1, -1, -1, -1],
+    "chain": [-1, 0, 1, 2, 3, 4],
+    "wide": [-1, 0, 0, 0, 0, 0, 0],
+    "two_level": [-1, 0, 0, 1, 1, 2, 2],
+    "forest": [-1, 0, -1, 2, 1, -1, 3],
+    "random": None,  # drawn from a seed in _parents
+}
+
+
+def _parents(tree: str, seed: int = 0) -> torch.Tensor:  # [T] int64
+    if TREES[tree] is not None:
+        return torch.tensor(TREES[tree], dtype=torch.int64)
+    gen = torch.Generator().manual_seed(seed)
+    picks = [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(9)]
+    return torch.tensor(picks, dtype=torch.int64)
+
+
+def _ancestor_mask(parents: torch.Tensor) -> torch.Tensor:  # [T, T] bool
+    """visible[i, j]: j is i or one of its ancestors (what the engine passes tree_attention)."""
+    T = parents.shape[0]
+    visible = torch.eye(T, dtype=torch.bool)
+    for i, parent in enumerate(parents.tolist()):
+        if parent >= 0:
+            visible[i] |= visible[parent]
+    return visible
+
+
+def _randn(*shape: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert actual.dtype == expected.dtype
+    assert actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, **TOLERANCE[dtype])
+
+
+# --- gated delta rule -------------------------------------------------------------------------
+
+
+def _delta_inputs(T: int, H: int, Dk: int, Dv: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(_randn(T, H, Dk, dtype=torch.float64, gen=gen), dim=-1).to(dtype)
+    k = F.normalize(_randn(T, H, Dk, dtype=torch.float64, gen=gen), dim=-1).to(dtype)
+    v = _randn(T, H, Dv, dtype=dtype, gen=gen)
+    g = -torch.rand(T, H, generator=gen, dtype=torch.float64).to(dtype)  # log decay <= 0
+    beta = torch.rand(T, H, generator=gen, dtype=torch.float64).to(dtype)
+    initial_state = _randn(H, Dk, Dv, dtype=dtype, gen=gen)
+    return q, k, v, g, beta, initial_state
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_delta_matches_reference_on_every_tree_shape(tree: str, dtype: torch.dtype) -> None:
+    parents = _parents(tree)
+    q, k, v, g, beta, state0 = _delta_inputs(len(parents), 2, 16, 16, dtype)
+    args = (q, k, v, g, beta, parents, state0, 0.25)
+
+    out, states = triton_gated_delta.tree_gated_delta_rule(*args, return_states=True)
+    expected_out, expected_states = reference.tree_gated_delta_rule(*args, return_states=True)
+
+    _assert_matches(out, expected_out, dtype)
+    _assert_matches(states, expected_states, torch.float32)  # float32 state for bf16 too
+
+
+@pytest.mark.parametrize("tree", ["wide", "forest", "random"])
+def test_gated_delta_without_states_reloads_branch_points(tree: str) -> None:
+    """Without return_states only branch points are snapshotted; the outputs stay exact."""
+    parents = _parents(tree, seed=3)
+    inputs = _delta_inputs(len(parents), 2, 16, 16, torch.float32, seed=1)
+    args = (*inputs[:5], parents, inputs[5], 0.25)
+
+    out, states = triton_gated_delta.tree_gated_delta_rule(*args)
+    expected_out, _ = reference.tree_gated_delta_rule(*args)
+
+    assert states is None
+    _assert_matches(out, expected_out, torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("H", "Dk", "Dv"),
+    [(3, 24, 20), (1, 128, 64), (2, 16, 40)],
+    ids=["not_powers_of_two", "two_value_blocks", "masked_value_block"],
+)
+def test_gated_delta_head_shapes(H: int, Dk: int, Dv: int) -> None:
+    parents = _parents("two_level")
+    q, k, v, g, beta, state0 = _delta_inputs(len(parents), H, Dk, Dv, torch.float32, seed=2)
+    args = (q, k, v, g, beta, parents, state0, Dk**-0.5)
+
+    out, states = triton_gated_delta.tree_gated_delta_rule(*args, return_states=True)
+    expected_out, expected_states = reference.tree_gated_delta_rule(*args, return_states=True)
+
+    _assert_matches(out, expected_out, torch.float32)
+    _assert_matches(states, expected_states, torch.float32)
+
+
+# --- causal conv1d over a tree ---------------------------------------------------------------
+
+
+def _conv_inputs(T: int, C: int, W: int, K: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = _randn(T, C, dtype=dtype, gen=gen)
+    conv_state = _randn(C, W, dtype=dtype, gen=gen)
+    weight = _randn(C, K, dtype=dtype, gen=gen)
+    bias = _randn(C, dtype=dtype, gen=gen)
+    return x, conv_state, weight, bias
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_matches_reference_on_every_tree_shape(tree: str, dtype: torch.dtype) -> None:
+    parents = _parents(tree)
+    x, conv_state, weight, bias = _conv_inputs(len(parents), 12, 3, 4, dtype)
+
+    out = triton_conv.tree_causal_conv1d(x, parents, conv_state, weight, bias)
+
+    expected = reference.tree_causal_conv1d(x, parents, conv_state, weight, bias)
+    _assert_matches(out, expected, dtype)
+
+
+@pytest.mark.parametrize(
+    ("C", "W", "K", "with_bias", "activation"),
+    [
+        (300, 3, 4, True, "silu"),
+        (7, 6, 4, False, None),
+        (5, 1, 2, True, None),
+        (5, 2, 1, False, "silu"),
+    ],
+    ids=["two_channel_blocks", "longer_state_no_bias", "kernel_2", "kernel_1"],
+)
+def test_conv_shapes_and_options(
+    C: int, W: int, K: int, with_bias: bool, activation: str | None
+) -> None:
+    parents = _parents("random", seed=5)
+    x, conv_state, weight, bias = _conv_inputs(len(parents), C, W, K, torch.float32, seed=4)
+    bias = bias if with_bias else None
+
+    out = triton_conv.tree_causal_conv1d(x, parents, conv_state, weight, bias, activation)
+
+    expected = reference.tree_causal_conv1d(x, parents, conv_state, weight, bias, activation)
+    _assert_matches(out, expected, torch.float32)
+
+
+def test_conv_refuses_a_state_shorter_than_the_kernel() -> None:
+    x, conv_state, weight, bias = _conv_inputs(2, 4, 2, 4, torch.float32)
+    with pytest.raises(ValueError, match="conv_state holds 2 inputs"):
+        triton_conv.tree_causal_conv1d(x, _parents("chain")[:2], conv_state, weight, bias)
+
+
+# --- tree attention ---------------------------------------------------------------------------
+
+
+def _attention_inputs(T: int, prefix_len: int, Hq: int, Hkv: int, D: int, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(T * 100 + prefix_len)
+    q = _randn(T, Hq, D, dtype=dtype, gen=gen)
+    k = _randn(prefix_len + T, Hkv, D, dtype=dtype, gen=gen)
+    v = _randn(prefix_len + T, Hkv, D, dtype=dtype, gen=gen)
+    return q, k, v
+
+
+def _check_attention(parents, prefix_len, Hq, Hkv, D, dtype, causal=False, **launch) -> None:
+    q, k, v = _attention_inputs(len(parents), prefix_len, Hq, Hkv, D, dtype)
+    visible = None if causal else _ancestor_mask(parents)
+    args = (q, k, v, prefix_len, visible, D**-0.5)
+
+    out = triton_attention.tree_attention(*args, **launch)
+
+    _assert_matches(out, reference.tree_attention(*args), dtype)
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_matches_reference_on_every_tree_shape(tree: str, dtype: torch.dtype) -> None:
+    _check_attention(_parents(tree), 5, 4, 2, 16, dtype)
+
+
+@pytest.mark.parametrize(
+    ("Hq", "Hkv", "D"),
+    [(2, 2, 16), (6, 2, 32), (8, 2, 24), (3, 1, 16)],
+    ids=["mha", "gqa3", "gqa4_d24", "mqa3"],
+)
+def test_attention_gqa_ratios_and_head_dims(Hq: int, Hkv: int, D: int) -> None:
+    _check_attention(_parents("two_level"), 9, Hq, Hkv, D, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_causal_without_a_tree(dtype: torch.dtype) -> None:
+    _check_attention(_parents("chain"), 6, 4, 2, 16, dtype, causal=True)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3])
+def test_attention_key_splits_and_blocks_agree(num_splits: int) -> None:
+    """A long prefix over several key blocks, in one split or merged from several."""
+    _check_attention(
+        _parents("forest"), 41, 4, 2, 16, torch.float32, num_splits=num_splits, block_n=16
+    )
+
+
+def test_attention_without_prefix() -> None:
+    _check_attention(_parents("random", seed=7), 0, 4, 1, 32, torch.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_qwen36_head_shape(dtype: torch.dtype) -> None:
+    """Qwen3.6-27B attention heads: 24 q / 4 kv heads of 256 (scaled down to 6 / 1)."""
+    _check_attention(_parents("two_level"), 20, 6, 1, 256, dtype, num_splits=2, block_n=16)
+
+
+# --- float64, empty trees, dispatch -----------------------------------------------------------
+
+
+def test_float64_inputs_compute_in_float64() -> None:
+    parents = _parents("forest")
+    T = len(parents)
+    q, k, v = _attention_inputs(T, 7, 4, 2, 16, torch.float64)
+    args = (q, k, v, 7, _ancestor_mask(parents), 0.3)
+    _assert_matches(
+        triton_attention.tree_attention(*args), reference.tree_attention(*args), torch.float64
+    )
+
+    x, conv_state, weight, bias = _conv_inputs(T, 6, 3, 4, torch.float64)
+    conv_args = (x, parents, conv_state, weight, bias)
+    expected_conv = reference.tree_causal_conv1d(*conv_args)
+    _assert_matches(triton_conv.tree_causal_conv1d(*conv_args), expected_conv, torch.float64)
+
+    q, k, v, g, beta, state0 = _delta_inputs(T, 2, 16, 8, torch.float64)
+    delta_args = (q, k, v, g, beta, parents, state0, 0.25)
+    out, states = triton_gated_delta.tree_gated_delta_rule(*delta_args, return_states=True)
+    expected_out, expected_states = reference.tree_gated_delta_rule(*delta_args, return_states=True)
+    _assert_matches(out, expected_out, torch.float64)
+    _assert_matches(states, expected_states, torch.float64)
+
+
+def test_empty_trees_give_empty_outputs() -> None:
+    no_parents = torch.empty(0, dtype=torch.int64)
+    q, k, v = _attention_inputs(0, 3, 2, 1, 16, torch.float32)
+    assert triton_attention.tree_attention(q, k, v, 3, None, 0.25).shape == (0, 2, 16)
+    x, conv_state, weight, bias = _conv_inputs(0, 4, 3, 4, torch.float32)
+    assert triton_conv.tree_causal_conv1d(x, no_parents, conv_state, weight, bias).shape == (0, 4)
+    q, k, v, g, beta, state0 = _delta_inputs(0, 2, 16, 8, torch.float32)
+    out, _ = triton_gated_delta.tree_gated_delta_rule(q, k, v, g, beta, no_parents, state0, 0.25)
+    assert out.shape == (0, 2, 8)
+
+
+def test_dispatch_uses_the_reference_for_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Even with the interpreter on, CPU tensors never reach a Triton kernel."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a Triton kernel was called with CPU tensors")
+
+    for module, name in [
+        (triton_attention, "tree_attention"),
+        (triton_conv, "tree_causal_conv1d"),
+        (triton_gated_delta, "tree_gated_delta_rule"),
+    ]:
+        monkeypatch.setattr(module, name, refuse)
+    parents = _parents("wide")
+    T = len(parents)
+    q, k, v = _attention_inputs(T, 2, 2, 1, 16, torch.float32)
+    att_args = (q, k, v, 2, _ancestor_mask(parents), 0.25)
+    assert torch.equal(kernels.tree_attention(*att_args), reference.tree_attention(*att_args))
+    x, conv_state, weight, bias = _conv_inputs(T, 4, 3, 4, torch.float32)
+    conv_args = (x, parents, conv_state, weight, bias)
+    assert torch.equal(
+        kernels.tree_causal_conv1d(*conv_args), reference.tree_causal_conv1d(*conv_args)
+    )
+    delta_args = (*_delta_inputs(T, 1, 16, 8, torch.float32)[:5], parents)
+    state0 = torch.zeros(1, 16, 8)
+    out, states = kernels.tree_gated_delta_rule(*delta_args, state0, 0.25, return_states=True)
+    expected = reference.tree_gated_delta_rule(*delta_args, state0, 0.25, return_states=True)
+    assert torch.equal(out, expected[0]) and torch.equal(states, expected[1])
+
+
+_ON_CUDA = SimpleNamespace(is_cuda=True)  # stands in for a CUDA tensor: only is_cuda is read
+_ON_CPU = SimpleNamespace(is_cuda=False)
+
+
+def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(kernels.BACKEND_ENV, raising=False)
+    assert kernels.backend_for(_ON_CUDA) == "triton"
+    assert kernels.backend_for(_ON_CPU) == "reference"
+    monkeypatch.setenv(kernels.BACKEND_ENV, "reference")
+    assert kernels.backend_for(_ON_CUDA) == "reference"
+    monkeypatch.setenv(kernels.BACKEND_ENV, "auto")
+    monkeypatch.setattr(kernels, "_triton_importable", lambda: False)
+    assert kernels.backend_for(_ON_CUDA) == "reference"
+
+
+def test_backend_choice_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernels.BACKEND_ENV, "cuda")
+    with pytest.raises(ValueError, match="DDOPS_KERNELS='cuda'"):
+        kernels.backend_for(_ON_CUDA)
