@@ -1,0 +1,91 @@
+"""`python -m engine serve`: the OpenAI-compatible HTTP server over one model pair.
+
+    python -m engine serve --model DIR [--draft DIR] [--host 127.0.0.1] [--port 8000] \\
+        [--max-model-len N] [--api-key KEY | env DDOPS_API_KEY] [--dtype float32] [--device cpu] \\
+        [--method ar|linear|ddtree] [--budget 15] [--max-waiting 32] [--served-model-name NAME]
+
+The model loads after the port opens: `/health` answers at once, `/ready` once the model is
+loaded and a 1-token generation succeeded. A load failure stops the server with exit code 1.
+SIGTERM (or Ctrl-C) drains in-flight requests for a few seconds, cancels what is left, exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+API_KEY_ENV = "DDOPS_API_KEY"
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, type=Path, help="target model directory (HF)")
+    parser.add_argument("--draft", type=Path, help="DFlash drafter directory (linear, ddtree)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        help="context limit: prompt + max_tokens (default: the model's max_position_embeddings)",
+    )
+    parser.add_argument(
+        "--api-key", help=f"require 'Authorization: Bearer KEY' (default: env {API_KEY_ENV})"
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--method",
+        choices=["ar", "linear", "ddtree"],
+        help="default decoding method (default: ddtree with --draft, else ar)",
+    )
+    parser.add_argument("--budget", type=int, default=15, help="default ddtree node budget")
+    parser.add_argument(
+        "--max-waiting", type=int, default=32, help="requests that may wait (then 503)"
+    )
+    parser.add_argument("--served-model-name", help="model id in the API (default: --model's name)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine.server import ServerConfig, create_app, load_engine
+
+    method = args.method or ("ddtree" if args.draft else "ar")
+    if method != "ar" and not args.draft:
+        print(
+            f"Error: --method {method} needs --draft (a DFlash drafter directory)", file=sys.stderr
+        )
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    config = ServerConfig(
+        model_name=args.served_model_name or args.model.resolve().name,
+        default_method=method,
+        default_budget=args.budget,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_waiting=args.max_waiting,
+    )
+
+    def load():
+        return load_engine(args.model, args.draft, args.dtype, args.device, args.max_model_len)
+
+    server: uvicorn.Server | None = None
+
+    def stop_server() -> None:
+        server.should_exit = True
+
+    app = create_app(load, config, on_fatal=stop_server)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+    )
+    server.run()
+    return 1 if app.state.server.worker.startup_error else 0

@@ -1,0 +1,386 @@
+"""The HTTP layer of engine/server.py over a scripted engine, served by a real uvicorn on loopback.
+
+The scripted engine has `engine.decode.generate`'s calling convention (on_tokens per round,
+should_stop polled per round) and events to hold, watch and release a generation, so queueing,
+cancellation and readiness are tested deterministically. The real model is driven in
+tests/test_server_e2e.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.decode import GenerationConfig, GenerationResult
+from engine.server import LoadedEngine, ServerConfig, create_app
+
+EOS = 0
+WAIT_S = 10.0
+
+
+class CharTokenizer:
+    """One id per character (ord); id 0 is the eos."""
+
+    eos_token_ids = (EOS,)
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids if i != EOS)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        turns = "".join(f"[{m['role']}]{m['content']}" for m in messages)
+        return self.encode(turns + "[assistant]")
+
+
+class ScriptedEngine:
+    """Commits `reply` + eos two ids per round; while `gate` is cleared, rounds wait (polling
+    should_stop, as the real engine does once per round)."""
+
+    def __init__(self, reply: str = "Hello world!") -> None:
+        self.reply = reply
+        self.gate = threading.Event()
+        self.gate.set()
+        self.started = threading.Event()
+        self.cancelled = threading.Event()
+        self.configs: list[GenerationConfig] = []
+
+    def generate(self, prompt_ids, cfg, *, on_tokens=None, should_stop=None) -> GenerationResult:
+        self.configs.append(cfg)
+        self.started.set()
+        ids = [ord(c) for c in self.reply] + [EOS]
+        output, lengths, finish = [], [], "length"
+        while len(output) < cfg.max_new_tokens:
+            if self._stopped_before_round(should_stop, first=not output):
+                finish = "cancelled"
+                self.cancelled.set()
+                break
+            step = ids[len(output) : len(output) + 2][: cfg.max_new_tokens - len(output)]
+            output += step
+            lengths.append(len(step))
+            if on_tokens:
+                on_tokens(step)
+            if EOS in step:
+                finish = "stop"
+                break
+        return GenerationResult(output, finish, lengths, {}, 100.0, 0.01, None)
+
+    def _stopped_before_round(self, should_stop, *, first: bool) -> bool:
+        stop = should_stop or (lambda: False)
+        while not self.gate.wait(0.01):
+            if stop():
+                return True
+        return not first and stop()
+
+
+def loaded(engine: ScriptedEngine, has_drafter: bool = True, max_model_len: int = 64):
+    return LoadedEngine(engine.generate, CharTokenizer(), max_model_len, 0x110000, has_drafter)
+
+
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """Serve `app` with uvicorn on a pre-bound loopback socket (connections queue until it runs)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_S)
+        sock.close()
+
+
+@contextlib.contextmanager
+def running(
+    engine: ScriptedEngine | None = None,
+    load: Callable[[], LoadedEngine] | None = None,
+    **config,
+) -> Iterator[tuple[str, object]]:
+    engine = engine or ScriptedEngine()
+    app = create_app(load or (lambda: loaded(engine)), ServerConfig(model_name="tiny", **config))
+    with serving(app) as url:
+        yield url, app.state.server
+
+
+@pytest.fixture
+def engine() -> ScriptedEngine:
+    return ScriptedEngine()
+
+
+@pytest.fixture
+def server(engine):
+    with running(engine) as (url, state):
+        assert state.worker.ready.wait(WAIT_S)
+        yield url, state
+
+
+def complete(url: str, **body) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"prompt": "hi", **body}, timeout=WAIT_S)
+
+
+def wait_until(predicate: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+# -- generation -------------------------------------------------------------------------------
+
+
+def test_completion_carries_text_usage_and_speculative_statistics(server, engine):
+    url, _ = server
+    body = complete(url, max_tokens=50).json()
+    assert body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == "Hello world!"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 13, "total_tokens": 15}
+    spec = body["speculative"]
+    assert (spec["method"], spec["budget"], spec["rounds"]) == ("ddtree", 15, 7)
+    assert spec["mean_acceptance_length"] == pytest.approx(13 / 7)
+
+
+def test_speculative_choice_per_request_else_server_default(server, engine):
+    url, _ = server
+    complete(url, temperature=0.5, seed=7, max_tokens=3)
+    complete(url, speculative={"method": "linear"})
+    complete(url, speculative={"method": "ddtree", "budget": 4})
+    first, second, third = engine.configs[-3:]
+    assert (first.method, first.budget, first.temperature, first.seed) == ("ddtree", 15, 0.5, 7)
+    assert (first.max_new_tokens, first.stop_token_ids) == (3, (EOS,))
+    assert (second.method, second.max_new_tokens) == ("linear", 16)  # OpenAI's default 16
+    assert (third.method, third.budget) == ("ddtree", 4)
+
+
+def test_chat_completion_uses_the_chat_template(server, engine):
+    url, _ = server
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    body = httpx.post(url + "/v1/chat/completions", json={"messages": messages}).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello world!"}
+    assert body["usage"]["prompt_tokens"] == len("[user]hi[assistant]")
+    # No max_tokens in chat: the rest of the context (64 tokens).
+    assert engine.configs[-1].max_new_tokens == 64 - len("[user]hi[assistant]")
+
+
+def test_a_stop_string_ends_the_generation_early(server, engine):
+    url, _ = server
+    body = complete(url, stop=[" wor"], max_tokens=50).json()
+    assert body["choices"][0]["text"] == "Hello"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] < len("Hello world!")  # stopped, not run out
+
+
+def test_streamed_chunks_join_to_the_completion(server):
+    url, _ = server
+    with httpx.stream(
+        "POST",
+        url + "/v1/completions",
+        json={"prompt": "hi", "stream": True, "stream_options": {"include_usage": True}},
+    ) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [httpx.Response(200, content=line[len("data: ") :]).json() for line in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "Hello world!"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-2]["speculative"]["rounds"] == 7
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 13
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+BAD_BODIES = [
+    (b"{not json", "invalid JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b'{"prompt": "hi", "max_tokens": -1}', "max_tokens: Input should be greater than or equal to"),
+    (b'{"prompt": "hi", "max_tokens": "ten"}', "max_tokens: Input should be a valid integer"),
+    (b'{"prompt": "hi", "temperature": -0.5}', "temperature: Input should be greater than"),
+    (b'{"prompt": 42}', "prompt"),
+    (b'{"prompt": ""}', "prompt"),
+    (b'{"max_tokens": 5}', "prompt: Field required"),
+    (b'{"prompt": "hi", "model": "gpt-4"}', "model 'gpt-4' is not served here"),
+    (b'{"prompt": "hi", "speculative": {"method": "medusa"}}', "speculative.method"),
+    (b'{"prompt": "hi", "speculative": {"budget": 0}}', "speculative.budget"),
+    (b'{"prompt": "hi", "n": 2}', "n: Input should be less than or equal to 1"),
+    (b'{"prompt": [1, -3]}', "prompt token ids must be in"),
+]
+
+
+@pytest.mark.parametrize(("raw", "message"), BAD_BODIES)
+def test_bad_input_is_a_400_with_a_clear_message(server, raw, message):
+    url, _ = server
+    response = httpx.post(url + "/v1/completions", content=raw)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert message in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_context_limit_names_the_numbers(server):
+    url, _ = server
+    response = complete(url, prompt="x" * 60, max_tokens=5)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert "prompt has 60 tokens, max_tokens 5, limit 64" in error["message"]
+    assert error["code"] == "context_length_exceeded"
+    assert complete(url, prompt="x" * 59, max_tokens=5).status_code == 200  # exactly the limit
+
+
+def test_a_drafter_method_without_a_drafter_is_refused():
+    engine = ScriptedEngine()
+    with running(engine, load=lambda: loaded(engine, has_drafter=False), default_method="ar") as (
+        url,
+        state,
+    ):
+        assert state.worker.ready.wait(WAIT_S)
+        response = complete(url, speculative={"method": "ddtree"})
+        assert response.status_code == 400
+        assert "needs a drafter" in response.json()["error"]["message"]
+        assert complete(url).json()["speculative"]["method"] == "ar"
+
+
+# -- queue, cancellation, lifecycle -----------------------------------------------------------
+
+
+def test_a_full_queue_answers_503(engine):
+    with running(engine, max_waiting=1) as (url, state), ThreadPoolExecutor(2) as pool:
+        assert state.worker.ready.wait(WAIT_S)
+        engine.started.clear()
+        engine.gate.clear()
+        running_request = pool.submit(complete, url)
+        assert engine.started.wait(WAIT_S)
+        waiting_request = pool.submit(complete, url)
+        wait_until(lambda: state.worker.waiting == 1)
+        refused = complete(url)
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "queue_full"
+        assert refused.headers["retry-after"] == "1"
+        engine.gate.set()
+        assert running_request.result().status_code == 200
+        assert waiting_request.result().status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_disconnects_cancels_its_generation(server, engine, stream):
+    url, _ = server
+    engine.started.clear()
+    engine.gate.clear()
+    body = f'{{"prompt": "hi", "stream": {str(stream).lower()}}}'.encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        assert engine.started.wait(WAIT_S)
+    assert engine.cancelled.wait(WAIT_S), "the generation ran on after the client left"
+    engine.gate.set()
+    assert complete(url).status_code == 200  # the worker carries on
+
+
+def test_health_answers_while_loading_and_ready_waits_for_the_warm_up():
+    engine = ScriptedEngine()
+    release = threading.Event()
+
+    def slow_load() -> LoadedEngine:
+        release.wait(WAIT_S)
+        return loaded(engine)
+
+    with running(engine, load=slow_load) as (url, state):
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+        assert httpx.get(url + "/ready").status_code == 503
+        assert httpx.get(url + "/health", params={"ready": 1}).status_code == 503
+        assert complete(url).json()["error"]["code"] == "not_ready"
+        release.set()
+        assert state.worker.ready.wait(WAIT_S)
+        assert httpx.get(url + "/ready").json() == {"status": "ready", "model": "tiny"}
+        assert engine.configs[0].max_new_tokens == 1  # the warm-up generation
+
+
+def test_a_failed_load_is_reported_and_fatal():
+    fatal = threading.Event()
+
+    def broken_load() -> LoadedEngine:
+        raise FileNotFoundError("no config.json in /models/x")
+
+    app = create_app(broken_load, ServerConfig(model_name="x"), on_fatal=fatal.set)
+    with serving(app) as url:
+        assert fatal.wait(WAIT_S)
+        ready = httpx.get(url + "/ready")
+        assert ready.status_code == 503
+        assert "no config.json in /models/x" in ready.json()["error"]
+
+
+# -- auth and metrics -------------------------------------------------------------------------
+
+
+def test_api_key_guards_everything_but_health(engine, caplog):
+    secret = "s3cret-key"
+    with running(engine, api_key=secret) as (url, state):
+        assert state.worker.ready.wait(WAIT_S)
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/ready").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": secret}):
+            response = httpx.get(url + "/v1/models", headers=headers)
+            assert response.status_code == 401
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        good = {"Authorization": f"Bearer {secret}"}
+        assert httpx.get(url + "/v1/models", headers=good).json()["data"][0]["id"] == "tiny"
+        assert httpx.get(url + "/metrics", headers=good).status_code == 200
+    assert secret not in caplog.text
+
+
+def test_metrics_parse_and_count_per_method(server):
+    url, _ = server
+    complete(url, speculative={"method": "linear"})
+    complete(url, max_tokens=-1)
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+
+    def value(family: str, sample: str, **labels) -> float:
+        return sum(
+            s.value
+            for s in families[family].samples
+            if s.name == sample and labels.items() <= s.labels.items()
+        )
+
+    assert value("ddops_engine_requests", "ddops_engine_requests_total", method="linear") == 1
+    assert value("ddops_engine_errors", "ddops_engine_errors_total", status="400") == 1
+    assert (
+        value(
+            "ddops_engine_generated_tokens", "ddops_engine_generated_tokens_total", method="linear"
+        )
+        == len("Hello world!") + 1
+    )
+    assert (
+        value(
+            "ddops_engine_acceptance_length",
+            "ddops_engine_acceptance_length_count",
+            method="linear",
+        )
+        == 7
+    )
+
+
+def test_tokenize_counts_text_and_chat_messages(server):
+    url, _ = server
+    text = httpx.post(url + "/tokenize", json={"prompt": "abc"}).json()
+    assert text == {"count": 3, "tokens": [97, 98, 99], "max_model_len": 64}
+    messages = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(url + "/tokenize", json={"messages": messages}).json()
+    assert chat["count"] == len("[user]hi[assistant]")
+    both = httpx.post(url + "/tokenize", json={"prompt": "a", "messages": messages})
+    assert both.status_code == 400
