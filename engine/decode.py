@@ -105,7 +105,7 @@ class _Output:
         return len(taken)
 
 
-def _check(cfg: GenerationConfig, drafter, prompt_ids: list[int], max_len: int) -> None:
+def _check(cfg: GenerationConfig, drafter) -> None:
     if cfg.method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, not {cfg.method!r}")
     if cfg.method != "ar" and drafter is None:
@@ -114,8 +114,6 @@ def _check(cfg: GenerationConfig, drafter, prompt_ids: list[int], max_len: int) 
         raise ValueError(f"ddtree budget must be >= 1, not {cfg.budget}")
     if cfg.max_new_tokens < 1 or cfg.temperature < 0:
         raise ValueError("max_new_tokens must be >= 1 and temperature >= 0")
-    if not 0 < len(prompt_ids) <= max_len:
-        raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_len {max_len}")
 
 
 def generate(
@@ -128,9 +126,15 @@ def generate(
     on_tokens: Callable[[list[int]], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> GenerationResult:
-    """Generate up to cfg.max_new_tokens after prompt_ids; max_len bounds the KV cache (tokens)."""
-    max_len = max_len or len(prompt_ids) + cfg.max_new_tokens
-    _check(cfg, drafter, prompt_ids, max_len)
+    """Generate up to cfg.max_new_tokens after prompt_ids; max_len bounds the KV cache (tokens).
+
+    The default max_len leaves room for a full draft on top of the longest output, so only
+    max_new_tokens (never the cache) shrinks the last rounds' drafts.
+    """
+    _check(cfg, drafter)
+    max_len = max_len or len(prompt_ids) + cfg.max_new_tokens + _draft_width(cfg, drafter)
+    if not 0 < len(prompt_ids) <= max_len:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_len {max_len}")
     device = target.embed_tokens.weight.device
     speculative = cfg.method != "ar"
     layers = tuple(drafter.target_layer_ids) if speculative else ()
@@ -195,6 +199,15 @@ def generate(
         decode_tokens_per_s=decoded / decode_seconds if decoded and decode_seconds > 0 else 0.0,
         ttft_s=ttft,
         rounds=rounds,
+    )
+
+
+def _draft_width(cfg: GenerationConfig, drafter) -> int:
+    """The most draft nodes one round verifies."""
+    return (
+        {"ar": 0, "linear": drafter.block_size - 1, "ddtree": cfg.budget}[cfg.method]
+        if drafter
+        else 0
     )
 
 
