@@ -1,0 +1,154 @@
+"""Host GPU facts, read through a Transport: device majors, /dev/nvidia* nodes, driver, modules.
+
+    facts = gpu_facts(t)
+    facts.majors.uvm            # the dynamic nvidia-uvm major from /proc/devices (e.g. 509)
+    facts.node("/dev/nvidia-uvm")  # DeviceNode(kind="char", major=509, minor=0) or None
+    facts.driver_version        # "550.90.07" from /proc/driver/nvidia/version, None unloaded
+
+Each parser is a pure function of the text a host gives (tested on real-world samples in
+tests/test_gpu.py); the readers beside them only fetch that text. Remedy: `create_uvm_nodes`
+runs `nvidia-modprobe -u -c=0`, which makes the uvm nodes the module load does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from ops.transport import Result, Transport
+
+# Names the nvidia driver registers in /proc/devices (older drivers say plain "nvidia").
+NVIDIA_FRONTEND_NAMES = ("nvidia-frontend", "nvidia")
+_DRIVER_VERSION = re.compile(
+    r"^NVRM version:.*?Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)\s", re.M
+)
+_NODE_KINDS = {
+    "character special file": "char",
+    "block special file": "block",
+    "directory": "dir",
+    "symbolic link": "link",
+}
+
+
+# -- /proc/devices -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NvidiaMajors:
+    """Character device majors: `nvidia` is 195 on every host; uvm and caps are dynamic."""
+
+    nvidia: int | None
+    uvm: int | None
+    caps: int | None
+
+
+def parse_char_majors(proc_devices: str) -> dict[str, int]:
+    """{name: major} from the "Character devices:" section of /proc/devices."""
+    majors: dict[str, int] = {}
+    in_char = False
+    for line in proc_devices.splitlines():
+        if line.endswith(":"):
+            in_char = line == "Character devices:"
+        elif in_char and (parts := line.split()) and len(parts) == 2 and parts[0].isdigit():
+            majors.setdefault(parts[1], int(parts[0]))
+    return majors
+
+
+def nvidia_majors(proc_devices: str) -> NvidiaMajors:
+    majors = parse_char_majors(proc_devices)
+    frontend = next((majors[n] for n in NVIDIA_FRONTEND_NAMES if n in majors), None)
+    return NvidiaMajors(frontend, majors.get("nvidia-uvm"), majors.get("nvidia-caps"))
+
+
+def read_majors(t: Transport) -> NvidiaMajors:
+    return nvidia_majors(t.read_text("/proc/devices"))
+
+
+# -- /dev/nvidia* ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeviceNode:
+    """A /dev/nvidia* entry: kind is "char", "block", "dir", "link" or "file"."""
+
+    path: str
+    kind: str
+    major: int
+    minor: int
+
+
+def parse_stat_nodes(stat_output: str) -> list[DeviceNode]:
+    """Parse `stat -c '%F %t %T %n'` lines (%t/%T: major/minor in hex), sorted by path."""
+    nodes = []
+    for line in stat_output.splitlines():
+        if not line.strip():
+            continue
+        kind, major, minor, path = line.rsplit(" ", 3)
+        nodes.append(
+            DeviceNode(path, _NODE_KINDS.get(kind, "file"), int(major, 16), int(minor, 16))
+        )
+    return sorted(nodes, key=lambda n: n.path)
+
+
+def list_nodes(t: Transport) -> list[DeviceNode]:
+    """The host's /dev/nvidia* entries, and those in /dev/nvidia-caps/, as host paths."""
+    dev = t.host_path("/dev")  # below the sysroot on a simulated host
+    find = ["find", dev, "-mindepth", "1", "-maxdepth", "2", "-path", f"{dev}/nvidia*"]
+    stat = ["-exec", "stat", "-c", "%F %t %T %n", "{}", "+"]
+    nodes = parse_stat_nodes(t.run(find + stat).check(t.label).stdout)
+    return [dataclasses.replace(n, path="/dev" + n.path.removeprefix(dev)) for n in nodes]
+
+
+# -- driver and modules ------------------------------------------------------------------------
+def parse_driver_version(text: str) -> str | None:
+    """The kernel module version in /proc/driver/nvidia/version (proprietary or open module)."""
+    match = _DRIVER_VERSION.search(text)
+    return match[1] if match else None
+
+
+def driver_version(t: Transport) -> str | None:
+    """The loaded kernel module's version; None when no nvidia module is loaded."""
+    try:
+        return parse_driver_version(t.read_text("/proc/driver/nvidia/version"))
+    except FileNotFoundError:
+        return None
+
+
+def parse_proc_modules(text: str) -> dict[str, str]:
+    """{module: state} from /proc/modules ("nvidia_uvm 1794048 0 - Live 0x0 (POE)")."""
+    modules = {}
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 5:
+            modules[fields[0]] = fields[4]
+    return modules
+
+
+def loaded_modules(t: Transport) -> dict[str, str]:
+    return parse_proc_modules(t.read_text("/proc/modules"))
+
+
+# -- all together ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GpuFacts:
+    """What the host says about its NVIDIA GPUs, read in one go."""
+
+    majors: NvidiaMajors
+    nodes: tuple[DeviceNode, ...]
+    driver_version: str | None
+    modules: dict[str, str]  # the nvidia* kernel modules loaded: name -> state (Live, ...)
+
+    def node(self, path: str) -> DeviceNode | None:
+        return next((n for n in self.nodes if n.path == path), None)
+
+    @property
+    def gpu_paths(self) -> list[str]:
+        """/dev/nvidia0, /dev/nvidia1, ... (one per GPU)."""
+        return [n.path for n in self.nodes if re.fullmatch(r"/dev/nvidia\d+", n.path)]
+
+
+def gpu_facts(t: Transport) -> GpuFacts:
+    modules = {m: s for m, s in loaded_modules(t).items() if m.startswith("nvidia")}
+    return GpuFacts(read_majors(t), tuple(list_nodes(t)), driver_version(t), modules)
+
+
+def create_uvm_nodes(t: Transport) -> Result:
+    """`nvidia-modprobe -u -c=0`: load nvidia_uvm and create /dev/nvidia-uvm{,-tools}."""
+    return t.run(["nvidia-modprobe", "-u", "-c=0"]).check(t.label)
