@@ -20,6 +20,10 @@ def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32, devic
         from engine.models.qwen3 import load_qwen3
 
         return load_qwen3(model_dir, dtype, device)
+    if model_type in ("qwen3_5_text", "qwen3_5"):
+        from engine.models.qwen3_5 import load_qwen3_5
+
+        return load_qwen3_5(model_dir, dtype, device)
     raise ValueError(f"{model_dir}: unsupported target model_type {model_type!r}")
 
 
