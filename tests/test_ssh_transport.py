@@ -6,6 +6,7 @@ Run: python -m pytest -q tests/test_ssh_transport.py
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from ops.errors import DdopsError
 from ops.ssh import SSHTransport
 from ops.transport import CommandTimeout
-from tests.helpers.sshd import SshServer, free_port, keygen, running_sshd
+from tests.helpers.sshd import SshServer, free_port, keygen, running_ssh_agent, running_sshd
 
 pytestmark = pytest.mark.ssh
 
@@ -151,6 +152,24 @@ def test_wrong_client_key_is_a_clear_auth_error(sshd_server, tmp_path, monkeypat
     stranger = keygen(tmp_path / "stranger")
     t = connect(sshd_server, tmp_path, key_filename=str(stranger))
     with pytest.raises(DdopsError, match=f"authentication failed for user {sshd_server.user}"):
+        t.run(["true"])
+
+
+def test_ssh_agent_keys_log_in_without_a_key_file(sshd_server, tmp_path, monkeypatch):
+    with running_ssh_agent(tmp_path, sshd_server.client_key) as agent_socket:
+        monkeypatch.setenv("SSH_AUTH_SOCK", agent_socket)
+        t = connect(sshd_server, tmp_path, key_filename=None)  # HOME has no keys: agent only
+        assert t.run(["echo", "via agent"]).stdout == "via agent\n"
+        t.close()
+
+
+def test_unresolvable_host_is_a_clear_unreachable_error(tmp_path, monkeypatch):
+    def no_dns(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)  # no DNS server needed for this test
+    t = SSHTransport("pve9.example.invalid", known_hosts=str(tmp_path / "kh"))
+    with pytest.raises(DdopsError, match="unreachable: cannot resolve 'pve9.example.invalid'"):
         t.run(["true"])
 
 

@@ -14,7 +14,8 @@ or, one sshd for a whole test module:
         with running_sshd(tmp_path_factory.mktemp("sshd")) as server:
             yield server
 
-Needs /usr/sbin/sshd (openssh-server) and ssh-keygen; mark such tests `@pytest.mark.ssh`.
+`running_ssh_agent(workdir, server.client_key)` yields an agent socket holding that key.
+Needs /usr/sbin/sshd (openssh-server), ssh-keygen, ssh-agent; mark such tests `@pytest.mark.ssh`.
 The server logs to memory (`server.log()`), which helps when a test fails.
 """
 
@@ -140,3 +141,19 @@ def _await_listening(proc: subprocess.Popen, server: SshServer) -> None:
     settled.wait(READY_TIMEOUT_S)
     if not any("Server listening on" in line for line in server._log):
         raise RuntimeError(f"sshd did not start (exit {proc.poll()}):\n{server.log()}")
+
+
+@contextlib.contextmanager
+def running_ssh_agent(workdir: Path, *keys: Path) -> Iterator[str]:
+    """An ssh-agent holding `keys`; yields its socket path (for SSH_AUTH_SOCK); stopped by PID."""
+    sock = workdir / "agent.sock"
+    proc = subprocess.Popen(["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.PIPE, text=True)
+    try:
+        proc.stdout.readline()  # "SSH_AUTH_SOCK=...": printed once the socket listens
+        env = {**os.environ, "SSH_AUTH_SOCK": str(sock)}
+        for key in keys:
+            subprocess.run(["ssh-add", "-q", str(key)], env=env, check=True, capture_output=True)
+        yield str(sock)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
