@@ -57,8 +57,14 @@ class LxcContainers:
             raise StartError(f"{what} failed: {words[-1] if words else 'no output'}")
 
     def create(self, vmid: int) -> None:
-        if not (self.lxcpath / str(vmid) / "config").exists():
-            self._check(self._lxc("lxc-create", vmid, "-t", "busybox"), f"lxc-create {vmid}")
+        """The busybox template, with a boot that only waits: no DHCP client (no own network),
+        so busybox init reaches its main loop and a shutdown signal is honoured at once."""
+        if (self.lxcpath / str(vmid) / "config").exists():
+            return
+        self._check(self._lxc("lxc-create", vmid, "-t", "busybox"), f"lxc-create {vmid}")
+        etc = self.rootfs(vmid) / "etc"
+        (etc / "init.d/rcS").write_text("#!/bin/sh\n# ddops sim CT: nothing to bring up\n")
+        (etc / "inittab").write_text("::sysinit:/etc/init.d/rcS\n")
 
     def is_running(self, vmid: int) -> bool:
         if not (self.lxcpath / str(vmid) / "config").exists():
@@ -116,7 +122,7 @@ class LxcContainers:
             f"lxc.rootfs.path = dir:{self.rootfs(vmid)}",
             "lxc.net.0.type = none",
             "lxc.apparmor.profile = unconfined",
-            "lxc.signal.halt = SIGUSR1",
+            "lxc.signal.halt = SIGUSR2",  # busybox init: poweroff
             "lxc.signal.reboot = SIGTERM",
             "lxc.autodev = 1",
             "lxc.tty.max = 1",

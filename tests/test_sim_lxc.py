@@ -1,0 +1,56 @@
+"""The incident, reproduced in real LXC containers on a simulated Proxmox host (marker `lxc`).
+
+    python -m pytest -q tests/test_sim_lxc.py
+
+Every check goes through the transport seam (`LocalTransport(sysroot=...)`) as ddops does:
+`pct`, `nvidia-modprobe` and the CUDA probe run exactly as they would on a real host.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ops.sim.host import reboot_host
+from tests.helpers.simhost import RAW_GPU_CONF, node_verdicts, probe, sim_host, start_ct
+
+pytestmark = pytest.mark.lxc
+
+
+@pytest.fixture
+def host(tmp_path: Path):
+    yield from sim_host(tmp_path)
+
+
+def test_reboot_with_new_uvm_major_reproduces_the_incident_until_the_grant_is_fixed(host):
+    start_ct(host, RAW_GPU_CONF.format(uvm=511))
+    assert probe(host)["verdict"] == "ok"
+    host.run(["pct", "exec", "200", "--", "sh", "-c", "echo weights > /dev/shm/model"]).check("shm")
+
+    report = reboot_host(Path(host.sysroot), uvm_major=509)
+
+    assert report.started == [200]
+    assert "509 nvidia-uvm" not in host.read_text("/proc/devices")  # nvidia_uvm not loaded yet
+    assert "c 511:* rwm" in host.read_text("/etc/pve/lxc/200.conf")  # the stale rule
+    assert not host.exists("/dev/nvidia-uvm")
+    shm = host.run(["pct", "exec", "200", "--", "ls", "/dev/shm"])
+    assert shm.ok and "model" not in shm.stdout  # a real tmpfs, emptied by the stop
+
+    host.run(["nvidia-modprobe", "-u", "-c=0"]).check("nvidia-modprobe")
+    assert "509 nvidia-uvm" in host.read_text("/proc/devices")
+    host.run(["pct", "reboot", "200"]).check("CT 200")
+    blocked = probe(host)
+    assert node_verdicts(blocked)["/dev/nvidia-uvm"] == "blocked"
+    assert blocked["reason"] == "/dev/nvidia-uvm: blocked by the device cgroup (EPERM)"
+    smi = host.run(["pct", "exec", "200", "--", "nvidia-smi", "-L"])
+    assert smi.ok and smi.stdout.startswith("GPU 0: NVIDIA")  # nvidia-smi still lists the GPU
+
+    start_ct_conf = RAW_GPU_CONF.format(uvm=509)
+    host.write_file("/etc/pve/lxc/200.conf", start_ct_conf, backup=False)
+    assert node_verdicts(probe(host))["/dev/nvidia-uvm"] == "blocked"  # not before a restart
+    host.run(["pct", "reboot", "200"]).check("CT 200")
+    fixed = probe(host)
+    assert fixed["verdict"] == "ok" and fixed["cuda"]["cuInit"] == 0
+    log = host.read_text("/var/log/ddops-sim.log")
+    assert "applied as lxc.cgroup.devices.*" in log
