@@ -59,6 +59,8 @@ _NVIDIA_PATH = re.compile(r"/dev/nvidia[A-Za-z0-9_\-/]*")
 
 
 class Kind(Enum):
+    """What a line is, as Proxmox's parser reads it."""
+
     BLANK = "blank"
     COMMENT = "comment"
     HEADER = "header"
@@ -79,7 +81,7 @@ class Line:
     @property
     def text(self) -> str:
         """The line without its line ending."""
-        return self.raw.rstrip("\n").removesuffix("\r")
+        return _without_eol(self.raw)
 
     @property
     def is_lxc(self) -> bool:
@@ -90,9 +92,13 @@ class Line:
         return self.key, " ".join(self.value.split())
 
 
+def _without_eol(raw: str) -> str:
+    return raw.removesuffix("\n").removesuffix("\r")
+
+
 def parse_line(raw: str, number: int) -> Line:
     """Classify one line the way Proxmox's parser reads it."""
-    text = raw.rstrip("\n").removesuffix("\r")
+    text = _without_eol(raw)
     if not text.strip():
         return Line(number, raw, Kind.BLANK)
     if text.startswith("#"):
@@ -118,6 +124,10 @@ class Section:
     def label(self) -> str:
         return "the main section" if self.name is None else f"section [{self.name}]"
 
+    def raw(self) -> str:
+        """The section's text, header included, byte for byte."""
+        return (self.header.raw if self.header else "") + "".join(line.raw for line in self.lines)
+
 
 @dataclass(frozen=True)
 class CtConfig:
@@ -134,10 +144,7 @@ class CtConfig:
 
     def text(self) -> str:
         """The file again, byte for byte."""
-        return "".join(
-            (s.header.raw if s.header else "") + "".join(line.raw for line in s.lines)
-            for s in self.sections
-        )
+        return "".join(section.raw() for section in self.sections)
 
 
 def parse(text: str) -> CtConfig:
@@ -173,6 +180,8 @@ class Problem(StrEnum):
 
 @dataclass(frozen=True)
 class ConfigProblem:
+    """One problem: which, on which line (1-based, in the whole file), in words."""
+
     problem: Problem
     line: int
     message: str
@@ -297,9 +306,9 @@ def _allows(value: str, major: int) -> bool:
 
 
 def _is_gpu_mount(value: str) -> bool:
-    source, _, rest = value.strip().partition(" ")
-    target = rest.split(" ", 1)[0].strip("/")
-    return source.startswith("/dev/nvidia") or target == "dev/shm"
+    """`/dev/nvidia* dev/... none bind,...` or anything mounted on the CT's dev/shm."""
+    source, target = ([*value.split(), "", ""])[:2]
+    return source.startswith("/dev/nvidia") or target.strip("/") == "dev/shm"
 
 
 @dataclass(frozen=True)
@@ -539,7 +548,8 @@ def plan_gpu_block(
     majors: the host's char majors now, from /proc/devices (name -> major, at least the nvidia
     ones). With them, allow rules for a dynamic major no driver holds any more (the uvm major
     moved) are recognised as the stale GPU block and replaced; without, they are left alone.
-    A config whose GPU block already is `desired` (in any order) is returned unchanged.
+    A config whose GPU block already is `desired` (in any order) is returned unchanged. Problems
+    in lines ddops does not own (see find_problems) are left for the caller to report.
     """
     config = parse(config_text)
     owner = _Owner.for_host(majors, (d.major for d in desired.devices))
@@ -556,7 +566,7 @@ def plan_gpu_block(
     main = _splice(config.main.lines, owned, block, eol)
     if main is None:
         return config_text
-    rest = [s.header.raw + "".join(line.raw for line in s.lines) for s in config.sections[1:]]
+    rest = [section.raw() for section in config.sections[1:]]
     ends_open = bool(config_text) and not config_text.endswith("\n")
     return _terminate(main + rest, eol, ends_open)
 
@@ -572,6 +582,8 @@ _NODE_FAMILIES = {
 
 @dataclass(frozen=True)
 class Ungranted:
+    """A node CUDA needs (e.g. /dev/nvidia-uvm) whose major now (e.g. 509) nothing grants."""
+
     node: str
     major: int
 
