@@ -41,6 +41,7 @@ DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
 # A constant script: put $1 in front of PATH, then exec the rest of the argv.
 _PATH_PREFIX_SCRIPT = 'PATH="$1:$PATH"; export PATH; shift; exec "$@"'
 _READ_CHUNK = 65536
+KEEPALIVE_S = 30
 
 
 def known_hosts_name(host: str, port: int) -> str:
@@ -89,7 +90,8 @@ class SSHTransport(Transport):
         sysroot: str | None = None,
         connect_timeout: float = 10.0,
     ) -> None:
-        label = f"ssh://{user}@{host}" + (f":{port}" if port != 22 else "")
+        bracketed = f"[{host}]" if ":" in host else host  # an IPv6 address
+        label = f"ssh://{user}@{bracketed}" + (f":{port}" if port != 22 else "")
         super().__init__(label, sysroot)
         self.host, self.port, self.user = host, port, user
         self.key_filename = key_filename
@@ -119,7 +121,9 @@ class SSHTransport(Transport):
             client.close()
             raise
         self._client = client
-        return client.get_transport()
+        connection = client.get_transport()
+        connection.set_keepalive(KEEPALIVE_S)  # long bench runs: keep idle NAT/firewall state
+        return connection
 
     def _connect(self, client: paramiko.SSHClient) -> None:
         """client.connect, with each way it can fail turned into a DdopsError naming the host."""
@@ -177,6 +181,13 @@ class SSHTransport(Transport):
             self._client.close()
             self._client = None
 
+    def _session(self) -> paramiko.Channel:
+        """A new channel on the shared connection (a fresh connection if it dropped)."""
+        try:
+            return self._connection().open_session(timeout=self.connect_timeout)
+        except (paramiko.SSHException, EOFError, ConnectionError) as exc:
+            raise DdopsError(self.label, f"SSH connection lost: {exc}") from exc
+
     # -- commands -----------------------------------------------------------------------------
     def remote_command(self, argv: Sequence[str]) -> str:
         """The command line sent to the remote shell for argv (sysroot bins first on PATH)."""
@@ -195,7 +206,7 @@ class SSHTransport(Transport):
     ) -> Result:
         argv = tuple(str(a) for a in argv)
         remote_argv, stdin = env_via_stdin(argv, env, input) if env else (argv, input)
-        channel = self._connection().open_session(timeout=self.connect_timeout)
+        channel = self._session()
         try:
             channel.exec_command(self.remote_command(remote_argv))
             if stdin:
@@ -208,6 +219,8 @@ class SSHTransport(Transport):
             raise CommandTimeout(
                 self.label, f"`{shlex.join(argv)}` timed out after {timeout:g}s"
             ) from exc
+        except (paramiko.SSHException, EOFError, ConnectionError) as exc:
+            raise DdopsError(self.label, f"SSH connection lost during `{argv[0]}`: {exc}") from exc
         finally:
             channel.close()
         return Result(argv, rc, out.decode(errors="replace"), err.decode(errors="replace"))
