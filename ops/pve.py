@@ -181,9 +181,10 @@ def ct_exec(
     vmid = validate_vmid(vmid)
     inner, stdin = env_via_stdin(argv, env, input) if env else (list(argv), input)
     r = t.run(["pct", "exec", vmid, "--", *inner], timeout=timeout, input=stdin)
+    r = dataclasses.replace(r, argv=("pct", "exec", vmid, "--", *argv))  # without the wrapper
     if r.rc == PCT_TASK_ERROR and _pct_refused_exec(r.stderr, vmid):
         _checked(r, vmid)
-    return dataclasses.replace(r, argv=("pct", "exec", vmid, "--", *argv))
+    return r
 
 
 def ct_push(t: Transport, vmid: int | str, src: str, dst: str, *, perms: int = 0o644) -> None:

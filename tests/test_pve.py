@@ -249,7 +249,7 @@ def test_exec_returns_the_commands_result_and_passes_env_on_stdin(t, host):
     with pytest.raises(
         DdopsError, match="CT 200: `pct exec 200 -- true` exited 255: CT 200 not running"
     ):
-        pve.ct_exec(t, 200, ["true"])
+        pve.ct_exec(t, 200, ["true"], env={"HF_TOKEN": "hf_x"})
 
 
 def test_push_copies_with_perms(t, host):
