@@ -86,7 +86,7 @@ def init_host(
         containers=choose_containers(containers),
         device_nodes="mknod" if os.geteuid() == 0 else "file",
     )
-    for sub in (CT_CONF_DIR, "etc/modules-load.d", "etc/systemd/system", "dev", "tmp"):
+    for sub in (CT_CONF_DIR, "etc/modules-load.d", "etc/systemd/system", "dev", "root", "tmp"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     (root / "etc/hostname").write_text(state.node + "\n")
     install_host_tools(root)

@@ -182,7 +182,7 @@ class Pct:
         try:
             data = self.host_file(source).read_bytes()
         except OSError as exc:
-            raise PctError(f"failed to open {source} for reading") from exc
+            raise PctError(f"failed to open {source} for reading - {exc.strerror}") from exc
         try:
             self.cts.push(vmid, data, dest, int(options.get("perms", "0644"), 8))
         except StartError as exc:
@@ -194,7 +194,10 @@ class Pct:
             data = self.cts.pull(vmid, path)
         except StartError as exc:
             raise PctError(str(exc)) from None
-        self.host_file(dest).write_bytes(data)
+        try:
+            self.host_file(dest).write_bytes(data)
+        except OSError as exc:
+            raise PctError(f"failed to open {dest} for writing - {exc.strerror}") from exc
 
     def host_file(self, path: str) -> Path:
         return self.root / path.lstrip("/") if path.startswith("/") else Path(path)

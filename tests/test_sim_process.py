@@ -1,0 +1,69 @@
+"""The sim's fallback without root or lxc: CTs as plain processes, same files and commands.
+
+    python -m pytest -q tests/test_sim_process.py
+
+No device cgroup exists in this mode, so it cannot show EPERM; everything else ddops reads
+(pct messages, exit codes, /proc/devices, missing nodes, an emptied /dev/shm) behaves as with
+real containers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ops.sim.host import destroy_host, init_host, reboot_host
+from ops.transport import LocalTransport
+from tests.helpers.simhost import DEV_GPU_CONF, RAW_GPU_CONF, node_verdicts, probe, start_ct
+
+
+@pytest.fixture
+def host(tmp_path: Path):
+    root = tmp_path / "pve"
+    init_host(root, gpus=2, uvm_major=511, containers="process")
+    yield LocalTransport(sysroot=str(root))
+    destroy_host(root)
+
+
+def test_exec_push_pull_and_exit_codes_behave_like_pct(host):
+    start_ct(host, RAW_GPU_CONF.format(uvm=511))
+    assert host.run(["pct", "exec", "200", "--", "sh", "-c", "exit 7"]).rc == 7
+    again = host.run(["pct", "start", "200"])
+    assert (again.rc, again.stderr.strip()) == (255, "CT 200 already running")
+    missing = host.run(["pct", "status", "999"])
+    assert (missing.rc, missing.stderr.strip()) == (
+        255,
+        "Configuration file 'nodes/pve/lxc/999.conf' does not exist",
+    )
+    host.run(["pct", "pull", "200", "/tmp/ddops-probe.py", "/root/copy.py"]).check("pull")
+    assert host.read_text("/root/copy.py") == host.read_text("/tmp/ddops-probe.py")
+    report = probe(host)
+    assert report["verdict"] == "ok"
+    gpu_nodes = [n["node"] for n in report["nodes"] if n["node"][-1].isdigit()]
+    assert gpu_nodes == ["/dev/nvidia0"]  # the host has 2 GPUs; the config passes through one
+
+
+def test_reboot_empties_shm_and_drops_uvm_nodes_until_nvidia_modprobe(host):
+    start_ct(host, RAW_GPU_CONF.format(uvm=511))
+    host.write_file("/tmp/model", "weights", backup=False)
+    host.run(["pct", "push", "200", "/tmp/model", "/dev/shm/model"]).check("push")
+    assert "model" in host.run(["pct", "exec", "200", "--", "ls", "/dev/shm"]).stdout
+
+    report = reboot_host(Path(host.sysroot), uvm_major=509)
+
+    assert report.stopped == report.started == [200]
+    assert host.run(["pct", "exec", "200", "--", "ls", "/dev/shm"]).stdout == ""
+    assert node_verdicts(probe(host))["/dev/nvidia-uvm"] == "missing"
+    host.run(["nvidia-modprobe", "-u", "-c=0"]).check("nvidia-modprobe")
+    host.run(["pct", "reboot", "200"]).check("CT 200")
+    assert probe(host)["verdict"] == "ok"  # no device cgroup here: the stale rule goes unseen
+
+
+def test_a_missing_dev_node_fails_the_start(host):
+    start_ct(host, DEV_GPU_CONF)
+    host.run(["pct", "stop", "200"]).check("CT 200")
+    Path(host.host_path("/dev/nvidia-uvm")).unlink()
+    start = host.run(["pct", "start", "200"])
+    assert start.rc == 255
+    assert start.stderr.startswith("Could not get mode or device ID of /dev/nvidia-uvm\n")
