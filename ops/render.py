@@ -32,7 +32,7 @@ CUDA_DEVICE_LIST = re.compile(r"\d+(,\d+)*")
 HOST_NAME = re.compile(r"[A-Za-z0-9_.:\[\]-]+")
 DEVICE_NAME = re.compile(r"cpu|cuda(:\d+)?")
 DECODING_METHODS = ("ar", "linear", "ddtree")
-DTYPES = ("float32", "bfloat16", "float16", "float64")
+DTYPES = ("float32", "bfloat16", "float64")  # what `python -m engine serve --dtype` takes
 VMID_RANGE = range(100, 1_000_000_000)  # what Proxmox VE accepts as a guest id
 
 
@@ -65,11 +65,8 @@ class TemplateSpec:
 
     def variables(self) -> dict[str, Any]:
         """The template's variables: every field, tuples as lists (as YAML would give them)."""
-        return {
-            f.name: list(value) if isinstance(value, tuple) else value
-            for f in fields(self)  # type: ignore[arg-type]
-            for value in [getattr(self, f.name)]
-        }
+        values = {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        return {name: list(v) if isinstance(v, tuple) else v for name, v in values.items()}
 
 
 def render(spec: TemplateSpec) -> str:
@@ -216,12 +213,12 @@ class EngineUnit(TemplateSpec):
     draft: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
-    max_model_len: int = 32768
+    max_model_len: int | None = None  # None: the model's own limit
     method: str = "ddtree"
     budget: int = 15
     tp: int = 1
-    dtype: str | None = None
-    device: str | None = None
+    dtype: str = "bfloat16"
+    device: str = "cuda"
     cuda_visible_devices: str | None = None
     env_file: str | None = None
 
@@ -233,15 +230,14 @@ class EngineUnit(TemplateSpec):
         _check_path(t, "env_file", self.env_file, optional=True)
         _check_match(t, "host", self.host, HOST_NAME)
         _check_int(t, "port", self.port, range(1, 65536))
-        _check_int(t, "max_model_len", self.max_model_len, range(1, 10_000_001))
+        if self.max_model_len is not None:
+            _check_int(t, "max_model_len", self.max_model_len, range(1, 10_000_001))
         _check_choice(t, "method", self.method, DECODING_METHODS)
         _check_int(t, "budget", self.budget, range(1, 4097))
         _check_int(t, "tp", self.tp, range(1, 65))
         if self.method != "ar" and self.draft is None:
             _fail(t, f"method {self.method} needs a draft model")
-        if self.dtype is not None:
-            _check_choice(t, "dtype", self.dtype, DTYPES)
-        if self.device is not None:
-            _check_match(t, "device", self.device, DEVICE_NAME)
+        _check_choice(t, "dtype", self.dtype, DTYPES)
+        _check_match(t, "device", self.device, DEVICE_NAME)
         if self.cuda_visible_devices is not None:
             _check_match(t, "cuda_visible_devices", self.cuda_visible_devices, CUDA_DEVICE_LIST)

@@ -5,6 +5,7 @@ python -m pytest -q tests/test_render.py
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -14,6 +15,7 @@ import sys
 
 import pytest
 
+from engine.cli import serve
 from ops.errors import DdopsError
 from ops.lxcconf import GpuBlock, GpuDevice
 from ops.render import (
@@ -129,7 +131,7 @@ def test_engine_unit():
         "EnvironmentFile=/etc/ddops/engine.env\n"
         "ExecStart=/opt/ddops/bin/python -m engine serve --model /dev/shm/models/Qwen3.6-27B"
         " --draft /dev/shm/models/Qwen3.6-27B-DFlash --host 127.0.0.1 --port 8000"
-        " --max-model-len 32768 --method ddtree --budget 15 --tp 1\n"
+        " --max-model-len 32768 --method ddtree --budget 15 --dtype bfloat16 --device cuda\n"
         "Restart=on-failure\n"
         "RestartSec=5\n"
         "\n"
@@ -143,10 +145,27 @@ def test_engine_unit_leaves_out_what_is_not_set():
         python="/usr/bin/python3", model="/m", method="ar", dtype="float32", device="cpu"
     )
     text = render(ar)
-    assert "Environment" not in text and "--draft" not in text
+    assert "Environment" not in text and "--draft" not in text and "--max-model-len" not in text
     assert text.splitlines()[6].endswith(
-        "--method ar --budget 15 --tp 1 --dtype float32 --device cpu"
+        "--port 8000 --method ar --budget 15 --dtype float32 --device cpu"
     )
+    assert " --tp 4 --dtype" in render(EngineUnit(python="/p", model="/m", method="ar", tp=4))
+
+
+def test_the_engine_accepts_the_rendered_command_line():
+    """The ExecStart arguments parse with `python -m engine serve`'s own argument parser."""
+    argv = _exec_start_argv(render(ENGINE))
+    assert argv[1:4] == ["-m", "engine", "serve"]
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(argv[4:])
+    assert (args.method, args.budget, args.max_model_len, args.device) == (
+        "ddtree",
+        15,
+        32768,
+        "cuda",
+    )
+    assert str(args.draft) == ENGINE.draft
 
 
 def test_hookscript_golden_head():
