@@ -1,0 +1,156 @@
+"""`python -m engine bench`: ar, linear (DFlash chain) and ddtree side by side on held-out prompts.
+
+    python -m engine bench --model DIR --draft DIR [--budgets 4,8,15,32,64] \\
+        [--max-new-tokens 256] [--prompts 8] [--dtype float32] [--device cpu]
+
+Prompts are Python code from the standard-library files the demo model never trained on
+(engine.train_demo.held_out_prompts). Every method runs in this one process, prompt by prompt
+(all methods on prompt 1, then on prompt 2, ...) so a change in machine load hits them alike;
+each method first decodes one untimed warm-up. Prints a table (tau = tokens committed per
+round, bonus included; decode tokens/s; speedup over ar) and, as the last stdout line, one
+JSON document with the same figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+WARMUP_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str  # "ar" | "linear" | "ddtree"
+    budget: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.budget}" if self.budget is not None else self.name
+
+
+@dataclass
+class Tally:
+    """Sums over prompts for one method."""
+
+    tokens: int = 0
+    rounds: int = 0
+    decode_seconds: float = 0.0
+
+    def add(self, acceptance_lengths: list[int], decode_tokens_per_s: float) -> None:
+        tokens = sum(acceptance_lengths)
+        self.tokens += tokens
+        self.rounds += len(acceptance_lengths)
+        self.decode_seconds += tokens / decode_tokens_per_s if decode_tokens_per_s else 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / max(1, self.rounds)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+def parse_budgets(text: str) -> list[int]:
+    try:
+        budgets = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budgets must be integers, got {text!r}") from None
+    if not budgets or min(budgets) < 1:
+        raise argparse.ArgumentTypeError(f"budgets must be positive integers, got {text!r}")
+    return budgets
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, type=Path, help="target model directory (HF)")
+    parser.add_argument("--draft", required=True, type=Path, help="DFlash drafter directory")
+    parser.add_argument("--budgets", type=parse_budgets, default=[4, 8, 15, 32, 64])
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts to run")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    parser.add_argument("--device", default="cpu")
+
+
+def methods_for(budgets: list[int]) -> list[Method]:
+    return [Method("ar"), Method("linear")] + [Method("ddtree", b) for b in budgets]
+
+
+def summarise(tallies: dict[Method, Tally]) -> list[dict]:
+    """One row per method: tau, decode tokens/s and speedup over the first (ar) row."""
+    ar_speed = next(iter(tallies.values())).tokens_per_s
+    return [
+        {
+            "method": method.name,
+            "budget": method.budget,
+            "tau": round(tally.tau, 3),
+            "decode_tokens_per_s": round(tally.tokens_per_s, 2),
+            "speedup": round(tally.tokens_per_s / ar_speed, 3) if ar_speed else None,
+            "tokens": tally.tokens,
+            "rounds": tally.rounds,
+        }
+        for method, tally in tallies.items()
+    ]
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'method':<12}{'tau':>8}{'tok/s':>10}{'speedup':>9}"]
+    for row in rows:
+        label = f"{row['method']} {row['budget']}" if row["budget"] is not None else row["method"]
+        speedup = f"{row['speedup']:.2f}x" if row["speedup"] is not None else "-"
+        lines.append(
+            f"{label:<12}{row['tau']:>8.2f}{row['decode_tokens_per_s']:>10.1f}{speedup:>9}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine.decode import GenerationConfig, generate
+    from engine.models import load_drafter, load_target
+    from engine.models.common import DTYPES
+    from engine.tokenizer import load_tokenizer
+    from engine.train_demo import held_out_prompts
+
+    dtype = DTYPES[args.dtype]
+    target = load_target(args.model, dtype=dtype, device=args.device)
+    drafter = load_drafter(args.draft, dtype=dtype, device=args.device)
+    tokenizer = load_tokenizer(args.model)
+    prompts = [tokenizer.encode(text) for text in held_out_prompts(args.prompts)]
+    methods = methods_for(args.budgets)
+
+    def decode(method: Method, prompt: list[int], max_new_tokens: int):
+        cfg = GenerationConfig(
+            method=method.name, budget=method.budget or 15, max_new_tokens=max_new_tokens
+        )
+        with torch.inference_mode():
+            return generate(target, drafter, prompt, cfg)
+
+    for method in methods:
+        decode(method, prompts[0], WARMUP_TOKENS)
+    tallies = {method: Tally() for method in methods}
+    for index, prompt in enumerate(prompts):
+        for method in methods:
+            result = decode(method, prompt, args.max_new_tokens)
+            tallies[method].add(result.acceptance_lengths, result.decode_tokens_per_s)
+        print(f"prompt {index + 1}/{len(prompts)} done ({len(prompt)} prompt tokens)", flush=True)
+    rows = summarise(tallies)
+    print(format_table(rows))
+    print(
+        json.dumps(
+            {
+                "model": str(args.model),
+                "draft": str(args.draft),
+                "prompts": len(prompts),
+                "max_new_tokens": args.max_new_tokens,
+                "dtype": args.dtype,
+                "device": args.device,
+                "threads": torch.get_num_threads(),
+                "results": rows,
+            }
+        )
+    )
+    return 0

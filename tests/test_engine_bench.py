@@ -1,0 +1,72 @@
+"""`python -m engine bench`: the summary arithmetic, and a whole run on a tiny random hybrid pair.
+
+python -m pytest -q tests/test_engine_bench.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from engine.__main__ import main
+from engine.cli.bench import Method, Tally, format_table, methods_for, parse_budgets, summarise
+from tests.helpers.tiny_hybrid import save_tiny_hybrid, save_tiny_hybrid_drafter, torch_threads
+
+
+def test_budgets_parse_and_reject_bad_input():
+    assert parse_budgets("4,8,15") == [4, 8, 15]
+    for bad in ("", "4,x", "0,4"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_budgets(bad)
+
+
+def test_methods_are_ar_first_then_linear_then_each_budget():
+    assert [m.label for m in methods_for([4, 15])] == ["ar", "linear", "ddtree 4", "ddtree 15"]
+
+
+def test_tally_weights_speed_by_time_and_tau_by_rounds():
+    tally = Tally()
+    tally.add([1, 3], decode_tokens_per_s=4.0)  # 4 tokens in 1 s
+    tally.add([4, 4], decode_tokens_per_s=2.0)  # 8 tokens in 4 s
+    assert tally.tau == 12 / 4
+    assert tally.tokens_per_s == 12 / 5
+
+
+def test_summary_speedup_is_relative_to_ar_and_the_table_lists_every_method():
+    ar, tree = Tally(), Tally()
+    ar.add([1] * 10, decode_tokens_per_s=10.0)
+    tree.add([5, 5], decode_tokens_per_s=30.0)
+    rows = summarise({Method("ar"): ar, Method("ddtree", 15): tree})
+    assert [(r["method"], r["budget"], r["tau"], r["speedup"]) for r in rows] == [
+        ("ar", None, 1.0, 1.0),
+        ("ddtree", 15, 5.0, 3.0),
+    ]
+    lines = format_table(rows).splitlines()
+    assert lines[1].split() == ["ar", "1.00", "10.0", "1.00x"]
+    assert lines[2].split() == ["ddtree", "15", "5.00", "30.0", "3.00x"]
+
+
+def test_bench_runs_every_method_and_ends_with_one_json_document(tmp_path, capsys):
+    target = save_tiny_hybrid(tmp_path / "target", seed=0)
+    draft = save_tiny_hybrid_drafter(tmp_path / "draft", target, seed=1)
+    argv = ["bench", "--model", str(target), "--draft", str(draft), "--budgets", "3,6"]
+    with torch_threads(1):
+        rc = main([*argv, "--max-new-tokens", "6", "--prompts", "2"])
+    assert rc == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(out[-1])
+    assert report["prompts"] == 2 and report["max_new_tokens"] == 6
+    rows = report["results"]
+    assert [(r["method"], r["budget"]) for r in rows] == [
+        ("ar", None),
+        ("linear", None),
+        ("ddtree", 3),
+        ("ddtree", 6),
+    ]
+    # every method decodes the same number of tokens (the prefill's token is not decoded)
+    assert {r["tokens"] for r in rows} == {2 * 5}
+    assert rows[0]["tau"] == 1.0 and rows[0]["speedup"] == 1.0
+    assert all(r["decode_tokens_per_s"] > 0 and r["tau"] >= 1.0 for r in rows)
+    assert any(line.split()[:2] == ["ddtree", "6"] for line in out[:-1])  # the table
