@@ -28,20 +28,13 @@ from typing import Any
 import yaml
 
 from ops.errors import DdopsError
+from ops.pve import validate_vmid
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 METHODS = ("ar", "linear", "ddtree")
 DEFAULT_ENGINE_PYTHON = "/opt/ddops/venv/bin/python"
-
-
-def validate_vmid(vmid: Any) -> int:
-    """A Proxmox guest id: an integer in 100..999999999."""
-    text = str(vmid)
-    if not text.isdigit() or not 100 <= int(text) <= 999_999_999:
-        raise DdopsError(f"vmid {vmid!r}", "must be an integer in 100..999999999")
-    return int(text)
 
 
 def validate_repo_id(repo: str) -> str:
@@ -122,7 +115,7 @@ class ContainerSpec:
     device_style: str = "auto"  # auto (devN on PVE >= 8.1) | devN | raw
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "vmid", validate_vmid(self.vmid))
+        object.__setattr__(self, "vmid", int(validate_vmid(self.vmid)))
         object.__setattr__(self, "gpus", tuple(int(g) for g in self.gpus))
         if not HOSTNAME.match(self.hostname):
             raise DdopsError(
@@ -148,7 +141,7 @@ class Site:
     engine: EngineSpec = field(default_factory=EngineSpec)
 
     def find_container(self, vmid: int) -> tuple[HostSpec, ContainerSpec]:
-        vmid = validate_vmid(vmid)
+        vmid = int(validate_vmid(vmid))
         for host in self.hosts:
             for ct in host.containers:
                 if ct.vmid == vmid:

@@ -9,7 +9,7 @@ Two halves, one module:
   damaged, resumable), then copies it into /dev/shm, hashing while copying, so every staged byte
   is checked against the manifest taken when the snapshot was first downloaded and verified
   against the hub's own file list. An intact cache means zero bytes from the hub. The HF token
-  arrives on stdin (`--token-stdin`), never on a command line.
+  is HF_TOKEN in its environment, carried into the CT on stdin by ct_exec, never on a command line.
 - the controller (`stage_model`, `check_staged`): runs the agent through `pct exec` over a
   Transport and turns its JSON into a report.
 """
@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ops.errors import DdopsError
-from ops.inventory import ModelRef, validate_vmid
+from ops.inventory import ModelRef
+from ops.pve import ct_exec
 
 CACHE_DIR = "/var/cache/ddops/hf"
 SHM_MODELS = "/dev/shm/models"
@@ -321,7 +322,7 @@ def agent_main(argv: list[str] | None = None) -> int:
             problems = check_local(args.name, Path(args.shm), args.hashes)
             print(json.dumps({"name": args.name, "complete": not problems, "problems": problems}))
             return 0
-        token = (sys.stdin.readline().strip() or None) if args.token_stdin else None
+        token = os.environ.get("HF_TOKEN") or None
         ref = ModelRef(args.repo, args.revision, args.name)
         report = stage_local(
             ref,
@@ -340,18 +341,13 @@ def agent_main(argv: list[str] | None = None) -> int:
 
 # -- controller side ---------------------------------------------------------------------------
 def _run_agent(
-    t, vmid: int, python: str, args: list[str], *, input: str | None = None, timeout: float = 3600
+    t, vmid: int, python: str, args: list[str], *, env: dict | None = None, timeout: float = 3600
 ) -> dict:
-    vmid = validate_vmid(vmid)
-    result = t.run(
-        ["pct", "exec", str(vmid), "--", python, "-m", "ops.staging", *args],
-        input=input,
-        timeout=timeout,
-    )
+    """Run the agent in the CT; its last stdout line is its JSON report."""
+    result = ct_exec(t, vmid, [python, "-m", "ops.staging", *args], env=env, timeout=timeout)
     try:
         payload = json.loads(result.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
-        result.check(f"CT {vmid}")  # the agent never ran: report pct's own words
         raise DdopsError(
             f"CT {vmid}", f"staging agent gave no report: {result.stderr.strip()[-300:]}"
         ) from None
@@ -387,9 +383,7 @@ def stage_model(
     ]
     if endpoint:
         args += ["--endpoint", endpoint]
-    if token:
-        args.append("--token-stdin")
-    payload = _run_agent(t, vmid, python, args, input=f"{token}\n" if token else None)
+    payload = _run_agent(t, vmid, python, args, env={"HF_TOKEN": token} if token else None)
     return StageReport(**payload)
 
 

@@ -54,8 +54,8 @@ def test_parses_hosts_containers_model_engine(tmp_path):
 @pytest.mark.parametrize(
     "old, new, message",
     [
-        ("vmid: 200", "vmid: '200; reboot'", "must be an integer"),
-        ("vmid: 200", "vmid: 99", "must be an integer in 100"),
+        ("vmid: 200", "vmid: '200; reboot'", "a vmid is a number from 100"),
+        ("vmid: 200", "vmid: 99", "a vmid is a number from 100 to"),
         ("repo: Qwen/Qwen3.6-27B", "repo: ../../etc/passwd", "not a Hugging Face repo id"),
         ("revision: main}", "revision: '$(id)'}", "not a branch, tag or commit"),
         ("method: ddtree", "method: beam", "choose one of ar, linear, ddtree"),
