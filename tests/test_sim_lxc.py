@@ -46,8 +46,7 @@ def test_reboot_with_new_uvm_major_reproduces_the_incident_until_the_grant_is_fi
     smi = host.run(["pct", "exec", "200", "--", "nvidia-smi", "-L"])
     assert smi.ok and smi.stdout.startswith("GPU 0: NVIDIA")  # nvidia-smi still lists the GPU
 
-    start_ct_conf = RAW_GPU_CONF.format(uvm=509)
-    host.write_file("/etc/pve/lxc/200.conf", start_ct_conf, backup=False)
+    host.write_file("/etc/pve/lxc/200.conf", RAW_GPU_CONF.format(uvm=509), backup=False)
     assert node_verdicts(probe(host))["/dev/nvidia-uvm"] == "blocked"  # not before a restart
     host.run(["pct", "reboot", "200"]).check("CT 200")
     fixed = probe(host)

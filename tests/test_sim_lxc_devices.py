@@ -23,6 +23,8 @@ def host(tmp_path: Path):
 
 def test_pct_refuses_to_start_a_running_or_locked_ct_with_the_real_messages(host):
     start_ct(host, RAW_GPU_CONF.format(uvm=511))
+    env = host.run(["pct", "exec", "200", "--", "printenv", "DDOPS_T"], env={"DDOPS_T": "x1"})
+    assert env.stdout == "x1\n"  # pct exec keeps the caller's environment (secrets travel so)
     again = host.run(["pct", "start", "200"])
     assert (again.rc, again.stderr.strip()) == (255, "CT 200 already running")
     faults.lock_ct(Path(host.sysroot), 200, "backup")

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from ops.sim import kernel, pveconf
 from ops.sim.nvidia import CT_USERSPACE_FILE
-from ops.sim.pct import Pct, PctError, host_lock
-from ops.sim.state import save_state
+from ops.sim.pct import Pct, PctError
+from ops.sim.state import host_lock, save_state
 
 
 def lock_ct(root: Path, vmid: int, lock: str = "backup") -> None:

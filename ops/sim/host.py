@@ -21,8 +21,16 @@ from pathlib import Path
 from ops.errors import DdopsError
 from ops.sim import boot, kernel, pveconf
 from ops.sim.commands import install_host_tools
-from ops.sim.pct import Pct, PctError, host_lock
-from ops.sim.state import CT_CONF_DIR, NVIDIA_MODULES, SimState, is_sim_root, log, save_state
+from ops.sim.pct import Pct, PctError
+from ops.sim.state import (
+    CT_CONF_DIR,
+    NVIDIA_MODULES,
+    SimState,
+    host_lock,
+    is_sim_root,
+    log,
+    save_state,
+)
 
 UVM_MAJOR_RANGE = (234, 511)
 DEMO_CT_OPTIONS = {"hostname": "llm", "memory": "8192", "cores": "4", "onboot": "1"}

@@ -88,8 +88,10 @@ class LxcContainers:
         self._check(self._lxc("lxc-stop", vmid, *args), "lxc-stop")
 
     def exec(self, vmid: int, argv: Sequence[str]) -> int:
-        """Run argv inside the CT with this process's stdin/stdout/stderr; the command's exit code."""
-        attach = ["lxc-attach", "-P", str(self.lxcpath), "-n", str(vmid), "--clear-env"]
+        """Run argv inside the CT with this process's stdin/stdout/stderr; the command's exit code.
+
+        The environment is kept, as `pct exec` (lxc-attach's default) keeps it; PATH is the CT's."""
+        attach = ["lxc-attach", "-P", str(self.lxcpath), "-n", str(vmid), "--keep-env"]
         attach += ["--set-var", f"PATH={self.state.effective_ct_path()}", "--set-var", "HOME=/root"]
         return subprocess.run([*attach, "--", *argv]).returncode
 

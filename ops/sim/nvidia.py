@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 from ops.sim import kernel
-from ops.sim.state import NVIDIA_MODULES, SimState, load_state, save_state
+from ops.sim.state import NVIDIA_MODULES, SimState, host_lock, load_state, save_state
 
 GPU_NAME = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
 GPU_MEMORY_MIB = 97887
@@ -108,18 +108,24 @@ def _print_gpus(gpus: list[dict], args: list[str]) -> int:
 
 def nvidia_modprobe(root: Path, args: list[str]) -> int:
     """`-u` loads nvidia_uvm and creates its nodes; `-c=N` the GPU node N; `-m` modeset."""
-    state = load_state(root)
-    kernel.load_module(root, state, "nvidia")
-    if "-u" in args:
-        kernel.create_uvm_nodes(root, state)
-    if "-m" in args:
-        kernel.load_module(root, state, "nvidia_modeset")
-    save_state(root, state)
+    with host_lock(root):
+        state = load_state(root)
+        kernel.load_module(root, state, "nvidia")
+        if "-u" in args:
+            kernel.create_uvm_nodes(root, state)
+        if "-m" in args:
+            kernel.load_module(root, state, "nvidia_modeset")
+        save_state(root, state)
     return 0
 
 
 def modprobe(root: Path, args: list[str]) -> int:
     names = [a.replace("-", "_") for a in args if not a.startswith("-")]
+    with host_lock(root):
+        return _modprobe(root, names, remove="-r" in args)
+
+
+def _modprobe(root: Path, names: list[str], *, remove: bool) -> int:
     state = load_state(root)
     for name in names:
         if name not in NVIDIA_MODULES:
@@ -127,7 +133,7 @@ def modprobe(root: Path, args: list[str]) -> int:
                 f"modprobe: FATAL: Module {name} not found in directory /lib/modules/6.8.12-1-pve"
             )
             return 1
-        if "-r" in args:
+        if remove:
             print(f"modprobe: FATAL: Module {name} is in use.")
             return 1
         kernel.load_module(root, state, name)

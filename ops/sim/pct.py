@@ -11,11 +11,9 @@ Host paths given to push/pull are paths on the simulated host, so they live belo
 
 from __future__ import annotations
 
-import fcntl
 import json
 import sys
 from collections.abc import Callable
-from contextlib import contextmanager
 from pathlib import Path
 
 from ops.sim import nvidia, pveconf
@@ -23,7 +21,7 @@ from ops.sim.launcher import write_launcher
 from ops.sim.lxc import LxcContainers
 from ops.sim.processct import ProcessContainers
 from ops.sim.startplan import StartError, plan_start
-from ops.sim.state import CT_CONF_DIR, SimState, load_state, save_state
+from ops.sim.state import CT_CONF_DIR, SimState, host_lock, load_state, save_state
 
 TASK_ERROR = 255
 CT_SIDE_TOOLS = ("nvidia-smi",)
@@ -217,15 +215,6 @@ def parse_options(args: list[str]) -> tuple[list[str], dict[str, str]]:
             positional.append(arg)
             i += 1
     return positional, options
-
-
-@contextmanager
-def host_lock(root: Path):
-    """Serialise state-changing pct calls on one sim host (pmxcfs locks per CT; one lock here)."""
-    path = root / "var/lib/ddops-sim/lock"
-    with path.open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
 
 
 def _vmid(positional: list[str], usage: str) -> int:

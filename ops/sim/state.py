@@ -7,9 +7,11 @@ in PATH/var/lib/ddops-sim/state.json. Only the sim reads and writes this file.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -97,3 +99,12 @@ def log(root: Path, message: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         f.write(message.rstrip("\n") + "\n")
+
+
+@contextmanager
+def host_lock(root: Path):
+    """Serialise state changes on one sim host (pct, nvidia-modprobe, reboot): one lock file."""
+    path = root / "var/lib/ddops-sim/lock"
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
