@@ -1,9 +1,11 @@
 """The Triton tree kernels match their plain-torch references (engine/kernels/reference.py).
 
-The kernels run in Triton's CPU interpreter: TRITON_INTERPRET=1 is set below before the
-kernel modules are imported (Triton decides at definition time), and modules imported earlier
-in this process without it are reloaded. Shapes stay tiny: the interpreter costs ~0.5 ms per
-program. Run: python -m pytest -q tests/test_kernels.py
+The kernels run in Triton's CPU interpreter, which must be on (TRITON_INTERPRET=1) both when a
+kernel is defined and when it runs. So this module imports the kernel modules with it on
+(reloading any imported earlier without it), keeps it on while its tests run, and afterwards
+restores the environment and forgets those modules, so that later imports compile for real.
+Shapes stay tiny: the interpreter costs ~0.5 ms per program.
+Run: python -m pytest -q tests/test_kernels.py
 
 Tolerances: float32 inputs 1e-5 (same math, another summation order); bf16 inputs compare
 against the reference on the same bf16 inputs at 1.6e-2 relative, one or two bf16 rounding
@@ -12,29 +14,56 @@ steps of the output (both compute in float32 and round once); float64 inputs 1e-
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
-from types import SimpleNamespace
+from collections.abc import Iterator
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernels below are defined
+import engine.kernels as kernels
+from engine.kernels import reference
 
-import engine.kernels as kernels  # noqa: E402
-from engine.kernels import reference  # noqa: E402
+KERNEL_MODULES = (
+    "engine.kernels.triton_attention",
+    "engine.kernels.triton_conv",
+    "engine.kernels.triton_gated_delta",
+)
 
 
-def _interpreted(name: str):
-    module = sys.modules.get(name)
-    return importlib.reload(module) if module else importlib.import_module(name)
+@contextlib.contextmanager
+def _triton_interpreter() -> Iterator[None]:
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
 
 
-triton_attention = _interpreted("engine.kernels.triton_attention")
-triton_conv = _interpreted("engine.kernels.triton_conv")
-triton_gated_delta = _interpreted("engine.kernels.triton_gated_delta")
+def _import_interpreted(name: str) -> ModuleType:
+    with _triton_interpreter():
+        module = sys.modules.get(name)
+        return importlib.reload(module) if module else importlib.import_module(name)
+
+
+triton_attention, triton_conv, triton_gated_delta = map(_import_interpreted, KERNEL_MODULES)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_for_this_module() -> Iterator[None]:
+    with _triton_interpreter():
+        yield
+    for name in KERNEL_MODULES:
+        sys.modules.pop(name, None)
+
 
 TOLERANCE = {
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},
@@ -51,6 +80,11 @@ TREES = {
     "forest": [-1, 0, -1, 2, 1, -1, 3],
     "random": None,  # drawn from a seed in _parents
 }
+# Every tree in float32; bf16 (slower to check, same code path) on a depth-1 tree, a chain, a
+# wide tree and a random one.
+TREE_CASES = [(tree, torch.float32) for tree in TREES] + [
+    (tree, torch.bfloat16) for tree in ("all_roots", "chain", "wide", "random")
+]
 
 
 def _parents(tree: str, seed: int = 0) -> torch.Tensor:  # [T] int64
@@ -95,8 +129,7 @@ def _delta_inputs(T: int, H: int, Dk: int, Dv: int, dtype: torch.dtype, seed: in
     return q, k, v, g, beta, initial_state
 
 
-@pytest.mark.parametrize("tree", list(TREES))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tree", "dtype"), TREE_CASES)
 def test_gated_delta_matches_reference_on_every_tree_shape(tree: str, dtype: torch.dtype) -> None:
     parents = _parents(tree)
     q, k, v, g, beta, state0 = _delta_inputs(len(parents), 2, 16, 16, dtype)
@@ -152,8 +185,7 @@ def _conv_inputs(T: int, C: int, W: int, K: int, dtype: torch.dtype, seed: int =
     return x, conv_state, weight, bias
 
 
-@pytest.mark.parametrize("tree", list(TREES))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tree", "dtype"), TREE_CASES)
 def test_conv_matches_reference_on_every_tree_shape(tree: str, dtype: torch.dtype) -> None:
     parents = _parents(tree)
     x, conv_state, weight, bias = _conv_inputs(len(parents), 12, 3, 4, dtype)
@@ -214,8 +246,7 @@ def _check_attention(parents, prefix_len, Hq, Hkv, D, dtype, causal=False, **lau
     _assert_matches(out, reference.tree_attention(*args), dtype)
 
 
-@pytest.mark.parametrize("tree", list(TREES))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tree", "dtype"), TREE_CASES)
 def test_attention_matches_reference_on_every_tree_shape(tree: str, dtype: torch.dtype) -> None:
     _check_attention(_parents(tree), 5, 4, 2, 16, dtype)
 
@@ -331,6 +362,14 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(kernels.BACKEND_ENV, "auto")
     monkeypatch.setattr(kernels, "_triton_importable", lambda: False)
     assert kernels.backend_for(_ON_CUDA) == "reference"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the behaviour without CUDA")
+def test_gpu_check_without_cuda_says_so_and_runs_nothing(capsys: pytest.CaptureFixture) -> None:
+    from engine.kernels import gpu_check
+
+    assert gpu_check.main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
 
 
 def test_backend_choice_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
