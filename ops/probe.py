@@ -38,14 +38,26 @@ SIM_USERSPACE = "etc/ddops-sim/nvidia.json"
 CUDA_SUCCESS, CUDA_NO_DEVICE, CUDA_MISMATCH, CUDA_UNKNOWN = 0, 100, 803, 999
 
 
-def check_node(path: str) -> dict:
-    """Open one node; the verdict ("ok" | "missing" | "blocked" | "error") and why."""
+def check_node(path: str, sim_placeholders: bool = False) -> dict:
+    """Open one node; the verdict ("ok" | "missing" | "blocked" | "error") and why.
+
+    `sim_placeholders`: the sim's process mode without root stands in for a node with a small
+    file "c MAJOR:MINOR"; such a file counts as a node there (nothing else can be checked).
+    """
     name = "/dev/" + os.path.basename(path)
     try:
         st = os.stat(path)
     except FileNotFoundError:
         return {"node": name, "verdict": "missing", "reason": f"{name}: missing"}
     if not stat.S_ISCHR(st.st_mode):
+        placeholder = _sim_placeholder(path) if sim_placeholders else None
+        if placeholder:
+            return {
+                "node": name,
+                "device": placeholder,
+                "verdict": "ok",
+                "reason": "sim placeholder node",
+            }
         reason = (
             f"{name}: not a device node (placeholder left by an optional mount: host node absent)"
         )
@@ -69,13 +81,20 @@ def check_node(path: str) -> dict:
     return {"node": name, "device": numbers, "verdict": "ok", "reason": "opened"}
 
 
+def _sim_placeholder(path: str) -> str | None:
+    """ "MAJOR:MINOR" from a sim placeholder file, else None."""
+    with open(path, "rb") as f:
+        match = re.fullmatch(rb"c (\d+:\d+)\n", f.read(64))
+    return match.group(1).decode() if match else None
+
+
 def check_nodes(ct_root: str) -> list[dict]:
     dev = os.path.join(ct_root, "dev")
     gpus = sorted(p for p in glob.glob(os.path.join(dev, "nvidia[0-9]*")))
     paths = [os.path.join(dev, n) for n in REQUIRED_NODES] + (
         gpus or [os.path.join(dev, "nvidia0")]
     )
-    return [check_node(p) for p in paths]
+    return [check_node(p, sim_placeholders=ct_root != "/") for p in paths]
 
 
 def real_cuda() -> dict | None:

@@ -3,7 +3,7 @@
     python -m pytest -q tests/test_probe.py
 
 Nodes are real character devices with no driver behind them (open -> ENXIO, "ok"), so these
-tests need root for mknod; EPERM from a device cgroup is covered in tests/test_sim_lxc.py.
+tests need root for mknod (except the placeholder one); EPERM from a device cgroup is covered in tests/test_sim_lxc.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import pytest
 
 from ops import probe
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
 NODES = {
     "nvidiactl": (195, 255),
     "nvidia0": (195, 0),
@@ -28,6 +27,8 @@ NODES = {
 
 @pytest.fixture
 def ct_root(tmp_path: Path) -> Path:
+    if os.geteuid() != 0:
+        pytest.skip("mknod needs root")
     (tmp_path / "dev").mkdir()
     for name, (major, minor) in NODES.items():
         os.mknod(tmp_path / "dev" / name, stat.S_IFCHR | 0o666, os.makedev(major, minor))
@@ -88,3 +89,15 @@ def test_main_prints_json_or_one_line_per_node_and_exits_1_on_failure(ct_root, m
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "missing  /dev/nvidiactl: missing"
     assert lines[-1] == "missing: /dev/nvidiactl: missing"
+
+
+def test_sim_placeholder_files_count_as_nodes_only_below_a_sim_ct_root(tmp_path: Path):
+    (tmp_path / "dev").mkdir()
+    for name, (major, minor) in NODES.items():
+        (tmp_path / "dev" / name).write_text(f"c {major}:{minor}\n")
+    describe_userspace(tmp_path, userspace="550.90.07", module="550.90.07")
+    report = probe.probe(str(tmp_path))
+    assert report["verdict"] == "ok"
+    assert {n["node"]: n["device"] for n in report["nodes"]}["/dev/nvidia-uvm"] == "509:0"
+    as_root = probe.check_node(str(tmp_path / "dev/nvidia-uvm"))  # in a real CT: not a node
+    assert as_root["verdict"] == "missing"

@@ -62,7 +62,6 @@ def test_host_tools_read_the_simulated_kernel(root: Path):
     assert t.run(query).stdout == "0, 550.90.07, 97887 MiB\n1, 550.90.07, 97887 MiB\n"
     assert [line.split()[0] for line in t.run(["lsmod"]).stdout.splitlines()[1:]] == [
         "nvidia_uvm",
-        "nvidia_modeset",
         "nvidia",
     ]
     faults.unload_module(root, "nvidia")

@@ -67,3 +67,15 @@ def test_a_missing_dev_node_fails_the_start(host):
     start = host.run(["pct", "start", "200"])
     assert start.rc == 255
     assert start.stderr.startswith("Could not get mode or device ID of /dev/nvidia-uvm\n")
+
+
+def test_without_root_placeholder_nodes_stand_in_for_the_gpu(tmp_path: Path):
+    root = tmp_path / "pve"
+    init_host(root, containers="process", device_nodes="file")
+    host = LocalTransport(sysroot=str(root))
+    try:
+        assert host.read_text("/dev/nvidia-uvm") == "c 511:0\n"
+        start_ct(host, DEV_GPU_CONF)
+        assert probe(host)["verdict"] == "ok"
+    finally:
+        destroy_host(root)

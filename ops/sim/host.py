@@ -75,8 +75,12 @@ def init_host(
     driver: str = "550.90.07",
     containers: str = "auto",
     ct: int | None = None,
+    device_nodes: str | None = None,
 ) -> bool:
-    """Make `root` a healthy sim host; False (nothing touched) when it already is one."""
+    """Make `root` a healthy sim host; False (nothing touched) when it already is one.
+
+    `device_nodes`: "mknod" (real nodes, needs root) or "file" (placeholders); default by euid.
+    """
     if is_sim_root(root):
         return False
     if root.exists() and any(root.iterdir()):
@@ -92,15 +96,14 @@ def init_host(
         uvm_major=uvm_major,
         caps_major=_other_major(uvm_major),
         containers=choose_containers(containers),
-        device_nodes="mknod" if os.geteuid() == 0 else "file",
+        device_nodes=device_nodes or ("mknod" if os.geteuid() == 0 else "file"),
     )
     for sub in (CT_CONF_DIR, "etc/modules-load.d", "etc/systemd/system", "dev", "root", "tmp"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     (root / "etc/hostname").write_text(state.node + "\n")
     install_host_tools(root)
     kernel.write_proc(root, state)
-    for module in ("nvidia", "nvidia_modeset"):
-        kernel.load_module(root, state, module)
+    kernel.load_module(root, state, "nvidia")
     kernel.create_uvm_nodes(root, state)
     save_state(root, state)
     log(
