@@ -156,6 +156,12 @@ def test_gated_delta_without_states_reloads_branch_points(tree: str) -> None:
     _assert_matches(out, expected_out, torch.float32)
 
 
+def test_gated_delta_snapshots_only_states_a_later_node_branches_from() -> None:
+    parents = torch.tensor([-1, 0, 0, 1, -1, 4, 2])  # 2, 3, 6 branch off 0, 1, 2; 5 follows 4
+    marks = triton_gated_delta._branch_points(parents)
+    assert marks.tolist() == [1, 1, 1, 0, 0, 0, 0]
+
+
 @pytest.mark.parametrize(
     ("H", "Dk", "Dv"),
     [(3, 24, 20), (1, 128, 64), (2, 16, 40)],

@@ -21,6 +21,7 @@ Run on CPU with TRITON_INTERPRET=1 set before this module is imported (tests do)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -129,11 +130,16 @@ class _Launch:
     num_warps: int
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _default_num_splits(row_blocks: int, Hkv: int, S: int, block_n: int, device) -> int:
     """Enough key splits to give every SM about two programs, at least 4 key blocks each."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _multiprocessors(device)
     wanted = triton.cdiv(2 * sms, row_blocks * Hkv)
     return max(1, min(wanted, triton.cdiv(S, 4 * block_n)))
 

@@ -80,13 +80,16 @@ def _tree_gated_delta_kernel(
 
 
 def _branch_points(parents: torch.Tensor) -> torch.Tensor:  # [T] int8
-    """1 for each node that a later node other than its successor takes as parent."""
+    """1 for each node that a later node other than its successor takes as parent.
+
+    Written without boolean indexing, which would wait for the GPU (a sync per layer).
+    """
     T = parents.shape[0]
     index = torch.arange(T, device=parents.device)
-    branching = parents[(parents >= 0) & (parents != index - 1)]
-    marks = torch.zeros(T, dtype=torch.int8, device=parents.device)
-    marks[branching] = 1
-    return marks
+    branches = (parents >= 0) & (parents != index - 1)
+    targets = torch.where(branches, parents, T)  # [T]; slot T collects the non-branching
+    marks = torch.zeros(T + 1, dtype=torch.int8, device=parents.device)
+    return marks.scatter_(0, targets, 1)[:T]
 
 
 def tree_gated_delta_rule(
