@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from ops.sim import faults
 from ops.sim.host import reboot_host
 from tests.helpers.simhost import RAW_GPU_CONF, node_verdicts, probe, sim_host, start_ct
 
@@ -53,3 +54,24 @@ def test_reboot_with_new_uvm_major_reproduces_the_incident_until_the_grant_is_fi
     assert fixed["verdict"] == "ok" and fixed["cuda"]["cuInit"] == 0
     log = host.read_text("/var/log/ddops-sim.log")
     assert "applied as lxc.cgroup.devices.*" in log
+
+
+def test_an_explicit_shm_size_is_honoured_and_faults_act_inside_the_ct(host):
+    shm_line = "lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,size=64m,create=dir 0 0\n"
+    start_ct(host, RAW_GPU_CONF.format(uvm=511) + shm_line)
+    df = host.run(["pct", "exec", "200", "--", "df", "-k", "/dev/shm"]).stdout.splitlines()
+    assert df[1].split()[1] == "65536"  # 64 MiB in 1K blocks
+    host.write_file("/tmp/model", b"x" * 1000, backup=False)
+    host.run(["pct", "push", "200", "/tmp/model", "/dev/shm/model"]).check("push")
+    root = Path(host.sysroot)
+    faults.truncate_ct_file(root, 200, "/dev/shm/model", 10)
+    assert (
+        host.run(["pct", "exec", "200", "--", "wc", "-c", "/dev/shm/model"]).stdout.split()[0]
+        == "10"
+    )
+    spawn = ["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $!"]
+    pid = int(host.run(["pct", "exec", "200", "--", *spawn]).stdout)
+    assert host.run(["pct", "exec", "200", "--", "kill", "-0", str(pid)]).ok
+    faults.kill_ct_process(root, 200, pid)
+    stat = host.run(["pct", "exec", "200", "--", "cat", f"/proc/{pid}/stat"])
+    assert not stat.ok or stat.stdout.split()[2] == "Z"  # gone, or dead and not yet reaped
