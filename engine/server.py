@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -42,6 +43,7 @@ from engine.server_schemas import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    Message,
     TokenizeRequest,
     parse_body,
 )
@@ -271,7 +273,7 @@ class _Server:
         if body.prompt is not None:
             ids = engine.tokenizer.encode(body.prompt)
         else:
-            ids = engine.tokenizer.apply_chat_template(_plain(body.messages))
+            ids = _chat_ids(engine, body.messages)
         return {"count": len(ids), "tokens": ids, "max_model_len": engine.max_model_len}
 
     async def completions(self, request: Request) -> Response:
@@ -286,7 +288,7 @@ class _Server:
     async def chat_completions(self, request: Request) -> Response:
         body = parse_body(ChatRequest, await request.body())
         engine = self._ready_engine()
-        prompt_ids = engine.tokenizer.apply_chat_template(_plain(body.messages))
+        prompt_ids = _chat_ids(engine, body.messages)
         return await self._serve(request, _CHAT, body, prompt_ids)
 
     # -- generation -------------------------------------------------------------------------
@@ -320,7 +322,8 @@ class _Server:
         )
         text = TextAssembler(engine.tokenizer.decode, body.stop_strings(), stop_ids)
         events: asyncio.Queue = asyncio.Queue()
-        job = Job(prompt_ids, cfg, text, emit=_thread_safe_put(events))
+        emit = self._recording_emitter(events, method, len(prompt_ids), text)
+        job = Job(prompt_ids, cfg, text, emit=emit)
         try:
             self.worker.submit(job)
         except QueueFull as exc:
@@ -338,6 +341,21 @@ class _Server:
             id=shape.id_prefix + uuid.uuid4().hex,
             created=int(time.time()),
         )
+
+    def _recording_emitter(
+        self, events: asyncio.Queue, method: str, prompt_tokens: int, text: TextAssembler
+    ) -> Callable[[Delta | Done | Failed], None]:
+        """The job's `emit`: records a finished generation's metrics (even when its client has
+        gone), then hands the event to the request's handler."""
+        put = _thread_safe_put(events)
+
+        def emit(event: Delta | Done | Failed) -> None:
+            if isinstance(event, Done) and event.result is not None:
+                finish = _finish_reason(text, event.result)
+                self.metrics.observe_generation(method, prompt_tokens, event.result, finish)
+            put(event)
+
+        return emit
 
     async def _complete(self, request: Request, generation: _Generation) -> JSONResponse:
         """Collect the whole generation; a client that hangs up cancels it."""
@@ -387,10 +405,12 @@ class _Server:
         }
 
     def _final_chunks(self, generation: _Generation, done: Done) -> list[dict]:
-        finish = self._finish_reason(generation, done.result)
+        finish = _finish_reason(generation.job.text, done.result)
         choice = generation.shape.chunk_choice(None, finish)
         chunks = [
-            self._chunk(generation, choice, speculative=self._observe(generation, done.result))
+            self._chunk(
+                generation, choice, speculative=self._speculative_stats(generation, done.result)
+            )
         ]
         if generation.include_usage:
             chunks.append(self._chunk(generation, None, usage=self._usage(generation, done.result)))
@@ -398,7 +418,7 @@ class _Server:
 
     def _final_body(self, generation: _Generation, text: str, done: Done) -> dict:
         result = done.result
-        finish = self._finish_reason(generation, result)
+        finish = _finish_reason(generation.job.text, result)
         return {
             "id": generation.id,
             "object": generation.shape.object,
@@ -406,15 +426,8 @@ class _Server:
             "model": self.config.model_name,
             "choices": [generation.shape.choice(text, finish)],
             "usage": self._usage(generation, result),
-            "speculative": self._observe(generation, result),
+            "speculative": self._speculative_stats(generation, result),
         }
-
-    def _finish_reason(self, generation: _Generation, result) -> str:
-        if result is None:
-            return "cancelled"
-        if result.finish_reason == "cancelled" and generation.job.text.stopped:
-            return "stop"  # we stopped it: a stop string appeared
-        return result.finish_reason
 
     def _usage(self, generation: _Generation, result) -> dict:
         completion = len(result.output_ids) if result is not None else 0
@@ -424,12 +437,10 @@ class _Server:
             "total_tokens": generation.prompt_tokens + completion,
         }
 
-    def _observe(self, generation: _Generation, result) -> dict:
-        """Record the generation's metrics; return the response's speculative statistics."""
+    def _speculative_stats(self, generation: _Generation, result) -> dict:
         stats = {"method": generation.method, "budget": generation.budget, "rounds": 0}
         if result is None:
             return stats
-        self.metrics.observe_generation(generation.method, generation.prompt_tokens, result)
         lengths = result.acceptance_lengths
         return {
             **stats,
@@ -497,6 +508,15 @@ class _Server:
 _NO_CACHE = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+def _finish_reason(text: TextAssembler, result) -> str:
+    """OpenAI's finish_reason: "stop" | "length", or "cancelled" (client gone, shutdown)."""
+    if result is None:
+        return "cancelled"
+    if result.finish_reason == "cancelled" and text.stopped:
+        return "stop"  # we stopped the engine: a stop string appeared
+    return result.finish_reason
+
+
 def _check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty (0 tokens)", param="prompt")
@@ -504,8 +524,13 @@ def _check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
         raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
 
 
-def _plain(messages) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.text()} for m in messages]
+def _chat_ids(engine: LoadedEngine, messages: list[Message]) -> list[int]:
+    """The messages rendered with the model's chat template; a template's refusal is a 400."""
+    plain = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        return engine.tokenizer.apply_chat_template(plain)
+    except (ValueError, jinja2.TemplateError) as exc:
+        raise ApiError(400, f"messages: {exc}", param="messages") from None
 
 
 def _thread_safe_put(events: asyncio.Queue) -> Callable[[Any], None]:

@@ -4,6 +4,8 @@ Each server owns its registry, so several apps (tests) never share counters. Nam
 
 - `ddops_engine_requests_total{endpoint, method}`: generation requests accepted
 - `ddops_engine_errors_total{endpoint, status}`: requests answered with an error
+- `ddops_engine_generations_total{method, finish_reason}`: finished generations (stop, length,
+  cancelled when the client left or the server stopped)
 - `ddops_engine_prompt_tokens_total{method}`, `ddops_engine_generated_tokens_total{method}`
 - `ddops_engine_acceptance_length{method}`: histogram of tokens committed per round (bonus
   included), the speculative decoders' tau
@@ -38,6 +40,12 @@ class ServerMetrics:
             ["endpoint", "status"],
             registry=r,
         )
+        self.generations = Counter(
+            "ddops_engine_generations",
+            "Finished generations.",
+            ["method", "finish_reason"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "ddops_engine_prompt_tokens", "Prompt tokens processed.", ["method"], registry=r
         )
@@ -69,8 +77,11 @@ class ServerMetrics:
             "ddops_engine_queue_waiting", "Requests waiting for the engine worker.", registry=r
         )
 
-    def observe_generation(self, method: str, prompt_tokens: int, result) -> None:
+    def observe_generation(
+        self, method: str, prompt_tokens: int, result, finish_reason: str
+    ) -> None:
         """Record one finished generation (an engine.decode.GenerationResult)."""
+        self.generations.labels(method, finish_reason).inc()
         self.prompt_tokens.labels(method).inc(prompt_tokens)
         self.generated_tokens.labels(method).inc(len(result.output_ids))
         for accepted in result.acceptance_lengths:
