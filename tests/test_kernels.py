@@ -279,6 +279,24 @@ def test_attention_key_splits_and_blocks_agree(num_splits: int) -> None:
     )
 
 
+def test_attention_reads_strided_views_in_place() -> None:
+    """A head-major cache sliced to S keys and queries sliced from a wider projection."""
+    parents = _parents("two_level")
+    T, prefix_len, Hq, Hkv, D = len(parents), 10, 4, 2, 16
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(T, Hq, 2 * D, generator=gen)[..., :D]  # [T, Hq, D], stride(1) = 2D
+    k_cache = torch.randn(Hkv, 32, D, generator=gen)  # [Hkv, max_len, D]
+    v_cache = torch.randn(Hkv, 32, D, generator=gen)
+    k = k_cache[:, : prefix_len + T].transpose(0, 1)  # [S, Hkv, D], not contiguous
+    v = v_cache[:, : prefix_len + T].transpose(0, 1)
+    args = (q, k, v, prefix_len, _ancestor_mask(parents), D**-0.5)
+
+    out = triton_attention.tree_attention(*args)
+
+    expected = reference.tree_attention(q.contiguous(), k.contiguous(), v.contiguous(), *args[3:])
+    _assert_matches(out, expected, torch.float32)
+
+
 def test_attention_without_prefix() -> None:
     _check_attention(_parents("random", seed=7), 0, 4, 1, 32, torch.float32)
 

@@ -36,14 +36,20 @@ from engine.kernels.triton_common import tl_compute_dtype, tl_dot_dtype
 _NO_SCORE: tl.constexpr = tl.constexpr(-1.0e30)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "S", "prefix_len", "keys_per_split"])
 def _tree_attention_kernel(
-    q_ptr,  # [T, Hq, D]
-    k_ptr,  # [S, Hkv, D]
-    v_ptr,  # [S, Hkv, D]
+    q_ptr,  # [T, Hq, D], strides (q_stride_t, q_stride_h, 1)
+    k_ptr,  # [S, Hkv, D], strides (k_stride_s, k_stride_h, 1)
+    v_ptr,  # [S, Hkv, D], strides (v_stride_s, v_stride_h, 1)
     visible_ptr,  # [T, T] int8 (unused when CAUSAL)
-    out_ptr,  # [T, Hq, D] (one split) or [NUM_SPLITS, T, Hq, D] in COMPUTE
+    out_ptr,  # [T, Hq, D] (one split) or [NUM_SPLITS, T, Hq, D] in COMPUTE, contiguous
     lse_ptr,  # [NUM_SPLITS, T, Hq] in COMPUTE (unused with one split)
+    q_stride_t,
+    q_stride_h,
+    k_stride_s,
+    k_stride_h,
+    v_stride_s,
+    v_stride_h,
     T,
     Hkv,
     S,
@@ -69,9 +75,10 @@ def _tree_attention_kernel(
     dims = tl.arange(0, BLOCK_D)  # [BD]
     dim_ok = dims < D
     Hq = Hkv * GROUP
-    q_rows = (token * Hq + head) * D  # [BM]
+    q_rows = token * q_stride_t + head * q_stride_h  # [BM]
     q_mask = row_ok[:, None] & dim_ok[None, :]
     q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=q_mask, other=0.0).to(DOT)
+    out_rows = (token * Hq + head) * D  # [BM]
 
     m = tl.full([BLOCK_M], _NO_SCORE, COMPUTE)  # running max of the scores
     l = tl.zeros([BLOCK_M], COMPUTE)  # running sum of exp(score - m)
@@ -81,10 +88,12 @@ def _tree_attention_kernel(
     for block_start in range(start, end, BLOCK_N):
         keys = block_start + tl.arange(0, BLOCK_N)  # [BN]
         key_ok = keys < end
-        kv_off = (keys * Hkv + kv_head) * D  # [BN]
+        key_pos = keys.to(tl.int64)  # [BN]; a long cache overflows int32 offsets
+        k_off = key_pos * k_stride_s + kv_head * k_stride_h  # [BN]
+        v_off = key_pos * v_stride_s + kv_head * v_stride_h  # [BN]
         kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(DOT)
-        v = tl.load(v_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(DOT)
+        k = tl.load(k_ptr + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(DOT)
+        v = tl.load(v_ptr + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(DOT)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee").to(COMPUTE) * scale  # [BM, BN]
 
         tree_col = keys - prefix_len  # [BN], < 0 for prefix keys
@@ -111,10 +120,10 @@ def _tree_attention_kernel(
     out = acc / safe_l[:, None]
     out_mask = row_ok[:, None] & dim_ok[None, :]
     if NUM_SPLITS == 1:
-        out_ptrs = out_ptr + q_rows[:, None] + dims[None, :]
+        out_ptrs = out_ptr + out_rows[:, None] + dims[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        split_rows = split * T * Hq * D + q_rows  # [BM]
+        split_rows = split * T * Hq * D + out_rows  # [BM]
         tl.store(out_ptr + split_rows[:, None] + dims[None, :], out, mask=out_mask)
         lse = tl.where(has_keys, m + tl.log(safe_l), _NO_SCORE)  # [BM]
         tl.store(lse_ptr + split * T * Hq + token * Hq + head, lse, mask=row_ok)
@@ -195,7 +204,8 @@ def tree_attention(
     if compute == torch.float64:
         # A float argument reaches a kernel as float32: fold the scale in exactly instead.
         q, scale = q * scale, 1.0
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    # Any layout whose head dim is dense (a slice of a preallocated cache) is read in place.
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     group = Hq // Hkv
     cfg = _launch_config(T * group, Hkv, S, D, q.device, num_splits, block_n)
     causal = tree_visible is None
@@ -208,6 +218,7 @@ def tree_attention(
     grid = (triton.cdiv(T * group, cfg.block_m), Hkv, cfg.num_splits)
     _tree_attention_kernel[grid](
         q, k, v, visible, target, lse,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         T, Hkv, S, prefix_len, cfg.keys_per_split, float(scale),
         D=D, GROUP=group, CAUSAL=causal, NUM_SPLITS=cfg.num_splits,
         COMPUTE=tl_compute_dtype(q.dtype),
