@@ -14,6 +14,8 @@ DFlash directory sized for the target. Everything is deterministic from the seed
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -37,6 +39,17 @@ TINY_HYBRID = dict(
     linear_conv_kernel_dim=4,
     max_position_embeddings=512,
 )
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run torch ops on `count` CPU threads inside the block, then restore the previous number."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def build_tiny_hybrid(seed: int = 0, **overrides):
