@@ -57,8 +57,8 @@ class LxcContainers:
             raise StartError(f"{what} failed: {words[-1] if words else 'no output'}")
 
     def create(self, vmid: int) -> None:
-        """The busybox template, with a boot that only waits: no DHCP client (no own network),
-        so busybox init reaches its main loop and a shutdown signal is honoured at once."""
+        """The busybox template, booting to nothing: no DHCP client (the CT has no network of
+        its own), so busybox init reaches its main loop and honours a shutdown signal."""
         if (self.lxcpath / str(vmid) / "config").exists():
             return
         self._check(self._lxc("lxc-create", vmid, "-t", "busybox"), f"lxc-create {vmid}")
@@ -74,7 +74,16 @@ class LxcContainers:
     def start(self, vmid: int, plan: StartPlan) -> None:
         self.create(vmid)
         ct_dir = self.lxcpath / str(vmid)
-        config = self.render_config(vmid, plan, devices_cgroup_is_v1())
+        v1 = devices_cgroup_is_v1()
+        config = self.render_config(vmid, plan, v1)
+        if v1 and plan.rules:
+            rules = f"{len(plan.rules)} device rule(s) (lxc.cgroup2.devices.*, devN)"
+            log(
+                self.root,
+                f"CT {vmid}: cgroup v1 devices controller: {rules} applied as lxc.cgroup.devices.*",
+            )
+        for ignored in plan.ignored:
+            log(self.root, f"CT {vmid}: not applied by the sim: {ignored}")
         (ct_dir / "config").write_text(config)
         if plan.devices:
             hook = ct_dir / "autodev-hook.sh"
@@ -91,22 +100,38 @@ class LxcContainers:
         """Run argv inside the CT with this process's stdin/stdout/stderr; the command's exit code.
 
         The environment is kept, as `pct exec` (lxc-attach's default) keeps it; PATH is the CT's."""
-        attach = ["lxc-attach", "-P", str(self.lxcpath), "-n", str(vmid), "--keep-env"]
-        attach += ["--set-var", f"PATH={self.state.effective_ct_path()}", "--set-var", "HOME=/root"]
-        return subprocess.run([*attach, "--", *argv]).returncode
+        ct_env = [f"PATH={self.state.effective_ct_path()}", "HOME=/root"]
+        return subprocess.run(self._attach(vmid, "--keep-env", ct_env, argv)).returncode
+
+    def _attach(self, vmid: int, env_mode: str, env: list[str], argv: Sequence[str]) -> list[str]:
+        """The lxc-attach argv running `argv` in CT `vmid` (env_mode: --keep-env | --clear-env)."""
+        set_vars = [arg for assignment in env for arg in ("--set-var", assignment)]
+        return [
+            "lxc-attach",
+            "-P",
+            str(self.lxcpath),
+            "-n",
+            str(vmid),
+            env_mode,
+            *set_vars,
+            "--",
+            *argv,
+        ]
 
     def push(self, vmid: int, data: bytes, dest: str, mode: int) -> None:
         # The destination may be on a CT-only mount (/dev/shm): write it from inside.
         script = 'cat > "$1" && chmod "$2" "$1"'
         argv = ["/bin/sh", "-c", script, "sh", dest, f"{mode:o}"]
-        attach = ["lxc-attach", "-P", str(self.lxcpath), "-n", str(vmid), "--clear-env", "--"]
-        proc = subprocess.run([*attach, *argv], input=data, capture_output=True)
+        proc = subprocess.run(
+            self._attach(vmid, "--clear-env", [], argv), input=data, capture_output=True
+        )
         if proc.returncode != 0:
             raise StartError(f"failed to write {dest}: {proc.stderr.decode().strip()}")
 
     def pull(self, vmid: int, path: str) -> bytes:
-        attach = ["lxc-attach", "-P", str(self.lxcpath), "-n", str(vmid), "--clear-env", "--"]
-        proc = subprocess.run([*attach, "/bin/cat", path], capture_output=True)
+        proc = subprocess.run(
+            self._attach(vmid, "--clear-env", [], ["/bin/cat", path]), capture_output=True
+        )
         if proc.returncode != 0:
             raise StartError(f"failed to read {path}: {proc.stderr.decode().strip()}")
         return proc.stdout
@@ -143,11 +168,6 @@ class LxcContainers:
         lines.append(f"{rule_prefix}.deny = a")
         lines += [f"{rule_prefix}.allow = {rule}" for rule in DEFAULT_DEVICE_RULES]
         lines += [f"{rule_prefix}.{kind} = {rule}" for kind, rule in plan.rules]
-        if cgroup_v1 and plan.rules:
-            log(self.root, f"CT {vmid}: devices controller is cgroup v1 here: "
-                f"{len(plan.rules)} lxc.cgroup2.devices.* rule(s) applied as lxc.cgroup.devices.*")  # fmt: skip
-        for ignored in plan.ignored:
-            log(self.root, f"CT {vmid}: not applied by the sim: {ignored}")
         if plan.devices:
             lines.append(f"lxc.hook.autodev = {self.lxcpath / str(vmid) / 'autodev-hook.sh'}")
         return "\n".join(lines) + "\n"
