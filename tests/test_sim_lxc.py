@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from ops import gpu, pve
 from ops.sim import faults
 from ops.sim.host import reboot_host
 from tests.helpers.simhost import RAW_GPU_CONF, node_verdicts, probe, sim_host, start_ct
@@ -29,17 +30,23 @@ def test_reboot_with_new_uvm_major_reproduces_the_incident_until_the_grant_is_fi
     assert probe(host)["verdict"] == "ok"
     host.run(["pct", "exec", "200", "--", "sh", "-c", "echo weights > /dev/shm/model"]).check("shm")
 
+    host.write_file("/etc/modules-load.d/nvidia.conf", "nvidia\nnvidia_uvm\n", backup=False)
+
     report = reboot_host(Path(host.sysroot), uvm_major=509)
 
     assert report.started == [200]
-    assert "509 nvidia-uvm" not in host.read_text("/proc/devices")  # nvidia_uvm not loaded yet
-    assert "c 511:* rwm" in host.read_text("/etc/pve/lxc/200.conf")  # the stale rule
-    assert not host.exists("/dev/nvidia-uvm")
+    facts = gpu.gpu_facts(host)  # what ddops reads: the module is back, with a new major...
+    assert (facts.majors.nvidia, facts.majors.uvm) == (195, 509)
+    assert facts.node("/dev/nvidia-uvm") is None  # ...but its node is not
+    assert facts.node("/dev/nvidia0").major == 195
+    grants = pve.ct_config(host, 200).all("lxc.cgroup2.devices.allow")
+    assert grants == ["c 195:* rwm", "c 511:* rwm"]  # the stale rule
     shm = host.run(["pct", "exec", "200", "--", "ls", "/dev/shm"])
     assert shm.ok and "model" not in shm.stdout  # a real tmpfs, emptied by the stop
+    assert node_verdicts(probe(host))["/dev/nvidia-uvm"] == "missing"  # `optional` hid it
 
-    host.run(["nvidia-modprobe", "-u", "-c=0"]).check("nvidia-modprobe")
-    assert "509 nvidia-uvm" in host.read_text("/proc/devices")
+    gpu.create_uvm_nodes(host)
+    assert gpu.gpu_facts(host).node("/dev/nvidia-uvm").major == 509
     host.run(["pct", "reboot", "200"]).check("CT 200")
     blocked = probe(host)
     assert node_verdicts(blocked)["/dev/nvidia-uvm"] == "blocked"
