@@ -9,6 +9,8 @@ tests/test_server_e2e.py.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import socket
 import threading
 import time
@@ -20,6 +22,7 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine import loadtest
 from engine.decode import GenerationConfig, GenerationResult
 from engine.server import LoadedEngine, ServerConfig, create_app
 
@@ -384,3 +387,34 @@ def test_tokenize_counts_text_and_chat_messages(server):
     assert chat["count"] == len("[user]hi[assistant]")
     both = httpx.post(url + "/tokenize", json={"prompt": "a", "messages": messages})
     assert both.status_code == 400
+
+
+def test_the_loadtest_reports_a_clean_soak(server, capsys):
+    url, _ = server
+    requests = 24
+    argv = [
+        "--url",
+        url,
+        "--requests",
+        str(requests),
+        "--concurrency",
+        "4",
+        "--methods",
+        "ar,ddtree",
+    ]
+    assert loadtest.main([*argv, "--pid", str(os.getpid())]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["statuses"] == {"200": requests}
+    assert report["completion_tokens"] == requests * 8  # the default --max-tokens
+    assert report["rss_mib"]["samples"] >= 1
+
+
+def test_the_loadtest_fails_on_server_errors(engine, capsys):
+    with running(engine, max_waiting=1) as (url, state):
+        assert state.worker.ready.wait(WAIT_S)
+        engine.gate.clear()  # one request holds the worker, one waits, the third gets a 503
+        argv = ["--url", url, "--requests", "3", "--concurrency", "3", "--timeout", "2"]
+        assert loadtest.main(argv) == 1
+        engine.gate.set()
+    report = json.loads(capsys.readouterr().out)
+    assert report["statuses"]["503"] >= 1
