@@ -89,5 +89,13 @@ from ops.commands.sim import sim  # noqa: E402
 
 cli.add_command(sim)
 
+from ops.commands.health import health_command  # noqa: E402
+from ops.commands.provision import provision_command  # noqa: E402
+from ops.commands.recover import recover_command  # noqa: E402
+
+cli.add_command(provision_command)
+cli.add_command(health_command)
+cli.add_command(recover_command)
+
 if __name__ == "__main__":
     main()

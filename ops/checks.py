@@ -1,0 +1,484 @@
+"""THE chain of checks: one ordered list, three users (`health` probes, `recover` repairs,
+`provision` sets up with the same chain under a policy that may create things).
+
+Each check has a key and a title, a read-only probe that reads facts through the Transport and
+returns a Finding (ok, evidence, fixable), the keys of the checks it needs, and ONE remedy (None
+when nothing can fix it automatically). A remedy takes `dry_run` and returns an Outcome (ops/steps.py)
+with the plan and any file diff; it raises DdopsError when it cannot act.
+
+    host -> modules -> nodes -> ct-exists -> ct-config -> ct-running -> cuda -> model -> service
+    -> engine -> bench                    (+ capacity, boot, engine-installed under provision)
+
+The runner that applies them is ops/recover.py. Tests: tests/test_checks.py (one check at a time
+on a sim host) and the provision/recover tests (the whole chain).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ops import deploy, host_setup
+from ops.errors import DdopsError
+from ops.gpu import driver_version, gpu_facts, loaded_modules, parse_char_majors
+from ops.inventory import ContainerSpec, EngineSpec, ModelRef, ModelSpec
+from ops.lxcconf import GpuBlock, GpuDevice, find_stale_rules, plan_gpu_block, unified_diff
+from ops.pve import (
+    ct_exec,
+    ct_lock,
+    ct_start,
+    ct_status,
+    ct_stop,
+    ct_unlock,
+    pve_version,
+    supports_dev_entries,
+)
+from ops.staging import SHM_MODELS, check_staged, stage_model
+from ops.steps import Outcome
+from ops.transport import Transport
+
+REQUIRED_MODULES = ("nvidia", "nvidia_uvm")
+PROBE_SCRIPT = Path(__file__).with_name("probe.py")  # stdlib only: runs in any CT python3
+ENGINE_READY_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What a run may do beyond repairing: `provision` creates the CT, installs boot persistence
+    and the engine; `unlock` clears a CT lock (`pct unlock`) before starting it."""
+
+    provision: bool = False
+    unlock: bool = False
+
+
+@dataclass(frozen=True)
+class ChainContext:
+    """Everything the checks of one container read: where, what, and what they may do."""
+
+    t: Transport
+    ct: ContainerSpec
+    model: ModelSpec
+    engine: EngineSpec
+    policy: Policy = Policy()
+    host_vmids: tuple[int, ...] = ()  # every GPU CT of this host (the boot unit recovers them all)
+    inventory_path: str | None = None
+    results_dir: Path | None = None
+    hf_token: str | None = field(default=None, repr=False)
+
+    @property
+    def vmid(self) -> int:
+        return self.ct.vmid
+
+    @property
+    def name(self) -> str:
+        return f"CT {self.ct.vmid}"
+
+    @property
+    def models(self) -> list[ModelRef]:
+        return [m for m in (self.model.target, self.model.draft) if m is not None]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What a probe found: ok, the evidence in words, and whether a remedy may fix it."""
+
+    ok: bool
+    evidence: str
+    fixable: bool = True
+
+
+Probe = Callable[[ChainContext], Finding]
+Remedy = Callable[[ChainContext, bool], Outcome]
+
+
+@dataclass(frozen=True)
+class Check:
+    key: str
+    title: str
+    probe: Probe
+    remedy: Remedy | None
+    needs: tuple[str, ...] = ()
+    provision_only: bool = False  # the whole check runs under the provision policy only
+    remedy_needs_provision: bool = False  # e.g. creating a CT: recover only reports it
+
+
+def _ok(evidence: str) -> Finding:
+    return Finding(True, evidence)
+
+
+def _bad(evidence: str, fixable: bool = True) -> Finding:
+    return Finding(False, evidence, fixable)
+
+
+def _ran(t: Transport, argv: list[str], dry_run: bool, obj: str) -> Outcome:
+    """Run a host command (or say it would)."""
+    if dry_run:
+        return Outcome(True, f"would run `{shlex.join(argv)}`")
+    t.run(argv).check(obj)
+    return Outcome(True, f"ran `{shlex.join(argv)}`")
+
+
+# -- 1. host reachable -----------------------------------------------------------------------
+def probe_host(c: ChainContext) -> Finding:
+    return _ok(f"{c.t.label}: Proxmox VE {pve_version(c.t)}")
+
+
+# -- 2. nvidia kernel modules ----------------------------------------------------------------
+def probe_modules(c: ChainContext) -> Finding:
+    loaded = loaded_modules(c.t)
+    missing = [m for m in REQUIRED_MODULES if m not in loaded]
+    if missing:
+        return _bad(f"{c.t.label}: kernel module(s) {', '.join(missing)} not loaded")
+    return _ok(f"{', '.join(REQUIRED_MODULES)} loaded")
+
+
+def load_modules(c: ChainContext, dry_run: bool) -> Outcome:
+    return _ran(c.t, ["modprobe", "-a", *REQUIRED_MODULES], dry_run, c.t.label)
+
+
+# -- 3. device nodes -------------------------------------------------------------------------
+def required_nodes(ct: ContainerSpec) -> list[str]:
+    """The nodes CUDA opens in the CT: one per GPU, the control node and the two uvm nodes."""
+    gpus = [f"/dev/nvidia{minor}" for minor in ct.gpus]
+    return [*gpus, "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+
+
+def probe_nodes(c: ChainContext) -> Finding:
+    facts = gpu_facts(c.t)
+    problems = []
+    for path in required_nodes(c.ct):
+        node = facts.node(path)
+        if node is None or node.kind != "char":
+            problems.append(f"{path} is missing")
+        elif path.startswith("/dev/nvidia-uvm") and node.major != facts.majors.uvm:
+            problems.append(f"{path} has major {node.major}, the driver holds {facts.majors.uvm}")
+    if problems:
+        return _bad(f"{c.t.label}: {'; '.join(problems)}")
+    return _ok(f"{len(required_nodes(c.ct))} nodes present, uvm major {facts.majors.uvm}")
+
+
+def create_nodes(c: ChainContext, dry_run: bool) -> Outcome:
+    outcomes = [
+        _ran(c.t, ["nvidia-modprobe", "-u", f"-c={minor}"], dry_run, c.t.label)
+        for minor in c.ct.gpus
+    ]
+    return Outcome(True, "; ".join(o.detail for o in outcomes))
+
+
+# -- CT exists (created by provision only) ---------------------------------------------------
+def probe_ct_exists(c: ChainContext) -> Finding:
+    if ct_status(c.t, c.vmid) is None:
+        return _bad(f"{c.name} does not exist on {c.t.label}")
+    return _ok(f"{c.name} exists")
+
+
+def create_ct(c: ChainContext, dry_run: bool) -> Outcome:
+    return _ran(c.t, host_setup.pct_create_argv(c.ct), dry_run, c.name)
+
+
+# -- capacity and recovery at boot (provision only) ------------------------------------------
+def probe_capacity(c: ChainContext) -> Finding:
+    problem = host_setup.capacity_problem(c.ct, c.models, c.model.hub_endpoint, c.hf_token)
+    return (
+        _bad(problem, fixable=False) if problem else _ok(f"{c.name}: memory holds model + engine")
+    )
+
+
+def _boot_specs(c: ChainContext) -> list:
+    return host_setup.boot_specs(c.ct.gpus, c.host_vmids or (c.vmid,), c.inventory_path)
+
+
+def probe_boot(c: ChainContext) -> Finding:
+    problems = host_setup.boot_problems(c.t, _boot_specs(c))
+    if problems:
+        return _bad(f"{c.t.label}: {'; '.join(problems)}")
+    return _ok("modules-load file, GPU-node and recover units installed and enabled")
+
+
+def install_boot(c: ChainContext, dry_run: bool) -> Outcome:
+    return host_setup.install_boot(c.t, _boot_specs(c), dry_run)
+
+
+# -- 4. the CT config grants the current majors ----------------------------------------------
+def _config_path(c: ChainContext) -> str:
+    return f"/etc/pve/lxc/{c.vmid}.conf"
+
+
+def desired_gpu_block(c: ChainContext) -> GpuBlock:
+    """The GPU block for the nodes as they are now (their majors read from the host)."""
+    facts = gpu_facts(c.t)
+    devices = []
+    for path in required_nodes(c.ct):
+        node = facts.node(path)
+        if node is None:
+            raise DdopsError(c.t.label, f"{path} is missing: cannot grant it to {c.name}")
+        devices.append(GpuDevice(path, node.major, node.minor))
+    style = c.ct.device_style
+    if style == "auto":
+        style = "devN" if supports_dev_entries(pve_version(c.t)) else "raw"
+    return GpuBlock(tuple(devices), style=style, shm_size_gib=c.ct.shm_gib)
+
+
+def _planned_config(c: ChainContext) -> tuple[str, str, dict[str, int]]:
+    """(the config now, the config with the wanted GPU block, the host's char majors)."""
+    text = c.t.read_text(_config_path(c))
+    majors = parse_char_majors(c.t.read_text("/proc/devices"))
+    return text, plan_gpu_block(text, desired_gpu_block(c), majors), majors
+
+
+def probe_ct_config(c: ChainContext) -> Finding:
+    text, planned, majors = _planned_config(c)
+    if planned == text:
+        return _ok(f"{c.name}: the config grants the current majors")
+    evidence = find_stale_rules(text, majors).evidence() or [
+        "the GPU block differs from the inventory's"
+    ]
+    return _bad("; ".join(f"{c.name}: {line}" for line in evidence))
+
+
+def write_ct_config(c: ChainContext, dry_run: bool) -> Outcome:
+    text, planned, _ = _planned_config(c)
+    path = _config_path(c)
+    diff = unified_diff(text, planned, path)
+    running = ct_status(c.t, c.vmid) == "running"
+    then = "; restart the CT to apply it" if running else ""
+    if dry_run:
+        return Outcome(True, f"would write {path}{then}", diff)
+    backup = c.t.write_file(path, planned)
+    if running:
+        restart_ct(c)
+    return Outcome(
+        True, f"wrote {path} (backup {backup})" + ("; restarted" if running else ""), diff
+    )
+
+
+def restart_ct(c: ChainContext) -> None:
+    """Stop and start the CT: device grants and mounts apply at start."""
+    ct_stop(c.t, c.vmid)
+    ct_start(c.t, c.vmid)
+
+
+# -- 5. CT not locked, running ---------------------------------------------------------------
+def probe_ct_running(c: ChainContext) -> Finding:
+    lock = ct_lock(c.t, c.vmid)
+    if lock and not c.policy.unlock:
+        return _bad(
+            f"{c.name} is locked ({lock}): once the {lock} is over, rerun with --unlock "
+            f"(or `pct unlock {c.vmid}`)",
+            fixable=False,
+        )
+    status = ct_status(c.t, c.vmid)
+    if lock or status != "running":
+        return _bad(f"{c.name} is {status}" + (f" and locked ({lock})" if lock else ""))
+    return _ok(f"{c.name} is running")
+
+
+def start_ct(c: ChainContext, dry_run: bool) -> Outcome:
+    lock = ct_lock(c.t, c.vmid)
+    actions = ([f"pct unlock {c.vmid} ({lock})"] if lock else []) + [f"pct start {c.vmid}"]
+    if dry_run:
+        return Outcome(True, "would run " + ", ".join(actions))
+    if lock:
+        ct_unlock(c.t, c.vmid)
+    ct_start(c.t, c.vmid)
+    return Outcome(True, "ran " + ", ".join(actions))
+
+
+# -- 6. CUDA initialises in the CT; its driver userspace matches the host module -------------
+def cuda_probe_report(c: ChainContext) -> dict:
+    """The CUDA probe (ops/probe.py, stdlib only) run inside the CT from stdin: nothing written."""
+    r = ct_exec(c.t, c.vmid, ["python3", "-", "--json"], input=PROBE_SCRIPT.read_text())
+    try:
+        return json.loads(r.stdout)
+    except ValueError:
+        raise DdopsError(
+            c.name, f"the CUDA probe gave no report: {r.stderr.strip()[-300:]}"
+        ) from None
+
+
+def probe_cuda(c: ChainContext) -> Finding:
+    report = cuda_probe_report(c)
+    host_version = driver_version(c.t)
+    ct_version = report.get("userspace_driver_version")
+    if report["verdict"] == "mismatch" or (ct_version and ct_version != host_version):
+        return _bad(
+            f"{c.name}: driver userspace {ct_version} does not match the host kernel module "
+            f"{host_version}: install the {host_version} userspace in the CT",
+            fixable=False,
+        )
+    if report["verdict"] != "ok":
+        return _bad(f"{c.name}: {report['reason']}")
+    return _ok(f"{c.name}: cuInit ok, driver {host_version} on host and in the CT")
+
+
+def restart_for_cuda(c: ChainContext, dry_run: bool) -> Outcome:
+    if dry_run:
+        return Outcome(True, f"would restart {c.name} so its device grants apply")
+    restart_ct(c)
+    return Outcome(True, f"restarted {c.name} so its device grants apply")
+
+
+# -- engine installed (provision only) -------------------------------------------------------
+def probe_engine_installed(c: ChainContext) -> Finding:
+    problem = deploy.engine_problem(c.t, c.vmid, c.engine)
+    return _bad(problem) if problem else _ok(f"{c.engine.python} imports the engine")
+
+
+def install_engine(c: ChainContext, dry_run: bool) -> Outcome:
+    if dry_run:
+        return Outcome(True, f"would install the engine for {c.engine.python} in {c.name}")
+    return deploy.install_engine(c.t, c.vmid, c.engine)
+
+
+# -- 7. the model is complete in /dev/shm ----------------------------------------------------
+def model_dir(ref: ModelRef) -> str:
+    return f"{SHM_MODELS}/{ref.name}"
+
+
+def probe_model(c: ChainContext) -> Finding:
+    problems = [
+        f"{model_dir(ref)}: {problem}"
+        for ref in c.models
+        for problem in check_staged(c.t, c.vmid, ref.name, python=c.engine.python)
+    ]
+    if problems:
+        return _bad(f"{c.name}: {'; '.join(problems)}")
+    return _ok(f"{c.name}: {', '.join(model_dir(ref) for ref in c.models)} complete")
+
+
+def stage_models(c: ChainContext, dry_run: bool) -> Outcome:
+    if dry_run:
+        return Outcome(True, f"would stage {', '.join(m.repo for m in c.models)} (cache first)")
+    done = []
+    for ref in c.models:
+        report = stage_model(
+            c.t,
+            c.vmid,
+            ref,
+            python=c.engine.python,
+            endpoint=c.model.hub_endpoint,
+            token=c.hf_token,
+        )
+        source = f"{len(report.downloaded_files) + len(report.repaired_cache_files)} file(s) from the hub"
+        done.append(f"{ref.name}: {len(report.copied_files)} file(s) copied, {source}")
+    return Outcome(True, "staged " + "; ".join(done))
+
+
+# -- 8. engine service running; 9. engine healthy --------------------------------------------
+def probe_service(c: ChainContext) -> Finding:
+    problem = deploy.service_problem(c.t, c.vmid)
+    return _bad(problem) if problem else _ok(f"{c.name}: the engine service is running")
+
+
+def ensure_service(c: ChainContext, dry_run: bool) -> Outcome:
+    draft = model_dir(c.model.draft) if c.model.draft else None
+    outcome = deploy.ensure_service(
+        c.t, c.vmid, c.engine, model_dir(c.model.target), draft, dry_run
+    )
+    if not dry_run:
+        deploy.wait_ready(c.t, c.vmid, c.engine, ENGINE_READY_TIMEOUT_S)
+    return outcome
+
+
+def probe_engine(c: ChainContext) -> Finding:
+    problem = deploy.engine_health_problem(c.t, c.vmid, c.engine)
+    return _bad(problem) if problem else _ok(f"{c.name}: /ready ok and a generation answered")
+
+
+def restart_engine(c: ChainContext, dry_run: bool) -> Outcome:
+    if dry_run:
+        return Outcome(True, f"would restart the engine in {c.name}")
+    outcome = deploy.restart_service(c.t, c.vmid)
+    deploy.wait_ready(c.t, c.vmid, c.engine, ENGINE_READY_TIMEOUT_S)
+    return dataclasses.replace(outcome, changed=True)
+
+
+# -- 10. no stale bench runs -----------------------------------------------------------------
+def probe_bench(c: ChainContext) -> Finding:
+    from ops.benchstate import find_stale_runs
+
+    if c.results_dir is None:
+        return _ok("no results directory")
+    stale = find_stale_runs(c.results_dir)
+    if stale:
+        names = ", ".join(p.name for p in stale)
+        return _bad(f"{c.results_dir}: run(s) {names} say running but their process is gone")
+    return _ok(f"{c.results_dir}: no stale runs")
+
+
+def quarantine_runs(c: ChainContext, dry_run: bool) -> Outcome:
+    from ops.benchstate import find_stale_runs, quarantine_run
+
+    stale = find_stale_runs(c.results_dir)
+    if dry_run:
+        return Outcome(True, f"would mark {len(stale)} run(s) crashed and move their partial files")
+    moved = [str(quarantine_run(run)) for run in stale]
+    return Outcome(True, f"marked crashed, partial files moved to {', '.join(moved)}")
+
+
+# -- the chain -------------------------------------------------------------------------------
+CHAIN: tuple[Check, ...] = (
+    Check("host", "host reachable", probe_host, None),
+    Check(
+        "capacity",
+        "CT memory holds model + engine",
+        probe_capacity,
+        None,
+        ("host",),
+        provision_only=True,
+    ),
+    Check("modules", "nvidia kernel modules loaded", probe_modules, load_modules, ("host",)),
+    Check("nodes", "/dev/nvidia* and uvm nodes", probe_nodes, create_nodes, ("modules",)),
+    Check(
+        "boot",
+        "recovery at boot installed",
+        probe_boot,
+        install_boot,
+        ("host",),
+        provision_only=True,
+    ),
+    Check(
+        "ct-exists",
+        "CT exists",
+        probe_ct_exists,
+        create_ct,
+        ("host",),
+        remedy_needs_provision=True,
+    ),
+    Check(
+        "ct-config",
+        "CT config grants current majors",
+        probe_ct_config,
+        write_ct_config,
+        ("nodes", "ct-exists"),
+    ),
+    Check("ct-running", "CT unlocked and running", probe_ct_running, start_ct, ("ct-exists",)),
+    Check(
+        "cuda",
+        "CUDA initialises in the CT",
+        probe_cuda,
+        restart_for_cuda,
+        ("ct-config", "ct-running"),
+    ),
+    Check(
+        "engine-installed",
+        "engine installed in the CT",
+        probe_engine_installed,
+        install_engine,
+        ("ct-running",),
+        provision_only=True,
+    ),
+    Check("model", "model complete in /dev/shm", probe_model, stage_models, ("ct-running",)),
+    Check("service", "engine service running", probe_service, ensure_service, ("model", "cuda")),
+    Check("engine", "engine answers a generation", probe_engine, restart_engine, ("service",)),
+    Check("bench", "no stale bench runs", probe_bench, quarantine_runs),
+)
+
+
+def chain_for(policy: Policy) -> list[Check]:
+    """The checks a run under `policy` goes through, in order."""
+    return [check for check in CHAIN if policy.provision or not check.provision_only]

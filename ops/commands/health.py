@@ -1,0 +1,22 @@
+"""`ddops health`: every check of the chain (ops/checks.py), read-only.
+
+    ddops -i site.yml health --ct 200
+    ddops --host sim:/tmp/pve1 --json health --ct 200
+
+Exit 0 only when every check passes; a check whose prerequisite failed is "skipped (needs X)".
+"""
+
+from __future__ import annotations
+
+import click
+
+from ops.checks import Policy
+from ops.commands.recover import VMID, run_chain_command
+
+
+@click.command("health")
+@click.option("--ct", "vmids", type=VMID, multiple=True, help="The CT (repeat; default: all).")
+@click.pass_context
+def health_command(ctx: click.Context, vmids: tuple[int, ...]) -> None:
+    """Probe every check of the chain for the CTs, changing nothing."""
+    run_chain_command(ctx, "health", vmids, Policy())

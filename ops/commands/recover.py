@@ -1,0 +1,69 @@
+"""`ddops recover`: diagnose and repair GPU containers in chain order (see ops/checks.py).
+
+    ddops -i site.yml recover --ct 200            # probe, repair what fails, re-probe
+    ddops -i site.yml recover --ct 200 --dry-run  # what would be done, with file diffs
+    ddops -i site.yml recover --ct 200 --unlock   # also clear a CT lock (lock: backup, ...)
+    ddops --host sim:/tmp/pve1 --json recover --ct 200
+
+Exit 0 only when every CT ends healthy. `run_chain_command` is shared with `health` and
+`provision`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import click
+
+from ops.checks import Policy
+from ops.recover import contexts, health, recover, render_reports, reports_json
+from ops.site import open_site
+
+VMID = click.IntRange(100, 999_999_999)
+
+
+def run_chain_command(
+    ctx: click.Context, mode: str, vmids: Sequence[int], policy: Policy, dry_run: bool = False
+) -> None:
+    """Resolve the site, run the chain per CT, print a table (or --json), exit 1 unless all ok."""
+    from ops.provision import provision
+
+    app = ctx.obj
+    with open_site(
+        inventory=app.inventory,
+        host=app.host,
+        vmids=vmids,
+        accept_new_host_key=app.accept_new_host_key,
+    ) as opened:
+        reports = []
+        for c in contexts(opened, policy):
+            if mode == "health":
+                reports.append(health(c))
+            elif mode == "provision":
+                reports.append(provision(c, dry_run=dry_run))
+            else:
+                reports.append(recover(c, dry_run=dry_run))
+    if app.json:
+        click.echo(json.dumps(reports_json(reports), indent=2))
+    else:
+        render_reports(reports)
+    if not all(r.ok for r in reports) and not (dry_run and _only_planned(reports)):
+        ctx.exit(1)
+
+
+def _only_planned(reports) -> bool:
+    """A dry run that found fixable changes only (nothing failed) exits 0."""
+    return not any(r.status == "failed" for report in reports for r in report.results)
+
+
+@click.command("recover")
+@click.option("--ct", "vmids", type=VMID, multiple=True, help="The CT (repeat; default: all).")
+@click.option("--dry-run", is_flag=True, help="Show what would be done; change nothing.")
+@click.option("--unlock", is_flag=True, help="Clear a CT lock (pct unlock) before starting it.")
+@click.pass_context
+def recover_command(
+    ctx: click.Context, vmids: tuple[int, ...], dry_run: bool, unlock: bool
+) -> None:
+    """Repair GPU containers after reboots and faults: probe, remedy, re-probe, in chain order."""
+    run_chain_command(ctx, "recover", vmids, Policy(unlock=unlock), dry_run)

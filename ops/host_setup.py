@@ -1,0 +1,159 @@
+"""What only `ddops provision` sets up (recover never does): the CT itself, recovery at every boot,
+and the check that the CT's memory can hold the model at all.
+
+    pct_create_argv(ct)          # `pct create` from the inventory's container spec
+    boot_problems(t, specs) / install_boot(t, specs, dry_run)   # specs = boot_specs(...)
+        /etc/modules-load.d/ddops-nvidia.conf          nvidia + nvidia_uvm load at boot
+        /etc/systemd/system/ddops-gpu-nodes.service    nvidia-modprobe, Before=pve-guests.service
+        /etc/systemd/system/ddops-recover.service      `ddops recover --ct N`, After=pve-guests
+      both units enabled (linked into multi-user.target.wants/, what `systemctl enable` does).
+    capacity_problem(ct, models, endpoint, token)   # memory >= staged model + engine runtime; /dev/shm >= model
+
+The chain (ops/checks.py) wraps these into its provision-only checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from ops.errors import DdopsError
+from ops.inventory import ContainerSpec, ModelRef
+from ops.lxcconf import unified_diff
+from ops.render import GpuNodesUnit, NvidiaModules, RecoverUnit, TemplateSpec, render
+from ops.steps import Outcome
+from ops.transport import Transport
+
+WANTS_DIR = "/etc/systemd/system/multi-user.target.wants"
+ENGINE_RUNTIME_MIB = 2048  # Python + torch + CUDA context of the engine, beside the weights
+MIB = 1 << 20
+
+
+# -- the CT ------------------------------------------------------------------------------------
+def pct_create_argv(ct: ContainerSpec) -> list[str]:
+    """`pct create` for the inventory's container (the GPU block is added by the next check)."""
+    options = {
+        "hostname": ct.hostname,
+        "cores": ct.cores,
+        "memory": ct.memory_mib,
+        "swap": ct.swap_mib,
+        "rootfs": ct.rootfs,
+        "net0": ct.net0,
+        "onboot": int(ct.onboot),
+    }
+    argv = ["pct", "create", str(ct.vmid), ct.ostemplate]
+    for key, value in options.items():
+        argv += [f"--{key}", str(value)]
+    return argv
+
+
+# -- recovery at boot --------------------------------------------------------------------------
+def boot_specs(
+    gpu_minors: tuple[int, ...], vmids: tuple[int, ...], inventory: str | None
+) -> list[TemplateSpec]:
+    """The files that make a booted host recover its GPU CTs without a person."""
+    return [
+        NvidiaModules(),
+        GpuNodesUnit(gpu_minors=gpu_minors),
+        RecoverUnit(vmids=vmids, inventory=inventory),
+    ]
+
+
+def _boot_changes(
+    t: Transport, specs: list[TemplateSpec]
+) -> tuple[list[tuple[str, str, str]], list[str]]:
+    """(files to write as (path, old, new), units to enable)."""
+    files = []
+    for spec in specs:
+        new = render(spec)
+        old = t.read_text(spec.INSTALL_PATH) if t.exists(spec.INSTALL_PATH) else ""
+        if new != old:
+            files.append((spec.INSTALL_PATH, old, new))
+    units = [s.INSTALL_PATH.rsplit("/", 1)[1] for s in specs if s.INSTALL_PATH.endswith(".service")]
+    return files, [u for u in units if not t.exists(f"{WANTS_DIR}/{u}")]
+
+
+def boot_problems(t: Transport, specs: list[TemplateSpec]) -> list[str]:
+    """What is missing or different among the boot files ([] when all are in place)."""
+    files, disabled = _boot_changes(t, specs)
+    problems = [f"{path} {'differs' if old else 'is missing'}" for path, old, _ in files]
+    return problems + [f"{unit} is not enabled" for unit in disabled]
+
+
+def install_boot(t: Transport, specs: list[TemplateSpec], dry_run: bool) -> Outcome:
+    """Write the boot files that differ (backed up) and enable the units; the diff either way."""
+    files, disabled = _boot_changes(t, specs)
+    diff = "".join(unified_diff(old, new, path) for path, old, new in files)
+    actions = [f"write {path}" for path, _, _ in files] + [f"enable {u}" for u in disabled]
+    if dry_run:
+        return Outcome(True, "would " + ", ".join(actions), diff)
+    for path, _, new in files:
+        t.write_file(path, new)
+    for unit in disabled:
+        _enable(t, unit)
+    if t.sysroot is None:  # a real host's systemd; a simulated one reads the files at boot
+        t.run(["systemctl", "daemon-reload"]).check(t.label)
+    return Outcome(True, ", ".join(actions), diff)
+
+
+def _enable(t: Transport, unit: str) -> None:
+    """What `systemctl enable` does for WantedBy=multi-user.target: a link in the wants dir."""
+    wants = t.host_path(WANTS_DIR)
+    t.run(["mkdir", "-p", wants]).check(t.label)
+    t.run(["ln", "-sfn", f"../{unit}", f"{wants}/{unit}"]).check(t.label)
+
+
+# -- capacity ----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _hub_errors(ref: ModelRef) -> Iterator[None]:
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        yield
+    except RepositoryNotFoundError as exc:
+        raise DdopsError(
+            f"model {ref.repo}", "repository not found on the hub (or no access: check HF_TOKEN)"
+        ) from exc
+    except RevisionNotFoundError as exc:
+        raise DdopsError(
+            f"model {ref.repo}", f"revision {ref.revision!r} not found on the hub"
+        ) from exc
+    except HfHubHTTPError as exc:
+        raise DdopsError(f"model {ref.repo}", f"hub error: {exc}") from exc
+
+
+def model_bytes(ref: ModelRef, endpoint: str | None, token: str | None) -> int:
+    """The size of a repo's files at the revision, from the hub's file list (nothing downloaded)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+
+    with _hub_errors(ref):
+        tree = HfApi(endpoint=endpoint, token=token).list_repo_tree(
+            ref.repo, revision=ref.revision, recursive=True
+        )
+        return sum(entry.size for entry in tree if isinstance(entry, RepoFile))
+
+
+def capacity_problem(
+    ct: ContainerSpec, models: list[ModelRef], endpoint: str | None, token: str | None
+) -> str | None:
+    """Why the CT cannot hold the staged models plus the engine (None: it can)."""
+    staged = sum(model_bytes(ref, endpoint, token) for ref in models)
+    staged_mib = -(-staged // MIB)
+    need_mib = staged_mib + ENGINE_RUNTIME_MIB
+    if staged > ct.shm_gib << 30:
+        return (
+            f"CT {ct.vmid}: /dev/shm ({ct.shm_gib} GiB) cannot hold the model "
+            f"({staged / 2**30:.2f} GiB): raise shm_gib"
+        )
+    if ct.memory_mib < need_mib:
+        return (
+            f"CT {ct.vmid}: memory {ct.memory_mib} MiB cannot hold the staged model "
+            f"({staged_mib} MiB in /dev/shm) plus the engine (~{ENGINE_RUNTIME_MIB} MiB): "
+            f"raise memory_mib to at least {need_mib}"
+        )
+    return None

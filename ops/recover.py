@@ -1,0 +1,284 @@
+"""Run the chain (ops/checks.py) over one container: probe only (health), or repair in order.
+
+    report = health(ctx)                  # every probe, read-only; dependents of a failure skipped
+    report = recover(ctx, dry_run=False)  # probe, remedy if failing, re-probe; stop at the first
+                                          # failure nothing can fix; under the host lock
+    render_reports([report], console)     # a table per CT (what was wrong, what was done, time)
+    reports_json([report])                # one document for --json
+
+Concurrent repairs of one host are serialised by a lock on the host (flock on
+/run/lock/ddops/recover.lock through the transport's view of the host): the second waits, then
+finds nothing to do. `ddops provision` is the same run under the provision policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from ops.checks import ChainContext, Check, Finding, Policy, chain_for
+from ops.errors import DdopsError
+from ops.site import OpenedSite, results_dir
+from ops.steps import CHANGED, FAILED, SKIPPED, STYLE, UNCHANGED, WOULD_CHANGE
+from ops.transport import LocalTransport, Transport
+
+OK = "ok"  # health's word for a passing probe (a repair run says "unchanged")
+LOCK_PATH = "/run/lock/ddops/recover.lock"
+LOCK_DIR = "/run/lock/ddops/recover.d"  # hosts without a local file system: mkdir is atomic
+LOCK_TIMEOUT_S = 1800.0
+_STATUS_STYLE = {**STYLE, OK: "green"}
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check in a run: what the probe found (evidence), what was done (action), how long."""
+
+    key: str
+    title: str
+    status: str  # ok | unchanged | changed | would change | failed | skipped
+    seconds: float
+    evidence: str = ""
+    action: str = ""
+    diff: str = ""
+
+
+@dataclass
+class ChainReport:
+    host: str
+    vmid: int
+    mode: str  # health | recover | provision
+    dry_run: bool = False
+    results: list[CheckResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Every check passed (or was repaired); a dry run that would change something is not ok."""
+        return all(r.status in (OK, UNCHANGED, CHANGED) for r in self.results)
+
+    def to_json(self) -> dict:
+        return {
+            "host": self.host,
+            "ct": self.vmid,
+            "mode": self.mode,
+            "dry_run": self.dry_run,
+            "ok": self.ok,
+            "seconds": round(self.seconds, 3),
+            "checks": [asdict(r) for r in self.results],
+        }
+
+
+def _probe(check: Check, c: ChainContext) -> Finding:
+    """The probe's finding; a probe that cannot read its facts is a failure nothing can fix."""
+    try:
+        return check.probe(c)
+    except DdopsError as exc:
+        return Finding(False, str(exc), fixable=False)
+
+
+def _unfixable_reason(check: Check, c: ChainContext, finding: Finding) -> str | None:
+    if not finding.fixable or check.remedy is None:
+        return finding.evidence
+    if check.remedy_needs_provision and not c.policy.provision:
+        return f"{finding.evidence}: `ddops provision --ct {c.vmid}` creates it"
+    return None
+
+
+def _repair(check: Check, c: ChainContext, finding: Finding, dry_run: bool) -> CheckResult:
+    """Apply the check's remedy and re-probe: changed (fixed), would change, or failed."""
+    start = time.monotonic()
+    if (reason := _unfixable_reason(check, c, finding)) is not None:
+        return CheckResult(check.key, check.title, FAILED, 0.0, reason)
+    try:
+        outcome = check.remedy(c, dry_run)
+    except DdopsError as exc:
+        return CheckResult(
+            check.key, check.title, FAILED, time.monotonic() - start, finding.evidence, str(exc)
+        )
+    if dry_run:
+        return CheckResult(
+            check.key,
+            check.title,
+            WOULD_CHANGE,
+            time.monotonic() - start,
+            finding.evidence,
+            outcome.detail,
+            outcome.diff,
+        )
+    after = _probe(check, c)
+    status = CHANGED if after.ok else FAILED
+    action = outcome.detail if after.ok else f"{outcome.detail}; still failing: {after.evidence}"
+    return CheckResult(
+        check.key,
+        check.title,
+        status,
+        time.monotonic() - start,
+        finding.evidence,
+        action,
+        outcome.diff,
+    )
+
+
+def run_chain(
+    c: ChainContext,
+    *,
+    mode: str,
+    dry_run: bool = False,
+    on_result: Callable[[CheckResult], None] | None = None,
+) -> ChainReport:
+    """Go through the chain for `c.policy`. mode "health" only probes; "recover" and "provision"
+    repair in order and stop at the first failure nothing fixes."""
+    repair = mode != "health"
+    report = ChainReport(c.t.label, c.vmid, mode, dry_run)
+    start = time.monotonic()
+    not_ok: set[str] = set()
+    stopped = False
+    for check in chain_for(c.policy):
+        missing = [need for need in check.needs if need in not_ok]
+        if stopped or missing:
+            why = "an earlier check failed" if stopped else f"needs {', '.join(missing)}"
+            result = CheckResult(check.key, check.title, SKIPPED, 0.0, why)
+        else:
+            t0 = time.monotonic()
+            finding = _probe(check, c)
+            if finding.ok:
+                status = UNCHANGED if repair else OK
+                result = CheckResult(
+                    check.key, check.title, status, time.monotonic() - t0, finding.evidence
+                )
+            elif repair:
+                result = _repair(check, c, finding, dry_run)
+                result = _with_probe_time(result, time.monotonic() - t0)
+            else:
+                result = CheckResult(
+                    check.key, check.title, FAILED, time.monotonic() - t0, finding.evidence
+                )
+        if result.status not in (OK, UNCHANGED, CHANGED):
+            not_ok.add(check.key)
+        stopped = stopped or (repair and result.status == FAILED)
+        report.results.append(result)
+        if on_result:
+            on_result(result)
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def _with_probe_time(result: CheckResult, seconds: float) -> CheckResult:
+    return CheckResult(**{**asdict(result), "seconds": seconds})
+
+
+def health(c: ChainContext) -> ChainReport:
+    """Every probe, read-only."""
+    return run_chain(c, mode="health")
+
+
+def recover(c: ChainContext, *, dry_run: bool = False, mode: str = "recover") -> ChainReport:
+    """Repair the CT in chain order under the host lock (a dry run takes no lock)."""
+    if dry_run:
+        return run_chain(c, mode=mode, dry_run=True)
+    with host_lock(c.t):
+        return run_chain(c, mode=mode)
+
+
+def contexts(opened: OpenedSite, policy: Policy) -> list[ChainContext]:
+    """One ChainContext per selected CT; HF_TOKEN from the environment (never logged)."""
+    return [
+        ChainContext(
+            t=target.t,
+            ct=target.ct,
+            model=opened.site.model,
+            engine=opened.site.engine,
+            policy=policy,
+            host_vmids=tuple(ct.vmid for ct in target.host.containers),
+            inventory_path=opened.inventory_path,
+            results_dir=results_dir(),
+            hf_token=os.environ.get("HF_TOKEN") or None,
+        )
+        for target in opened.targets
+    ]
+
+
+# -- the host lock -----------------------------------------------------------------------------
+@contextlib.contextmanager
+def host_lock(t: Transport, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Hold the host's recover lock; a second holder waits for it (DdopsError after `timeout`)."""
+    if isinstance(t, LocalTransport):
+        with _flock(t.host_path(LOCK_PATH), timeout, t.label):
+            yield
+    else:
+        with _mkdir_lock(t, timeout):
+            yield
+
+
+@contextlib.contextmanager
+def _flock(path: str, timeout: float, label: str) -> Iterator[None]:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as f:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise DdopsError(
+                        label, f"another ddops holds {path} for over {timeout:g}s"
+                    ) from None
+                time.sleep(0.2)  # flock has no timeout of its own
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _mkdir_lock(t: Transport, timeout: float) -> Iterator[None]:
+    deadline = time.monotonic() + timeout
+    while (
+        not t.run(["mkdir", "-p", LOCK_DIR.rsplit("/", 1)[0]]).ok
+        or not t.run(["mkdir", LOCK_DIR]).ok
+    ):
+        if time.monotonic() > deadline:
+            raise DdopsError(t.label, f"another ddops holds {LOCK_DIR} for over {timeout:g}s")
+        time.sleep(1.0)
+    try:
+        yield
+    finally:
+        t.run(["rmdir", LOCK_DIR])
+
+
+# -- output ------------------------------------------------------------------------------------
+def render_reports(reports: Sequence[ChainReport], console: Console | None = None) -> None:
+    """One table per CT: check, status, time, and what was found / done."""
+    console = console or Console()
+    for report in reports:
+        verdict = "healthy" if report.ok else "NOT healthy"
+        if report.dry_run:
+            verdict = "nothing to do" if report.ok else "changes planned"
+        title = (
+            f"{report.mode}: CT {report.vmid} on {report.host}: {verdict} ({report.seconds:.1f}s)"
+        )
+        table = Table(title=title, title_justify="left")
+        for column in ("check", "status", "time", "found / done"):
+            wrap = column == "found / done"
+            table.add_column(column, no_wrap=not wrap, overflow="fold" if wrap else "ellipsis")
+        for r in report.results:
+            said = escape(r.evidence if not r.action else f"{r.evidence}\n-> {r.action}")
+            style = _STATUS_STYLE[r.status]
+            table.add_row(r.title, f"[{style}]{r.status}[/]", f"{r.seconds:.2f}s", said)
+        console.print(table)
+        for r in report.results:
+            if r.diff:
+                console.print(r.diff, markup=False, highlight=False)
+
+
+def reports_json(reports: Sequence[ChainReport]) -> dict:
+    return {"ok": all(r.ok for r in reports), "cts": [r.to_json() for r in reports]}
