@@ -1,0 +1,504 @@
+"""The engine in a container: install it, run it as a service, check it is ready and generates.
+
+    install_engine(t, 200, engine)             # real host: /opt/ddops/venv + pip; sim: verify only
+    ensure_service(t, 200, engine, "/dev/shm/models/target", "/dev/shm/models/draft", dry_run)
+    wait_ready(t, 200, engine, timeout=600)    # /ready, then a real 4-token generation
+    service_problem(t, 200)                    # None, or one line saying what is wrong
+
+Everything runs inside the CT through `pct exec` / `pct push` over a Transport. The service is
+ops/render.py's EngineUnit, rendered once: a CT with systemd (/run/systemd/system) gets it as
+/etc/systemd/system/ddops-engine.service; a CT without (busybox, Alpine) gets the same file as
+/etc/ddops/ddops-engine.service, run by the ddops supervisor (ops/supervise.py) started
+detached inside the CT. The optional API key goes from the operator's DDOPS_API_KEY to
+/etc/ddops/engine.env (0600) on stdin: never on a command line, never in a log or a diff.
+Tests: tests/test_deploy.py (real LXC containers on a simulated host, a tiny model).
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from ops import supervise
+from ops.errors import DdopsError
+from ops.inventory import EngineSpec
+from ops.pve import ct_exec, ct_push, validate_vmid
+from ops.render import EngineUnit, render
+from ops.steps import Outcome
+from ops.transport import Transport
+
+API_KEY_ENV = "DDOPS_API_KEY"
+ENV_FILE = "/etc/ddops/engine.env"
+SUPERVISED_UNIT = "/etc/ddops/ddops-engine.service"
+SYSTEMD_UNIT_NAME = "ddops-engine.service"
+PUSH_DIR = "/var/lib/ddops/push"  # host-side copies of files pushed into CTs (never secrets)
+ENGINE_HOST = "127.0.0.1"
+LOG_LINES = 20
+POLL_S = 1.0
+PIP_TIMEOUT_S = 3600.0  # torch and its CUDA libraries are gigabytes
+
+# Run by the engine's Python in the CT: the engine and torch import, and which ddops they are.
+IMPORT_CHECK = (
+    "import importlib.metadata, engine, torch; print(importlib.metadata.version('ddops'))"
+)
+
+# Run by the engine's Python in the CT: GET /ready, then a 4-token completion. Arguments: port,
+# env file (its DDOPS_API_KEY, if any, becomes the Bearer token), timeout. Prints one line: the
+# problem (exit 1) or the answer as JSON (exit 0).
+HEALTH_PROBE = r"""
+import json, sys, urllib.error, urllib.request
+port, env_file, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
+base, headers = f"http://127.0.0.1:{port}", {"Content-Type": "application/json"}
+try:
+    for line in open(env_file):
+        if line.startswith("DDOPS_API_KEY="):
+            headers["Authorization"] = "Bearer " + line.split("=", 1)[1].strip()
+except FileNotFoundError:
+    pass
+
+def call(path, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(base + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return answer.status, json.load(answer)
+    except urllib.error.HTTPError as error:
+        try:
+            return error.code, json.load(error)
+        except ValueError:
+            return error.code, {}
+
+def fail(problem):
+    print(problem)
+    sys.exit(1)
+
+try:
+    status, ready = call("/ready")
+    if status != 200:
+        fail(f"/ready answered {status} ({': '.join(str(ready[k]) for k in ('status', 'error') if ready.get(k)) or 'no reason given'})")
+    status, answer = call("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+except urllib.error.URLError as error:
+    fail(f"nothing answers on {base} ({error.reason})")
+except (OSError, ValueError) as error:
+    fail(f"{base} answered badly: {error}")
+if status != 200:
+    fail(f"/v1/completions answered {status} ({answer.get('error', {}).get('message', 'no reason given')})")
+choices, usage = answer.get("choices") or [{}], answer.get("usage") or {}
+if not isinstance(choices[0].get("text"), str) or not usage.get("completion_tokens"):
+    fail(f"/v1/completions answered without text or usage: {json.dumps(answer)[:200]}")
+print(json.dumps({"text": choices[0]["text"], "usage": usage}))
+"""
+
+
+# -- install -----------------------------------------------------------------------------------
+def engine_problem(t: Transport, vmid: int | str, engine: EngineSpec) -> str | None:
+    """None when the engine's Python in the CT imports engine and torch from this ddops version."""
+    r = ct_exec(t, vmid, [engine.python, "-c", IMPORT_CHECK], timeout=300)
+    where = f"engine python {engine.python} in CT {validate_vmid(vmid)}"
+    if r.rc in (126, 127):
+        return f"{where}: not found"
+    if not r.ok:
+        words = (r.stderr.strip() or r.stdout.strip()).splitlines()
+        return f"{where}: {words[-1] if words else f'exited {r.rc}'}"
+    installed, wanted = r.stdout.strip(), ddops_version()
+    if installed != wanted:
+        return f"{where}: has ddops {installed}, this is ddops {wanted}"
+    return None
+
+
+def install_engine(t: Transport, vmid: int | str, engine: EngineSpec) -> Outcome:
+    """Make the engine importable by engine.python: unchanged when it is; else, when engine.python
+    is a venv's Python that ddops may own, create the venv and pip install ddops[engine] into it."""
+    problem = engine_problem(t, vmid, engine)
+    if problem is None:
+        return Outcome(False, f"ddops {ddops_version()} engine importable by {engine.python}")
+    venv = _managed_venv(t, vmid, engine.python, problem)
+    _run(t, vmid, ["python3", "-m", "venv", venv], "create the engine venv", timeout=300)
+    requirement = _push_wheel(t, vmid) or f"ddops[engine]=={ddops_version()}"
+    pip = [engine.python, "-m", "pip", "install", "--upgrade", requirement]
+    _run(t, vmid, pip, "pip install the engine", timeout=PIP_TIMEOUT_S)
+    if still := engine_problem(t, vmid, engine):
+        raise DdopsError(f"CT {vmid}", f"engine installed but not usable: {still}")
+    return Outcome(True, f"installed ddops[engine] {ddops_version()} into {venv}")
+
+
+def ddops_version() -> str:
+    return importlib.metadata.version("ddops")
+
+
+def _managed_venv(t: Transport, vmid: int | str, python: str, problem: str) -> str:
+    """The venv directory of `python` when ddops may create or update it (absent, or a venv)."""
+    path = PurePosixPath(python)
+    venv = str(path.parent.parent)
+    if path.parent.name == "bin" and venv != "/":
+        kind = ct_exec(t, vmid, ["sh", "-c", _PATH_KIND, "sh", venv]).stdout.strip()
+        if kind in ("absent", "venv"):
+            return venv
+    raise DdopsError(
+        f"CT {vmid}",
+        f"{problem}; ddops installs the engine only into a venv it owns "
+        f"(engine python like /opt/ddops/venv/bin/python), not into {python}",
+    )
+
+
+_PATH_KIND = 'if [ ! -e "$1" ]; then echo absent; elif [ -f "$1/pyvenv.cfg" ]; then echo venv; else echo other; fi'
+
+
+def _push_wheel(t: Transport, vmid: int | str) -> str | None:
+    """Build this ddops as a wheel (from its source tree, when it runs from one), push it into the
+    CT and return the pip requirement naming it; None when there is no source tree."""
+    project = Path(__file__).resolve().parents[1]
+    if not (project / "pyproject.toml").is_file():
+        return None
+    with tempfile.TemporaryDirectory(prefix="ddops-wheel-") as out:
+        build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+        proc = subprocess.run([*build, "-w", out, str(project)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise DdopsError(str(project), f"building the ddops wheel failed: {proc.stderr[-500:]}")
+        wheel = next(Path(out).glob("ddops-*.whl"))
+        dest = f"/tmp/{wheel.name}"
+        _push(t, vmid, wheel.read_bytes(), dest)
+    return f"{dest}[engine]"
+
+
+def _run(t: Transport, vmid: int | str, argv: list[str], what: str, *, timeout: float) -> None:
+    r = ct_exec(t, vmid, argv, timeout=timeout)
+    if not r.ok:
+        words = (r.stderr.strip() or r.stdout.strip()).splitlines()
+        raise DdopsError(f"CT {vmid}", f"{what} failed: {words[-1] if words else f'exit {r.rc}'}")
+
+
+def _push(t: Transport, vmid: int | str, data: bytes | str, dest: str, perms: int = 0o644) -> None:
+    """Put `data` at `dest` in the CT through a host-side copy and `pct push` (not for secrets)."""
+    staged = f"{PUSH_DIR}/{validate_vmid(vmid)}/{PurePosixPath(dest).name}"
+    t.write_file(staged, data, backup=False)
+    _run(t, vmid, ["mkdir", "-p", str(PurePosixPath(dest).parent)], f"mkdir for {dest}", timeout=60)
+    ct_push(t, vmid, staged, dest, perms=perms)
+
+
+def _read_ct_file(t: Transport, vmid: int | str, path: str) -> str | None:
+    r = ct_exec(t, vmid, ["cat", path])
+    return r.stdout if r.ok else None
+
+
+# -- the unit ----------------------------------------------------------------------------------
+def engine_unit(
+    t: Transport, engine: EngineSpec, model_dir: str, draft_dir: str | None, env_file: str | None
+) -> EngineUnit:
+    """The engine's unit for this host: EngineSpec's "auto" dtype/device become CUDA + bfloat16
+    on a real host, CPU + float32 on a simulated one (it has no GPU behind its device nodes)."""
+    device = engine.device if engine.device != "auto" else ("cpu" if t.sysroot else "cuda")
+    dtype = (
+        engine.dtype if engine.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
+    )
+    return EngineUnit(
+        python=engine.python,
+        model=model_dir,
+        draft=draft_dir,
+        host=ENGINE_HOST,
+        port=engine.port,
+        max_model_len=engine.max_model_len,
+        method=engine.method,
+        budget=engine.budget,
+        tp=engine.tp,
+        dtype=dtype,
+        device=device,
+        env_file=env_file,
+    )
+
+
+# -- service managers: systemd, or the ddops supervisor ----------------------------------------
+@dataclass(frozen=True)
+class ServiceState:
+    """The service as its manager sees it."""
+
+    running: bool  # the service is up (it may be between engine restarts)
+    engine_up: bool  # the engine process runs now
+    exits: int  # engine exits counted by the manager while it runs
+    words: str  # the manager's own description, for messages
+
+
+class ServiceManager(ABC):
+    unit_path: str
+    kind: str
+
+    def __init__(self, t: Transport, vmid: str) -> None:
+        self.t, self.vmid = t, vmid
+
+    def run(self, argv: list[str], what: str, timeout: float = 120.0) -> str:
+        r = ct_exec(self.t, self.vmid, argv, timeout=timeout)
+        if not r.ok:
+            words = (r.stderr.strip() or r.stdout.strip()).splitlines()
+            cause = words[-1] if words else f"exit {r.rc}"
+            raise DdopsError(f"CT {self.vmid}", f"{what} failed: {cause}")
+        return r.stdout
+
+    def install(self, unit_text: str) -> None:
+        _push(self.t, self.vmid, unit_text, self.unit_path)
+
+    @abstractmethod
+    def state(self) -> ServiceState: ...
+
+    @abstractmethod
+    def start(self) -> None:
+        """Start the service (enabled at boot where the manager can)."""
+
+    @abstractmethod
+    def restart(self) -> None: ...
+
+    @abstractmethod
+    def log_tail(self) -> str: ...
+
+
+class Systemd(ServiceManager):
+    unit_path = EngineUnit.INSTALL_PATH
+    kind = "systemd"
+
+    def install(self, unit_text: str) -> None:
+        super().install(unit_text)
+        self.run(["systemctl", "daemon-reload"], "systemctl daemon-reload")
+
+    def state(self) -> ServiceState:
+        props = ["ActiveState", "SubState", "NRestarts", "ExecMainStatus"]
+        argv = ["systemctl", "show", SYSTEMD_UNIT_NAME, *(f"--property={p}" for p in props)]
+        shown = dict(line.split("=", 1) for line in self.run(argv, "systemctl show").splitlines())
+        active, sub = shown.get("ActiveState", "unknown"), shown.get("SubState", "unknown")
+        engine_up = active == "active" and sub == "running"
+        restarts = int(shown.get("NRestarts") or 0)
+        words = f"{active} ({sub}), last exit status {shown.get('ExecMainStatus', '?')}"
+        running = active in ("active", "activating", "reloading")
+        return ServiceState(running, engine_up, restarts + (not engine_up), words)
+
+    def start(self) -> None:
+        self.run(["systemctl", "enable", "--now", SYSTEMD_UNIT_NAME], "systemctl enable --now")
+
+    def restart(self) -> None:
+        self.run(["systemctl", "restart", SYSTEMD_UNIT_NAME], "systemctl restart")
+
+    def log_tail(self) -> str:
+        argv = [
+            "journalctl",
+            "-u",
+            SYSTEMD_UNIT_NAME,
+            "-n",
+            str(LOG_LINES),
+            "--no-pager",
+            "-o",
+            "cat",
+        ]
+        return ct_exec(self.t, self.vmid, argv).stdout
+
+
+# Prints "alive", "gone" (pidfile, no supervisor) or "none" (no pidfile), then the status JSON.
+_SUPERVISOR_FACTS = (
+    'pid=$(cat "$1" 2>/dev/null) || { echo none; exit 0; }; '
+    'if tr "\\000" " " < "/proc/$pid/cmdline" 2>/dev/null | grep -q "$3"; '
+    "then echo alive; else echo gone; fi; "
+    'cat "$2" 2>/dev/null; exit 0'
+)
+
+
+class Supervised(ServiceManager):
+    unit_path = SUPERVISED_UNIT
+    kind = "ddops supervisor"
+
+    def state(self) -> ServiceState:
+        args = [supervise.PIDFILE, supervise.STATUS_FILE, supervise.SUPERVISOR_MODULE]
+        lines = self.run(["sh", "-c", _SUPERVISOR_FACTS, "sh", *args], "reading the supervisor")
+        verdict, _, status_json = lines.partition("\n")
+        try:
+            status = supervise.Status(**json.loads(status_json))
+        except (ValueError, TypeError):
+            status = supervise.Status()
+        running = verdict.strip() == "alive"
+        if not running:
+            words = "no supervisor" + (
+                " (its pidfile is stale)" if verdict.strip() == "gone" else ""
+            )
+        elif status.engine_pid is not None:
+            words = f"engine pid {status.engine_pid}, {status.starts} start(s)"
+        else:
+            words = f"the engine exited with {status.last_exit}; the supervisor restarts it"
+        return ServiceState(running, running and status.engine_pid is not None, status.exits, words)
+
+    def _python(self) -> str:
+        """The engine's Python, from the installed unit's ExecStart: it runs the supervisor too."""
+        text = _read_ct_file(self.t, self.vmid, self.unit_path)
+        if text is None:
+            raise DdopsError(
+                f"CT {self.vmid}", f"no engine unit at {self.unit_path}: provision first"
+            )
+        return supervise.parse_unit(text).argv[0]
+
+    def start(self) -> None:
+        argv = [
+            self._python(),
+            "-m",
+            supervise.SUPERVISOR_MODULE,
+            "start",
+            "--unit",
+            self.unit_path,
+        ]
+        self.run(argv, "starting the ddops supervisor")
+
+    def restart(self) -> None:
+        python = self._python()
+        self.run(
+            [python, "-m", supervise.SUPERVISOR_MODULE, "stop"], "stopping the ddops supervisor"
+        )
+        self.start()
+
+    def log_tail(self) -> str:
+        return ct_exec(self.t, self.vmid, ["tail", "-n", str(LOG_LINES), supervise.LOG_FILE]).stdout
+
+
+def service_manager(t: Transport, vmid: int | str) -> ServiceManager:
+    """systemd when the CT runs it (/run/systemd/system exists), else the ddops supervisor."""
+    vmid = validate_vmid(vmid)
+    has_systemd = ct_exec(t, vmid, ["test", "-d", "/run/systemd/system"]).ok
+    return (Systemd if has_systemd else Supervised)(t, vmid)
+
+
+# -- the service -------------------------------------------------------------------------------
+def service_problem(t: Transport, vmid: int | str) -> str | None:
+    """None when the engine service runs its engine now; else one line saying how it is."""
+    manager = service_manager(t, vmid)
+    state = manager.state()
+    if state.engine_up:
+        return None
+    how = "restarting the engine" if state.running else "not running"
+    return f"engine service in CT {manager.vmid} is {how} ({manager.kind}: {state.words})"
+
+
+def ensure_service(
+    t: Transport,
+    vmid: int | str,
+    engine: EngineSpec,
+    model_dir: str,
+    draft_dir: str | None,
+    dry_run: bool,
+) -> Outcome:
+    """The rendered unit installed (its diff shown) and the service running; the API key file
+    in step with the operator's DDOPS_API_KEY. A changed unit or key restarts a running service."""
+    manager = service_manager(t, vmid)
+    api_key = os.environ.get(API_KEY_ENV) or None
+    unit_text = render(engine_unit(t, engine, model_dir, draft_dir, ENV_FILE if api_key else None))
+    current = _read_ct_file(t, manager.vmid, manager.unit_path)
+    diff = _diff(current, unit_text, f"CT {manager.vmid}:{manager.unit_path}")
+    key_change = _api_key_change(t, manager.vmid, api_key)
+    running = manager.state().running
+    restart = (
+        "start the service"
+        if not running
+        else "restart the service"
+        if diff or key_change
+        else None
+    )
+    plan = [step for step in ("write the unit" if diff else None, key_change, restart) if step]
+    if not plan:
+        return Outcome(False, f"running ({manager.kind})")
+    if dry_run:
+        return Outcome(True, f"would {', '.join(plan)} ({manager.kind})", diff)
+    if key_change:
+        _apply_api_key(t, manager.vmid, api_key)
+    if diff:
+        manager.install(unit_text)
+    if running:
+        manager.restart()
+    else:
+        manager.start()
+    return Outcome(True, f"did {', '.join(plan)} ({manager.kind})", diff)
+
+
+def restart_service(t: Transport, vmid: int | str) -> Outcome:
+    """Restart the engine service (start it when it is down), with the unit already installed."""
+    manager = service_manager(t, vmid)
+    manager.restart()
+    return Outcome(True, f"restarted ({manager.kind})")
+
+
+def _diff(current: str | None, wanted: str, name: str) -> str:
+    lines = difflib.unified_diff(
+        (current or "").splitlines(keepends=True),
+        wanted.splitlines(keepends=True),
+        fromfile=name if current is not None else "/dev/null",
+        tofile=name,
+    )
+    return "".join(lines)
+
+
+def _api_key_change(t: Transport, vmid: str, api_key: str | None) -> str | None:
+    """What must happen to the API key file: compared by hash inside the CT, never read back."""
+    r = ct_exec(t, vmid, ["sha256sum", ENV_FILE])
+    present = r.stdout.split()[0] if r.ok and r.stdout.strip() else None
+    if api_key is None:
+        return f"remove {ENV_FILE}" if present else None
+    if "\n" in api_key or "\r" in api_key:
+        raise DdopsError(API_KEY_ENV, "the API key must be one line")
+    wanted = hashlib.sha256(_env_file_text(api_key).encode()).hexdigest()
+    return None if present == wanted else f"write the API key to {ENV_FILE}"
+
+
+def _env_file_text(api_key: str) -> str:
+    return f"{API_KEY_ENV}={api_key}\n"
+
+
+# Writes stdin to "$1" with mode 0600 from the first byte (umask), replacing it atomically.
+_WRITE_PRIVATE = 'umask 077 && mkdir -p "${1%/*}" && cat > "$1.tmp" && mv -f "$1.tmp" "$1"'
+
+
+def _apply_api_key(t: Transport, vmid: str, api_key: str | None) -> None:
+    if api_key is None:
+        argv, stdin = ["rm", "-f", ENV_FILE], None
+    else:
+        argv, stdin = ["sh", "-c", _WRITE_PRIVATE, "sh", ENV_FILE], _env_file_text(api_key)
+    r = ct_exec(t, vmid, argv, input=stdin)
+    if not r.ok:
+        raise DdopsError(f"CT {vmid}", f"writing {ENV_FILE} failed: {r.stderr.strip()}")
+
+
+# -- health ------------------------------------------------------------------------------------
+def engine_health_problem(
+    t: Transport, vmid: int | str, engine: EngineSpec, timeout: float = 30.0
+) -> str | None:
+    """None when, from inside the CT, /ready answers 200 and a 4-token completion comes back
+    with text and usage; else one line ("engine in CT 200: /ready answered 503 (loading)")."""
+    vmid = validate_vmid(vmid)
+    argv = [engine.python, "-c", HEALTH_PROBE, str(engine.port), ENV_FILE, f"{timeout:g}"]
+    r = ct_exec(t, vmid, argv, timeout=timeout * 2 + 30)
+    if r.ok:
+        return None
+    words = (r.stdout.strip() or r.stderr.strip()).splitlines()
+    return f"engine in CT {vmid}: {words[-1] if words else f'the health probe exited {r.rc}'}"
+
+
+def wait_ready(t: Transport, vmid: int | str, engine: EngineSpec, timeout: float) -> None:
+    """Return once the engine is healthy; DdopsError naming the CT, with the engine's last log
+    lines, when the service stops or the engine exits meanwhile, or after `timeout` seconds."""
+    manager = service_manager(t, vmid)
+    exits_before = manager.state().exits
+    deadline = time.monotonic() + timeout
+    while True:
+        problem = engine_health_problem(t, manager.vmid, engine, timeout=min(30.0, timeout))
+        if problem is None:
+            return
+        state = manager.state()
+        if not state.running or state.exits > exits_before:
+            cause = f"the engine stopped before it was ready ({manager.kind}: {state.words})"
+        elif time.monotonic() >= deadline:
+            cause = f"engine not ready after {timeout:g} s: {problem}"
+        else:
+            time.sleep(POLL_S)  # a process in another container: nothing to await but its answer
+            continue
+        log = manager.log_tail()
+        raise DdopsError(f"CT {manager.vmid}", f"{cause}; its last log lines follow", log)
