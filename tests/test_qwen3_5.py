@@ -201,6 +201,21 @@ def test_strategies_commit_identical_state_and_pending_bytes_is_exact(hybrid_dir
         assert max_diff(replayed.recurrent, snapshot.recurrent) <= 1e-12
 
 
+def test_bfloat16_model_keeps_float32_state_and_stays_close(hybrid_dir):
+    prompt, tree = list(range(20)), torch.tensor([-1, 0, 0, 1, 1, 2, 3, 3])
+    runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_qwen3_5(hybrid_dir, dtype=dtype)
+        cache, prompt_logits = prefill(model, prompt)
+        tree_logits, _ = model.forward(torch.arange(8), cache, tree)
+        model.commit(cache, torch.tensor([0, 1, 4]))
+        runs[dtype] = torch.cat([prompt_logits, tree_logits, decode_steps(model, cache, [3])])
+        assert cache.recurrent[0].recurrent.dtype == torch.float32
+        assert cache.recurrent[0].conv.dtype == dtype
+    assert runs[torch.bfloat16].dtype == torch.float32
+    assert max_diff(runs[torch.bfloat16], runs[torch.float32]) < 0.02
+
+
 def test_config_without_layer_types_uses_full_attention_interval():
     from engine.models.qwen3_5 import Qwen3_5Config
 

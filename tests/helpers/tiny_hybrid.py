@@ -9,6 +9,9 @@ save_pretrained (safetensors, `model_type: qwen3_5_text`), plus the word-level t
 tests/helpers/tiny_qwen3.py; `multimodal=True` rewrites it as a `qwen3_5` checkpoint (text
 tensors under `model.language_model.`, a stand-in vision tensor). The drafter is a z-lab-layout
 DFlash directory sized for the target. Everything is deterministic from the seeds.
+
+`python -m tests.helpers.tiny_hybrid` times one 16-token tree verify round (forward + commit)
+and one AR step on the tiny hybrid for both GDN state strategies (engine/models/gated_deltanet.py).
 """
 
 from __future__ import annotations
@@ -112,3 +115,53 @@ def _as_multimodal_checkpoint(path: Path) -> None:
         "vision_config": {"model_type": "qwen3_5_vision", "depth": 1},
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def time_state_strategies(rounds: int = 40, prompt_len: int = 64) -> dict[str, dict[str, float]]:
+    """Milliseconds per verify forward, commit and AR step for each GDN state strategy."""
+    import tempfile
+    import time
+
+    from engine.models.gated_deltanet import STATE_STRATEGIES
+    from engine.models.qwen3_5 import load_qwen3_5
+
+    generator = torch.Generator().manual_seed(0)
+    parents = torch.tensor(
+        [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, 16)]
+    )
+    tokens = torch.randint(0, TINY_HYBRID["vocab_size"], (16,), generator=generator)
+    path = [15]
+    while parents[path[-1]] >= 0:
+        path.append(int(parents[path[-1]]))
+    accepted = torch.tensor(path[::-1])
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp, torch_threads(1):
+        model_dir = save_tiny_hybrid(Path(tmp) / "hybrid", seed=0, tokenizer=False)
+        for strategy in STATE_STRATEGIES:
+            model = load_qwen3_5(model_dir, state_strategy=strategy)
+            cache = model.new_cache(prompt_len + rounds * (len(accepted) + 1) + 16)
+            model.forward(torch.arange(prompt_len), cache)
+            model.commit(cache, torch.arange(prompt_len))
+            totals = dict.fromkeys(("verify", "commit", "ar_step"), 0.0)
+            for _ in range(rounds):
+                start = time.perf_counter()
+                model.forward(tokens, cache, parents)
+                verified = time.perf_counter()
+                model.commit(cache, accepted)
+                committed = time.perf_counter()
+                model.forward(tokens[:1], cache)
+                model.commit(cache, torch.tensor([0]))
+                stepped = time.perf_counter()
+                totals["verify"] += verified - start
+                totals["commit"] += committed - verified
+                totals["ar_step"] += stepped - committed
+            results[strategy] = {name: 1e3 * t / rounds for name, t in totals.items()}
+    return results
+
+
+if __name__ == "__main__":
+    for strategy, ms in time_state_strategies().items():
+        print(
+            f"{strategy:8s} verify(16) {ms['verify']:6.2f} ms  commit(path of 6) {ms['commit']:6.2f} ms"
+            f"  round {ms['verify'] + ms['commit']:6.2f} ms  AR step {ms['ar_step']:6.2f} ms"
+        )
