@@ -133,10 +133,12 @@ class Pct:
     def set(self, vmid: int, options: dict[str, str]) -> None:
         conf = self.conf(vmid)
         self._check_unlocked(vmid, options)
-        updates: dict[str, str | None] = {k: v for k, v in options.items() if k != "delete"}
+        updates: dict[str, str | None] = {
+            k: v for k, v in options.items() if k not in ("delete", "skiplock")
+        }
         updates.update({k: None for k in options.get("delete", "").split(",") if k})
         for key in updates:
-            if key.startswith("lxc.") or key in ("skiplock",):
+            if key.startswith("lxc."):  # raw LXC keys need a file edit: pct has no option for them
                 raise PctError(f"Unknown option: {key}\n400 unable to parse option")
         self.conf_path(vmid).write_text(pveconf.set_keys(conf, updates))
 
