@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import yaml
 
 from ops.sim.host import destroy_host, init_host
@@ -73,6 +75,61 @@ class SimSite:
         r = self.t.run(["pct", "exec", str(self.vmid), "--", "sh", "-c", script])
         return r.check(f"CT {self.vmid}: {script}").stdout
 
+    def ddops(self, *args: str) -> tuple[int, dict | str]:
+        """`ddops -i INVENTORY --json ARGS` in this process: (exit code, the JSON document or the
+        error output)."""
+        from click.testing import CliRunner
+
+        from ops.cli import cli
+
+        result = CliRunner().invoke(cli, ["-i", str(self.inventory), "--json", *args])
+        if result.exception and not isinstance(result.exception, SystemExit):
+            raise result.exception
+        try:
+            return result.exit_code, json.loads(result.stdout)
+        except ValueError:
+            return result.exit_code, result.output
+
+    def file_state(self) -> dict[str, tuple[int, str]]:
+        """{path: (mtime_ns, sha256)} of the host's /etc and the CT's /etc and /dev/shm/models."""
+        state = {}
+        for base in (self.root / "etc", self.root / f"var/lib/lxc/{self.vmid}/rootfs/etc"):
+            for p in sorted(base.rglob("*")):
+                if p.is_file():
+                    state[str(p)] = (
+                        p.stat().st_mtime_ns,
+                        hashlib.sha256(p.read_bytes()).hexdigest(),
+                    )
+        listing = self.ct_sh(
+            "find /dev/shm/models -type f -exec stat -c '%n %.9Y' {} + -exec sha256sum {} +"
+        )
+        state["ct:/dev/shm/models"] = (0, listing)
+        return state
+
+    def engine_pids(self) -> tuple[int, int]:
+        """(the supervisor's pid, the engine's pid) as the CT sees them."""
+        status = json.loads(self.ct_sh("cat /run/ddops/engine.status"))
+        return int(self.ct_sh("cat /run/ddops/engine.pid")), int(status["engine_pid"])
+
+
+def disable_boot_units(root: Path, *units: str) -> None:
+    """Undo `systemctl enable` for these units (as on a host set up without them)."""
+    for unit in units:
+        (root / "etc/systemd/system/multi-user.target.wants" / unit).unlink()
+
+
+# The CT shares this process's environment (pct exec keeps it, like lxc-attach), but not this
+# machine's CA files: a CA bundle path from here would break TLS set-up inside the CT.
+CA_ENV = ("SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+
+
+@contextlib.contextmanager
+def without_host_ca_env() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        for name in CA_ENV:
+            mp.delenv(name, raising=False)
+        yield
+
 
 def free_port() -> int:
     """A loopback port free now (the engine in the CT shares the host's network namespace)."""
@@ -116,7 +173,7 @@ def sim_site(
     """A fresh sim host (real LXC) + a running hub over `hub_root` + an inventory file."""
     root = tmp_path / "pve"
     init_host(root, gpus=1, uvm_major=uvm_major, pve_version=pve_version, containers="lxc")
-    with LocalHub(hub_root) as hub:
+    with without_host_ca_env(), LocalHub(hub_root) as hub:
         inventory = tmp_path / "inventory.yml"
         inventory.write_text(yaml.safe_dump(inventory_document(root, hub.url, **ct)))
         try:
