@@ -26,7 +26,7 @@ def host(tmp_path: Path):
     destroy_host(root)
 
 
-def test_exec_push_pull_and_exit_codes_behave_like_pct(host):
+def test_exec_push_pull_stop_and_exit_codes_behave_like_pct(host):
     start_ct(host, RAW_GPU_CONF.format(uvm=511))
     assert host.run(["pct", "exec", "200", "--", "sh", "-c", "exit 7"]).rc == 7
     again = host.run(["pct", "start", "200"])
@@ -40,6 +40,12 @@ def test_exec_push_pull_and_exit_codes_behave_like_pct(host):
     assert host.read_text("/root/copy.py") == host.read_text("/tmp/ddops-probe.py")
     report = probe(host)
     assert report["verdict"] == "ok"
+    spawn = ["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $!"]
+    pid = int(host.run(["pct", "exec", "200", "--", *spawn]).stdout)
+    host.run(["pct", "stop", "200"]).check("CT 200")
+    assert (
+        not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    )
     gpu_nodes = [n["node"] for n in report["nodes"] if n["node"][-1].isdigit()]
     assert gpu_nodes == ["/dev/nvidia0"]  # the host has 2 GPUs; the config passes through one
 

@@ -5,13 +5,16 @@ argv on the host with that directory as cwd, `DDOPS_CT_ROOT` pointing at it (the
 /dev nodes below it) and its bin/ first on PATH. An argv element that is an absolute path
 existing in the CT (e.g. a file `pct push`ed to /tmp) is mapped into the CT directory. Device
 nodes are copied into the CT's dev/ at start, a missing devN node still fails the start, and
-dev/shm is emptied at stop. Device cgroup rules are not enforced (there is no cgroup).
+dev/shm is emptied at stop, and the processes `pct exec` started there are killed. Device
+cgroup rules are not enforced (there is no cgroup).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,6 +65,9 @@ class ProcessContainers:
             raise StartError(f"failed to mount {source} onto {target}: No such file or directory")
 
     def stop(self, vmid: int, *, graceful: bool = False, timeout: int = 60) -> None:
+        for pid in ct_processes(self.rootfs(vmid)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM if graceful else signal.SIGKILL)
         dev = self.rootfs(vmid) / "dev"
         shutil.rmtree(dev, ignore_errors=True)  # /dev and its /dev/shm tmpfs vanish at stop
         (dev / "shm").mkdir(parents=True)
@@ -104,3 +110,20 @@ class ProcessContainers:
 
     def destroy(self, vmid: int) -> None:
         shutil.rmtree(self.rootfs(vmid), ignore_errors=True)
+
+
+def ct_processes(rootfs: Path) -> list[int]:
+    """The processes `pct exec` started in this CT (and their children): those whose
+    environment carries DDOPS_CT_ROOT=<rootfs>. Only they are stopped with the CT."""
+    marker = f"{CT_ROOT_ENV}={rootfs}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if marker in environ.split(b"\0"):
+            found.append(int(entry))
+    return found
