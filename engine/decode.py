@@ -116,6 +116,65 @@ def _check(cfg: GenerationConfig, drafter) -> None:
         raise ValueError("max_new_tokens must be >= 1 and temperature >= 0")
 
 
+class _Sequence:
+    """One sequence's decoding state and the four round steps over it (see the module docstring)."""
+
+    def __init__(self, target, drafter, cfg: GenerationConfig, max_len: int) -> None:
+        self.target, self.drafter, self.cfg = target, drafter, cfg
+        self.device = target.embed_tokens.weight.device
+        self.speculative = cfg.method != "ar"
+        self.layers = tuple(drafter.target_layer_ids) if self.speculative else ()
+        self.generator = make_generator(self.device, cfg.seed) if cfg.temperature > 0 else None
+        self.clock = _StageClock(self.device)
+        self.cache = target.new_cache(max_len)
+        self.draft_cache = drafter.new_cache(max_len) if self.speculative else None
+        self.context: torch.Tensor | None = None  # [N, n*H] features not yet given to the drafter
+        self.bonus = -1  # the target's latest choice: output, not yet in the cache
+
+    def prefill(self, prompt_ids: list[int]) -> int:
+        with self.clock.stage("prefill"):
+            prompt = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
+            logits, self.context = self.target.forward(
+                prompt, self.cache, hidden_layers=self.layers
+            )
+            self.target.commit(self.cache, torch.arange(len(prompt_ids), device=self.device))
+            self.bonus = int(choose(logits[-1:], self.cfg.temperature, self.generator)[0])
+        return self.bonus
+
+    def propose(self, depth_room: int, node_room: int) -> DraftTree:
+        """The draft to verify after the bonus: empty for ar or when nothing more fits."""
+        if not self.speculative or min(depth_room, node_room) <= 0:
+            return chain_tree(np.zeros(0, np.int64))
+        with self.clock.stage("draft"):
+            logits = self.drafter.draft(self.target, self.draft_cache, self.context, self.bonus)
+            self.context = None
+        with self.clock.stage("tree"):
+            return _shape_draft(self.cfg, logits, depth_room, node_room)
+
+    def verify(self, tree: DraftTree) -> tuple[list[int], torch.Tensor | None]:
+        """The target's choice at every verify index, and the drafter's features of each."""
+        with self.clock.stage("verify"):
+            ids = [self.bonus, *tree.tokens.tolist()]
+            ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [1 + n]
+            parents = (
+                None if self.cfg.method != "ddtree" else torch.from_numpy(tree.verify_parents())
+            )
+            logits, hidden = self.target.forward(ids, self.cache, parents, self.layers)
+            return choose(logits, self.cfg.temperature, self.generator).tolist(), hidden
+
+    def commit(self, tree: DraftTree, choices: list[int], hidden) -> tuple[list[int], list[int]]:
+        """Walk and commit the accepted path; returns (accepted verify indices, new tokens)."""
+        with self.clock.stage("commit"):
+            accepted, next_bonus = walk(tree, choices)
+            path = torch.tensor(accepted, dtype=torch.long, device=self.device)
+            self.target.commit(self.cache, path)
+            if self.speculative:
+                fresh = hidden[path]  # [K, n*H] features of the newly committed tokens
+                self.context = fresh if self.context is None else torch.cat([self.context, fresh])
+        self.bonus = next_bonus
+        return accepted, [int(tree.tokens[i - 1]) for i in accepted[1:]] + [next_bonus]
+
+
 def generate(
     target,
     drafter,
@@ -135,59 +194,27 @@ def generate(
     max_len = max_len or len(prompt_ids) + cfg.max_new_tokens + _draft_width(cfg, drafter)
     if not 0 < len(prompt_ids) <= max_len:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_len {max_len}")
-    device = target.embed_tokens.weight.device
-    speculative = cfg.method != "ar"
-    layers = tuple(drafter.target_layer_ids) if speculative else ()
-    generator = make_generator(device, cfg.seed) if cfg.temperature > 0 else None
-    clock = _StageClock(device)
+    started = time.perf_counter()
+    seq = _Sequence(target, drafter, cfg, max_len)
     out = _Output(cfg, on_tokens)
     acceptance: list[int] = []
     rounds: list[dict] | None = [] if cfg.trace else None
-    started = time.perf_counter()
 
-    cache = target.new_cache(max_len)
-    draft_cache = drafter.new_cache(max_len) if speculative else None
-    with clock.stage("prefill"):
-        prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
-        logits, context = target.forward(prompt, cache, hidden_layers=layers)
-        target.commit(cache, torch.arange(len(prompt_ids), device=device))
-        bonus = int(choose(logits[-1:], cfg.temperature, generator)[0])
+    out.add([seq.prefill(prompt_ids)])
     ttft = time.perf_counter() - started
-    out.add([bonus])
-
     while out.finish_reason is None:
         if should_stop is not None and should_stop():
             out.finish_reason = "cancelled"
             break
-        node_room = max_len - cache.length - 1  # the bonus takes one slot
+        node_room = max_len - seq.cache.length - 1  # the bonus takes one slot
         if node_room < 0:
             out.finish_reason = "length"
             break
-        depth_room = out.remaining - 1  # the round's own bonus is one more output token
-        tree = chain_tree(np.zeros(0, np.int64))
-        if speculative and min(depth_room, node_room) > 0:
-            with clock.stage("draft"):
-                logits = drafter.draft(target, draft_cache, context, bonus)  # [B-1, V]
-            with clock.stage("tree"):
-                tree = _shape_draft(cfg, logits, depth_room, node_room)
-            context = None
-        with clock.stage("verify"):
-            ids = torch.tensor([bonus, *tree.tokens.tolist()], dtype=torch.long, device=device)
-            parents = torch.from_numpy(tree.verify_parents()) if cfg.method == "ddtree" else None
-            logits, hidden = target.forward(ids, cache, parents, layers)
-            choices = choose(logits, cfg.temperature, generator).tolist()
-        with clock.stage("commit"):
-            accepted, next_bonus = walk(tree, choices)
-            path = torch.tensor(accepted, dtype=torch.long, device=device)
-            target.commit(cache, path)
-            if speculative:
-                fresh = hidden[path]  # [K, n*H] features of the newly committed tokens
-                context = fresh if context is None else torch.cat([context, fresh])
-        new_tokens = [int(tree.tokens[i - 1]) for i in accepted[1:]] + [next_bonus]
+        tree = seq.propose(depth_room=out.remaining - 1, node_room=node_room)  # -1: next bonus
+        accepted, new_tokens = seq.commit(tree, *seq.verify(tree))
         acceptance.append(out.add(new_tokens))
         if rounds is not None:
             rounds.append(_trace(tree, accepted))
-        bonus = next_bonus
 
     decode_seconds = time.perf_counter() - started - ttft
     decoded = len(out.ids) - 1
@@ -195,7 +222,7 @@ def generate(
         output_ids=out.ids,
         finish_reason=out.finish_reason,
         acceptance_lengths=acceptance,
-        stage_seconds=clock.seconds,
+        stage_seconds=seq.clock.seconds,
         decode_tokens_per_s=decoded / decode_seconds if decoded and decode_seconds > 0 else 0.0,
         ttft_s=ttft,
         rounds=rounds,
@@ -204,11 +231,9 @@ def generate(
 
 def _draft_width(cfg: GenerationConfig, drafter) -> int:
     """The most draft nodes one round verifies."""
-    return (
-        {"ar": 0, "linear": drafter.block_size - 1, "ddtree": cfg.budget}[cfg.method]
-        if drafter
-        else 0
-    )
+    if cfg.method == "ar":
+        return 0
+    return drafter.block_size - 1 if cfg.method == "linear" else cfg.budget
 
 
 def _shape_draft(cfg: GenerationConfig, logits: torch.Tensor, depth_room: int, node_room: int):
