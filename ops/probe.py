@@ -9,12 +9,14 @@
    `optional,create=file` mount whose host node was absent), EPERM = blocked by the device
    cgroup, ENXIO/ENODEV = allowed but no driver behind the node (a fake GPU: counted ok).
 2. Where a real libcuda exists, calls cuInit(0) and cuDriverGetVersion through ctypes.
-   Otherwise, in the ddops sim, /etc/ddops-sim/nvidia.json describes the CT's driver userspace
-   and cuInit is simulated from it: 0 when nvidiactl, a GPU node and nvidia-uvm open, 999
+   In the ddops sim (its description wins when present: a sim host may sit on a real GPU
+   machine), /etc/ddops-sim/nvidia.json describes the CT's driver userspace and cuInit is
+   simulated from it: 0 when nvidiactl, a GPU node and nvidia-uvm open, 999
    (CUDA_ERROR_UNKNOWN, what a blocked uvm gives) when uvm does not, 100 (NO_DEVICE) without
-   nvidiactl or GPU nodes, 803 (SYSTEM_DRIVER_MISMATCH) when userspace and module versions differ.
-3. Reports the container's userspace driver version (libcuda.so.X file names, else the sim's
-   description) so the caller compares it with the host's /proc/driver/nvidia/version.
+   nvidiactl or GPU nodes, 803 (SYSTEM_DRIVER_MISMATCH) when userspace and module differ.
+3. Reports the container's userspace driver version (libcuda.so.X / libnvidia-ml.so.X file
+   names, else the sim's description) so the caller compares it with the host's
+   /proc/driver/nvidia/version.
 
 Exit code 0 when the overall verdict is "ok", else 1. DDOPS_CT_ROOT (the sim's process mode)
 names the directory playing the container's root.
@@ -130,9 +132,11 @@ def simulated_cuda(ct_root: str, nodes: list[dict]) -> dict | None:
 
 
 def userspace_version(ct_root: str) -> str | None:
+    """The version in libcuda.so.X / libnvidia-ml.so.X file names, else the sim's description."""
     for lib_dir in LIB_DIRS:
-        for path in glob.glob(os.path.join(ct_root, lib_dir, "libcuda.so.*.*")):
-            return path.split("libcuda.so.", 1)[1]
+        for lib in ("libcuda.so.", "libnvidia-ml.so."):
+            for path in glob.glob(os.path.join(ct_root, lib_dir, f"{lib}*.*")):
+                return path.split(lib, 1)[1]
     try:
         with open(os.path.join(ct_root, SIM_USERSPACE)) as f:
             return json.load(f)["userspace_version"]
@@ -143,8 +147,8 @@ def userspace_version(ct_root: str) -> str | None:
 def probe(ct_root: str = "/") -> dict:
     """The whole report: per-node verdicts, the cuInit result, the overall verdict and reason."""
     nodes = check_nodes(ct_root)
-    cuda = real_cuda() if ct_root == "/" else None
-    cuda = cuda or simulated_cuda(ct_root, nodes)
+    # The sim's description wins: on a sim host with a real GPU, the fake nodes' majors are real.
+    cuda = simulated_cuda(ct_root, nodes) or (real_cuda() if ct_root == "/" else None)
     failed = [n for n in nodes if n["verdict"] != "ok"]
     if failed:
         verdict, reason = failed[0]["verdict"], failed[0]["reason"]
