@@ -101,3 +101,10 @@ def test_sim_placeholder_files_count_as_nodes_only_below_a_sim_ct_root(tmp_path:
     assert {n["node"]: n["device"] for n in report["nodes"]}["/dev/nvidia-uvm"] == "509:0"
     as_root = probe.check_node(str(tmp_path / "dev/nvidia-uvm"))  # in a real CT: not a node
     assert as_root["verdict"] == "missing"
+
+
+def test_the_userspace_version_comes_from_library_file_names(tmp_path: Path):
+    libs = tmp_path / "usr/lib/x86_64-linux-gnu"
+    libs.mkdir(parents=True)
+    (libs / "libnvidia-ml.so.550.54.14").write_bytes(b"")
+    assert probe.userspace_version(str(tmp_path)) == "550.54.14"
