@@ -113,7 +113,7 @@ def test_destroy_removes_the_host(root: Path):
 def test_pveconf_set_keys_keeps_comments_and_sections():
     text = "#desc\narch: amd64\nlock: backup\nlxc.mount.entry: a b\n\n[snap1]\narch: amd64\n"
     edited = pveconf.set_keys(text, {"lock": None, "onboot": "1"})
-    assert edited == "#desc\narch: amd64\nlxc.mount.entry: a b\nonboot: 1\n\n[snap1]\narch: amd64\n"
+    assert edited == "#desc\narch: amd64\nonboot: 1\nlxc.mount.entry: a b\n\n[snap1]\narch: amd64\n"
     assert pveconf.dev_entries("dev0: /dev/nvidia-uvm,mode=0660,gid=44\n") == [
         pveconf.DevEntry("dev0", "/dev/nvidia-uvm", 0o660, None, 44)
     ]

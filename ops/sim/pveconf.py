@@ -1,8 +1,8 @@
 """The sim's own tiny reader/writer of /etc/pve/lxc/<vmid>.conf (a Proxmox double: never ops.lxcconf).
 
 Only the main section counts (lines before the first `[section]`); `key: value` lines, `#`
-comments kept as they are. `set_keys` edits PVE keys in place and appends new ones at the end
-of the main section, as `pct set` does.
+comments kept as they are. `set_keys` edits PVE keys in place and adds new ones before the raw `lxc.*`
+lines of the main section, as `pct set` does.
 """
 
 from __future__ import annotations
@@ -79,6 +79,8 @@ def set_keys(text: str, updates: dict[str, str | None]) -> str:
         out.append(line)
     while out and not out[-1].strip():
         out.pop()
-    out += [f"{k}: {v}" for k, v in pending.items() if v is not None]
+    # New PVE keys go before the raw lxc.* block, where Proxmox writes them.
+    raw_start = next((i for i, line in enumerate(out) if line.startswith("lxc.")), len(out))
+    out[raw_start:raw_start] = [f"{k}: {v}" for k, v in pending.items() if v is not None]
     tail = [""] + rest if rest else []
     return "\n".join(out + tail) + "\n"
