@@ -117,3 +117,26 @@ def test_pveconf_set_keys_keeps_comments_and_sections():
     assert pveconf.dev_entries("dev0: /dev/nvidia-uvm,mode=0660,gid=44\n") == [
         pveconf.DevEntry("dev0", "/dev/nvidia-uvm", 0o660, None, 44)
     ]
+
+
+def test_reboot_runs_enabled_units_with_sim_commands_only(root: Path):
+    units = root / "etc/systemd/system"
+    (units / "multi-user.target.wants").mkdir()
+    for name, exec_start in {
+        "ddops-recover": "ExecStart=-/usr/local/bin/ddops --version\nExecStart=/usr/bin/nvidia-modprobe -u -c=0",
+        "not-sim": "ExecStart=/usr/bin/touch /tmp/ddops-sim-must-not-run",
+        "disabled": "ExecStart=/usr/bin/nvidia-modprobe -u",
+    }.items():
+        (units / f"{name}.service").write_text(f"[Service]\nType=oneshot\n{exec_start}\n")
+        if name != "disabled":
+            (units / "multi-user.target.wants" / f"{name}.service").symlink_to(
+                units / f"{name}.service"
+            )
+    rc, out = ddops("--json", "sim", "reboot", str(root), "--uvm-major", "240")
+    assert rc == 0 and json.loads(out)["units"] == ["ddops-recover"]
+    assert LocalTransport(sysroot=str(root)).exists("/dev/nvidia-uvm")
+    log = (root / "var/log/ddops-sim.log").read_text()
+    assert "boot: ddops-recover.service: -/usr/local/bin/ddops --version -> exit 0" in log
+    assert (
+        "boot: not-sim.service: skipped" in log and not Path("/tmp/ddops-sim-must-not-run").exists()
+    )

@@ -57,25 +57,28 @@ def exec_starts(unit: Path) -> list[str]:
 
 
 def run_boot_units(root: Path) -> list[str]:
-    """Run the enabled units' ExecStart commands; the names of the units run."""
+    """Run the enabled units' ExecStart commands; the names of the units that ran any."""
     ran = []
     for unit in enabled_units(root):
-        for command in exec_starts(unit):
-            ignore_failure = command.startswith("-")
-            argv = _sim_argv(root, shlex.split(command.lstrip("-")))
-            if argv is None:
-                log(
-                    root, f"boot: {unit.name}: skipped (not a command the sim host runs): {command}"
-                )
-                continue
-            rc = subprocess.run(
-                argv, env=_boot_env(root), capture_output=True, text=True
-            ).returncode
-            log(root, f"boot: {unit.name}: {command} -> exit {rc}")
-            if rc != 0 and not ignore_failure:
-                break
-        ran.append(unit.stem)
+        if _run_unit(root, unit):
+            ran.append(unit.stem)
     return ran
+
+
+def _run_unit(root: Path, unit: Path) -> bool:
+    """Run the unit's commands in order, stopping at a failure as systemd does; whether any ran."""
+    ran_any = False
+    for command in exec_starts(unit):
+        argv = _sim_argv(root, shlex.split(command.lstrip("-")))
+        if argv is None:
+            log(root, f"boot: {unit.name}: skipped (not a command the sim host runs): {command}")
+            continue
+        ran_any = True
+        proc = subprocess.run(argv, env=_boot_env(root), capture_output=True, text=True)
+        log(root, f"boot: {unit.name}: {command} -> exit {proc.returncode}")
+        if proc.returncode != 0 and not command.startswith("-"):
+            break
+    return ran_any
 
 
 def _sim_argv(root: Path, argv: list[str]) -> list[str] | None:
