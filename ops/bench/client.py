@@ -1,0 +1,213 @@
+"""The bench's HTTP client for the engine's OpenAI-compatible API (httpx, streaming).
+
+    with EngineClient("http://127.0.0.1:8000", api_key=None) as client:
+        client.max_model_len()                         # from /v1/models
+        client.count_tokens("some text")               # the server's own /tokenize count
+        done = client.complete("prompt", max_tokens=256, method=Method("ddtree", 15))
+        done.text, done.sample.decode_tok_s, done.sample.tau
+
+Every completion streams (server-sent events), so the client sees when text arrives:
+TTFT = request sent -> first text; decode tok/s = tokens after the first / time after the first;
+end-to-end tok/s = tokens / (request sent -> stream end); TPOT = the inverse of decode tok/s.
+Token counts come from the stream's usage chunk, tau (mean tokens committed per round, bonus
+included) and rounds from its `speculative` stats. Errors become DdopsError naming the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import httpx
+
+from ops.bench.matrix import Method
+from ops.errors import DdopsError
+
+REQUEST_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measured request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float  # request sent -> first text
+    decode_s: float  # first text -> last text
+    e2e_s: float  # request sent -> end of the stream
+    rounds: int
+    tau: float  # mean tokens committed per round (0 for a request without rounds)
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        """Tokens after the first over the time after the first; None below two tokens."""
+        if self.completion_tokens < 2 or self.decode_s <= 0:
+            return None
+        return (self.completion_tokens - 1) / self.decode_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        rate = self.decode_tok_s
+        return 1.0 / rate if rate else None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Sample:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    finish_reason: str | None
+    sample: Sample
+
+
+class EngineClient:
+    """A session with one engine; the API key (if any) goes in the Authorization header only."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        *,
+        timeout: float = REQUEST_TIMEOUT_S,
+        http: httpx.Client | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = http or httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        self._model_card: dict | None = None
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    @property
+    def label(self) -> str:
+        return f"engine at {self.base_url}"
+
+    # -- plain requests -------------------------------------------------------------------------
+    def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+        try:
+            response = self._http.request(method, path, json=body)
+        except httpx.HTTPError as exc:
+            raise DdopsError(self.label, f"{path}: {exc}") from exc
+        if response.status_code != 200:
+            raise DdopsError(
+                self.label, f"{path} answered {response.status_code}: {_why(response)}"
+            )
+        return response.json()
+
+    def ready(self) -> bool:
+        """True when /ready answers 200 (model loaded, warm-up generation done)."""
+        try:
+            return self._http.get("/ready").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def model_card(self) -> dict:
+        """The served model's /v1/models entry (id, max_model_len)."""
+        if self._model_card is None:
+            self._model_card = self._request("GET", "/v1/models")["data"][0]
+        return self._model_card
+
+    def max_model_len(self) -> int:
+        return int(self.model_card()["max_model_len"])
+
+    def count_tokens(self, prompt: str) -> int:
+        """The server's token count for a completion prompt (no chat template)."""
+        return int(self._request("POST", "/tokenize", {"prompt": prompt})["count"])
+
+    # -- streamed completions -------------------------------------------------------------------
+    def complete(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int,
+        method: Method,
+        temperature: float = 0.0,
+        seed: int | None = 0,
+    ) -> Completion:
+        """Stream one completion and time it (see the module docstring for the definitions)."""
+        body = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "seed": seed,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "speculative": method.speculative(),
+        }
+        stream = _StreamTally()
+        sent = time.perf_counter()
+        try:
+            with self._http.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    response.read()
+                    raise DdopsError(
+                        self.label,
+                        f"/v1/completions answered {response.status_code}: {_why(response)}",
+                    )
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        stream.take(json.loads(line.removeprefix("data: ")), self.label)
+        except httpx.HTTPError as exc:
+            raise DdopsError(self.label, f"/v1/completions: {exc}") from exc
+        return stream.completion(sent, time.perf_counter(), self.label)
+
+
+class _StreamTally:
+    """What a completion stream said, and when its text arrived."""
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+        self.first_text: float | None = None
+        self.last_text: float | None = None
+        self.usage: dict | None = None
+        self.speculative: dict = {}
+        self.finish_reason: str | None = None
+
+    def take(self, chunk: dict, label: str) -> None:
+        if "error" in chunk:
+            raise DdopsError(label, f"the stream failed: {chunk['error'].get('message')}")
+        for choice in chunk.get("choices") or []:
+            if choice.get("text"):
+                now = time.perf_counter()
+                self.first_text = self.first_text or now
+                self.last_text = now
+                self.pieces.append(choice["text"])
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        self.speculative = chunk.get("speculative") or self.speculative
+        self.usage = chunk.get("usage") or self.usage
+
+    def completion(self, sent: float, ended: float, label: str) -> Completion:
+        if self.usage is None:
+            raise DdopsError(label, "the stream ended without its usage chunk")
+        first = self.first_text or ended
+        sample = Sample(
+            prompt_tokens=self.usage["prompt_tokens"],
+            completion_tokens=self.usage["completion_tokens"],
+            ttft_s=first - sent,
+            decode_s=(self.last_text or first) - first,
+            e2e_s=ended - sent,
+            rounds=int(self.speculative.get("rounds", 0)),
+            tau=float(self.speculative.get("mean_acceptance_length") or 0.0),
+        )
+        return Completion("".join(self.pieces), self.finish_reason, sample)
+
+
+def _why(response: httpx.Response) -> str:
+    """The OpenAI error message of a refused request, else the start of its body."""
+    try:
+        return response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200] or response.reason_phrase

@@ -1,0 +1,84 @@
+"""Where the bench sends its requests, after the preflight: a plain URL, or a site's CT.
+
+    with site_endpoint(app, vmid=200, results=Path("results"), recover_first=True) as endpoint:
+        endpoint.url          # http://127.0.0.1:8000, or a local SSH tunnel's URL
+        endpoint.preflight    # the health (and recover) reports, as JSON
+    with url_endpoint("http://127.0.0.1:8000", api_key) as endpoint: ...
+
+The CT preflight is the recover chain (ops/recover.py): health first; when a check fails,
+`recover` (unless recover_first is False, then the failure is the error) and the CT must end
+healthy. Check 10 of that chain quarantines stale runs of the results directory. A URL endpoint
+only requires the engine's /ready: that is the seam tests use against a plain local server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ops.bench.client import EngineClient
+from ops.errors import DdopsError
+from ops.ssh import SSHTransport
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    url: str
+    target: str  # what is benched, in words: "CT 200 on sim:/tmp/pve1" or the URL
+    preflight: list[dict] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def url_endpoint(url: str, api_key: str | None = None) -> Iterator[Endpoint]:
+    """An engine at a URL; DdopsError unless its /ready answers 200."""
+    with EngineClient(url, api_key, timeout=10) as client:
+        if not client.ready():
+            raise DdopsError(client.label, "not ready: /ready does not answer 200")
+    yield Endpoint(url.rstrip("/"), url.rstrip("/"))
+
+
+@contextlib.contextmanager
+def site_endpoint(
+    app, *, vmid: int, results: Path, recover_first: bool = True
+) -> Iterator[Endpoint]:
+    """The engine of CT `vmid` of the CLI's site (`app`: ops.cli.AppContext), after the chain."""
+    from ops.checks import Policy
+    from ops.recover import contexts, health, recover
+    from ops.site import open_site
+
+    with open_site(
+        inventory=app.inventory,
+        host=app.host,
+        vmids=[vmid],
+        accept_new_host_key=app.accept_new_host_key,
+    ) as opened:
+        chain = dataclasses.replace(contexts(opened, Policy())[0], results_dir=results)
+        reports = [health(chain)]
+        if not reports[-1].ok and recover_first:
+            reports.append(recover(chain))
+        if not reports[-1].ok:
+            failed = next(r for r in reports[-1].results if r.status == "failed")
+            advice = "run `ddops recover`" if not recover_first else "recover could not fix it"
+            raise DdopsError(chain.name, f"not healthy: {failed.evidence} ({advice})")
+        preflight = [report.to_json() for report in reports]
+        target = f"{chain.name} on {chain.t.label}"
+        with _engine_url(chain) as url:
+            yield Endpoint(url, target, preflight)
+
+
+@contextlib.contextmanager
+def _engine_url(chain) -> Iterator[str]:
+    """The engine listens on 127.0.0.1 in the CT: direct on a local or simulated host (its CTs
+    share the host's network), through an SSH tunnel on a remote one."""
+    if not isinstance(chain.t, SSHTransport):
+        yield f"http://127.0.0.1:{chain.engine.port}"
+        return
+    from ops.bench.tunnel import engine_tunnel
+
+    with engine_tunnel(
+        chain.t, vmid=chain.vmid, python=chain.engine.python, port=chain.engine.port
+    ) as forward:
+        yield forward.url

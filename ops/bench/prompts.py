@@ -1,0 +1,169 @@
+"""Prompts for the bench scenarios, sized with the server's own token counts (/tokenize).
+
+    decode_prompt()                                   # one fixed short code prompt
+    fit = long_prompt(client.count_tokens, max_model_len=32768, max_tokens=256)
+    fit.prompt, fit.tokens                            # fit.tokens + 256 == 32768, or fit.skipped
+    transcript = AgenticTranscript(client.count_tokens, AgenticShape(4096, 4), max_tokens, limit)
+    prompt = transcript.prompt_for_turn(0); ...; prompt = transcript.prompt_for_turn(1, answer)
+
+`long` fills max-model-len minus max_tokens to the exact token: a binary search on the length of
+a filler text, then a last-token touch-up, each step asking the server to count. The incident
+this guards against: a "25k-token" prompt counted on the client side was 400-refused because
+the server counted more than 32768. A prompt that cannot fit is skipped with the numbers.
+
+`agentic` is a tool-use-like transcript: each turn appends the model's previous answer and a
+tool result sized so the context grows evenly to ~`context` tokens at the last turn.
+Filler text is Python source from the standard library (deterministic for a Python version).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ops.bench.matrix import AgenticShape
+
+CountTokens = Callable[[str], int]
+
+DECODE_PROMPT = (
+    "# A small utility module.\n\n"
+    "def merge_intervals(intervals):\n"
+    '    """Merge overlapping [start, end] intervals and return them sorted."""\n'
+)
+LONG_HEAD = "Read the following source code, then continue it.\n\n"
+AGENT_HEAD = (
+    "You are a coding agent. Use the tools to inspect the repository, then fix the bug.\n"
+    "Task: the parser drops the last line of its input.\n\n"
+)
+TOOL_HEADER = "\n\n<tool_result name=read_file>\n"
+TURN_FOOTER = "\n</tool_result>\n\nassistant:\n"
+# Single characters tried to land on the exact count when the filler's next character
+# would overshoot by more than one token.
+TOUCH_UP_CHARACTERS = (" ", ".", "\n", "a", "x", "0")
+_FILLER_SOURCES = ("textwrap", "json.decoder", "shlex", "fractions", "heapq", "difflib")
+
+
+def decode_prompt() -> str:
+    return DECODE_PROMPT
+
+
+@functools.cache
+def _source_text() -> str:
+    return "\n".join(inspect.getsource(importlib.import_module(m)) for m in _FILLER_SOURCES)
+
+
+def filler_text(min_chars: int) -> str:
+    """At least `min_chars` characters of real Python source (standard-library modules)."""
+    text = _source_text()
+    return (text * (min_chars // len(text) + 1))[: max(min_chars, 1)]
+
+
+@dataclass(frozen=True)
+class FittedPrompt:
+    """A prompt sized for a token budget, or why it cannot be (skipped, with the numbers)."""
+
+    prompt: str
+    tokens: int  # the server's count of `prompt`
+    target: int  # the count asked for
+    skipped: str | None = None
+
+    @property
+    def exact(self) -> bool:
+        return self.skipped is None and self.tokens == self.target
+
+
+def fit_to_tokens(count: CountTokens, head: str, target: int, tail: str = "") -> FittedPrompt:
+    """head + filler + tail with as much filler as fits in `target` tokens, exactly when
+    reachable; skipped when head + tail alone exceed it."""
+    least = count(head + tail)
+    if least > target:
+        return FittedPrompt(head + tail, least, target, skipped=f"needs {least} tokens")
+    filler = filler_text(8 * (target - least) + 64)
+    while count(head + filler + tail) <= target:  # a tokenizer packing > 8 characters a token
+        filler += filler
+    # The largest n with count(head + filler[:n] + tail) <= target (counts grow with n).
+    low, high = 0, len(filler)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if count(head + filler[:middle] + tail) <= target:
+            low = middle
+        else:
+            high = middle - 1
+    return _touch_up(count, head + filler[:low], tail, target)
+
+
+def _touch_up(count: CountTokens, body: str, tail: str, target: int) -> FittedPrompt:
+    """Close a gap left where the filler's next character adds several tokens at once."""
+    tokens = count(body + tail)
+    while tokens < target:
+        for character in TOUCH_UP_CHARACTERS:
+            grown = count(body + character + tail)
+            if tokens < grown <= target:
+                body, tokens = body + character, grown
+                break
+        else:
+            break  # no single character closes the gap: the nearest fit below it stands
+    return FittedPrompt(body + tail, tokens, target)
+
+
+def long_prompt(count: CountTokens, *, max_model_len: int, max_tokens: int) -> FittedPrompt:
+    """A prompt of exactly max_model_len - max_tokens tokens (by the server's count)."""
+    target = max_model_len - max_tokens
+    fitted = fit_to_tokens(count, LONG_HEAD, target) if target > 0 else None
+    if fitted is None or fitted.skipped:
+        least = fitted.tokens if fitted else count(LONG_HEAD)
+        why = (
+            f"the prompt needs at least {least} tokens; with max_tokens {max_tokens} that is "
+            f"{least + max_tokens} > max-model-len {max_model_len}"
+        )
+        return FittedPrompt(LONG_HEAD, least, target, skipped=why)
+    return fitted
+
+
+class AgenticTranscript:
+    """The growing transcript of the agentic scenario: one prompt per turn.
+
+    Turn k's prompt is sized to head + k/(turns-1) of the way to (context - max_tokens), where
+    context is the shape's context capped at max-model-len; the last turn ends at ~context.
+    """
+
+    def __init__(
+        self, count: CountTokens, shape: AgenticShape, max_tokens: int, max_model_len: int
+    ) -> None:
+        self.count = count
+        self.shape = shape
+        self.max_tokens = max_tokens
+        self.context = min(shape.context, max_model_len)
+        self.head_tokens = count(AGENT_HEAD)
+        self.prompt = AGENT_HEAD
+
+    @property
+    def skipped(self) -> str | None:
+        if self.head_tokens + self.max_tokens > self.context:
+            return (
+                f"the agent prompt needs {self.head_tokens} tokens; with max_tokens "
+                f"{self.max_tokens} that is {self.head_tokens + self.max_tokens} > the "
+                f"{self.context}-token context"
+            )
+        return None
+
+    def turn_target(self, turn: int) -> int:
+        """The prompt tokens turn `turn` (0-based) should have."""
+        last = self.context - self.max_tokens
+        if self.shape.turns == 1:
+            return last
+        return self.head_tokens + (last - self.head_tokens) * turn // (self.shape.turns - 1)
+
+    def prompt_for_turn(self, turn: int, previous_answer: str = "") -> FittedPrompt:
+        """Turn 0: the task. Later turns: the transcript + the previous answer + a tool result."""
+        if turn == 0:
+            fitted = fit_to_tokens(self.count, AGENT_HEAD, self.turn_target(0))
+        else:
+            head = self.prompt + previous_answer + TOOL_HEADER
+            fitted = fit_to_tokens(self.count, head, self.turn_target(turn), tail=TURN_FOOTER)
+        # Skipped here means the previous answer ran past the ramp: the tool result stays empty.
+        self.prompt = fitted.prompt
+        return fitted

@@ -1,0 +1,173 @@
+"""`ddops bench`: measure ar / DFlash chain / DDTree on a CT's engine and write a report.
+
+    ddops -i site.yml bench --ct 200 [--methods ar,linear,ddtree:15] [--lengths 256,1024,2048] \\
+        [--scenario decode,long,agentic] [--repeats N] [--out DIR] [--no-recover]
+    ddops bench --url http://127.0.0.1:8000 --lengths 16,32      # an engine by URL, no site
+    ddops bench report RUN_DIR                                    # re-render a stored run
+
+Before measuring, the CT goes through the health chain and, if a check fails, `recover`
+(--no-recover: fail instead). Results go to a new run directory under --out (default
+$DDOPS_RESULTS, else <ddops home>/results); rerunning the same command resumes an unfinished
+(crashed) run. Progress bars go to stderr; the table (or --json: one document) to stdout.
+The engine's API key, if any, comes from DDOPS_API_KEY.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+from pathlib import Path
+
+import click
+
+from ops.bench.client import EngineClient
+from ops.bench.endpoint import Endpoint, site_endpoint, url_endpoint
+from ops.bench.matrix import (
+    DEFAULT_METHODS,
+    AgenticShape,
+    BenchConfig,
+    parse_lengths,
+    parse_methods,
+    parse_scenarios,
+)
+from ops.bench.report import load_rows, markdown_report, render_report, summary_table
+from ops.bench.runner import RichProgress, run_bench
+from ops.bench.store import RunStore
+from ops.errors import DdopsError
+
+API_KEY_ENV = "DDOPS_API_KEY"
+
+
+def _parsed(parse):
+    """A Click callback turning a parser's DdopsError into a usage error (exit 2)."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: str):
+        try:
+            return parse(value)
+        except DdopsError as exc:
+            raise click.BadParameter(exc.cause) from None
+
+    return callback
+
+
+@click.group("bench", invoke_without_command=True)
+@click.option("--ct", "vmid", type=click.IntRange(100, 999_999_999), help="The CT whose engine.")
+@click.option("--url", help="Bench the engine at this URL instead (no site, no chain).")
+@click.option(
+    "--methods",
+    default=DEFAULT_METHODS,
+    show_default=True,
+    callback=_parsed(parse_methods),
+    help="ar, linear, ddtree:BUDGET, comma-separated.",
+)
+@click.option(
+    "--lengths",
+    default="256,1024,2048",
+    show_default=True,
+    callback=_parsed(parse_lengths),
+    help="Output lengths in tokens.",
+)
+@click.option(
+    "--scenario",
+    "scenarios",
+    default="decode",
+    show_default=True,
+    callback=_parsed(parse_scenarios),
+    help="decode, long (prompt fills max-model-len), agentic (multi-turn ~4k context).",
+)
+@click.option("--repeats", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--warmup", type=click.IntRange(0), default=1, show_default=True)
+@click.option("--agentic-context", type=click.IntRange(16), default=4096, show_default=True)
+@click.option("--agentic-turns", type=click.IntRange(1), default=4, show_default=True)
+@click.option("--out", type=click.Path(file_okay=False), help="Results directory.")
+@click.option("--no-recover", is_flag=True, help="Fail when a health check fails; repair nothing.")
+@click.pass_context
+def bench_command(ctx: click.Context, vmid, url, out, no_recover, **matrix) -> None:
+    """Measure decoding methods x output lengths x scenarios; write results and a report."""
+    if ctx.invoked_subcommand:
+        return
+    if (vmid is None) == (url is None):
+        raise click.UsageError("name the engine: --ct VMID (with a site) or --url URL")
+    config = BenchConfig(
+        methods=matrix["methods"],
+        lengths=matrix["lengths"],
+        scenarios=matrix["scenarios"],
+        repeats=matrix["repeats"],
+        warmup=matrix["warmup"],
+        agentic=AgenticShape(matrix["agentic_context"], matrix["agentic_turns"]),
+    )
+    results = Path(out) if out else _default_results()
+    api_key = os.environ.get(API_KEY_ENV) or None
+    if url:
+        endpoint = url_endpoint(url, api_key)
+    else:
+        endpoint = site_endpoint(ctx.obj, vmid=vmid, results=results, recover_first=not no_recover)
+    with endpoint as reached, EngineClient(reached.url, api_key) as client:
+        store = RunStore.open(results, _run_config(reached, config), _versions(client))
+        result = run_bench(config, client, store, RichProgress())
+    files = render_report(result.run_dir)
+    _print_outcome(ctx.obj.json, reached, result.run_dir, result.resumed, files)
+
+
+@bench_command.command("report")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.pass_context
+def report_command(ctx: click.Context, run_dir: str) -> None:
+    """Re-render the report (markdown, CSV, JSON, plots) of a stored run."""
+    files = render_report(Path(run_dir))
+    rows = load_rows(Path(run_dir))
+    if ctx.obj.json:
+        click.echo(json.dumps({"run_dir": run_dir, "files": _paths(files), "rows": rows}, indent=1))
+    else:
+        click.echo(markdown_report(rows, f"ddops bench {Path(run_dir).name}"))
+
+
+def _default_results() -> Path:
+    from ops.site import results_dir
+
+    return results_dir()
+
+
+def _run_config(endpoint: Endpoint, config: BenchConfig) -> dict:
+    """What a run measures; a rerun with an equal dict resumes it."""
+    return {"target": endpoint.target, "bench": config.to_json()}
+
+
+def _versions(client: EngineClient) -> dict:
+    card = client.model_card()
+    return {
+        "ddops": importlib.metadata.version("ddops"),
+        "python": platform.python_version(),
+        "model": card.get("id"),
+        "max_model_len": card.get("max_model_len"),
+    }
+
+
+def _paths(files) -> dict:
+    return {
+        "markdown": str(files.markdown),
+        "csv": str(files.csv),
+        "json": str(files.json),
+        "plots": [str(p) for p in files.plots],
+    }
+
+
+def _print_outcome(as_json: bool, endpoint: Endpoint, run_dir: Path, resumed: bool, files) -> None:
+    rows = load_rows(run_dir)
+    if as_json:
+        document = {
+            "target": endpoint.target,
+            "run_dir": str(run_dir),
+            "state": RunStore.load(run_dir).manifest["state"],
+            "resumed": resumed,
+            "preflight": endpoint.preflight,
+            "files": _paths(files),
+            "rows": rows,
+        }
+        click.echo(json.dumps(document, indent=1))
+        return
+    click.echo(f"bench of {endpoint.target}" + (" (resumed a crashed run)" if resumed else ""))
+    click.echo("\n".join(summary_table(rows)))
+    click.echo(f"\nreport: {files.markdown} (CSV, JSON and plots beside it)")
