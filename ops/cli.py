@@ -97,5 +97,9 @@ cli.add_command(provision_command)
 cli.add_command(health_command)
 cli.add_command(recover_command)
 
+from ops.commands.bench import bench_command  # noqa: E402
+
+cli.add_command(bench_command)
+
 if __name__ == "__main__":
     main()

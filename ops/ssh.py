@@ -167,6 +167,10 @@ class SSHTransport(Transport):
         except OSError as exc:
             raise DdopsError(self.label, f"unreachable: {exc.strerror or exc}") from exc
 
+    def connection(self) -> paramiko.Transport:
+        """The live SSH connection, for channels of one's own (ops/bench/tunnel.py forwards)."""
+        return self._connection()
+
     def _sftp(self) -> paramiko.SFTPClient:
         connection = self._connection()  # a dropped connection resets the SFTP session too
         if self._sftp_client is None:
