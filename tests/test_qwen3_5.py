@@ -229,10 +229,13 @@ def test_config_without_layer_types_uses_full_attention_interval():
     assert config.partial_rotary_factor == 0.25
 
 
-def test_forward_past_max_len_raises_and_commit_needs_a_forward(hybrid_dir):
+def test_forward_past_max_len_and_bad_commits_raise(hybrid_dir):
     model = load_qwen3_5(hybrid_dir)
     cache, _ = prefill(model, [1, 2, 3], max_len=5)
     with pytest.raises(ValueError, match="max_len"):
         model.forward(torch.tensor([4, 5, 6]), cache)
     with pytest.raises(ValueError, match="commit without a forward"):
         model.commit(cache, torch.tensor([0]))
+    model.forward(torch.tensor([4, 5]), cache, torch.tensor([-1, -1]))
+    with pytest.raises(ValueError, match="not a root-to-node path"):
+        model.commit(cache, torch.tensor([0, 1]))  # siblings, not parent and child

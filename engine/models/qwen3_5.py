@@ -243,11 +243,7 @@ class Qwen3_5Model(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = self._new_rotary()
-
-    def _new_rotary(self) -> Rotary:
-        c = self.config
-        return Rotary(c.head_dim, c.rope_theta, c.partial_rotary_factor)
+        self.rotary = Rotary(config.head_dim, config.rope_theta, config.partial_rotary_factor)
 
     def _layers_of(self, layer_type: str) -> list[HybridDecoderLayer]:
         return [layer for layer in self.layers if layer.layer_type == layer_type]
@@ -306,12 +302,23 @@ class Qwen3_5Model(nn.Module):
         """The pending path `accepted` [K] (root first) becomes committed; the rest is dropped."""
         if len(cache.pending) != len(cache.recurrent):
             raise ValueError("commit without a forward pass to commit from")
+        if cache.pending:
+            check_root_to_node_path(cache.pending[0].parents.tolist(), accepted.tolist())
         accepted = accepted.to(self.embed_tokens.weight.device)
         gdn_layers = self._layers_of(LINEAR)
         for layer, state, pending in zip(gdn_layers, cache.recurrent, cache.pending, strict=True):
             layer.linear_attn.commit(state, pending, accepted)
         cache.kv.commit(accepted)
         cache.pending = []
+
+
+def check_root_to_node_path(parents: list[int], accepted: list[int]) -> None:
+    """Raise ValueError unless `accepted` runs from a root down to one node, parent to child."""
+    previous = -1
+    for node in accepted:
+        if not 0 <= node < len(parents) or parents[node] != previous:
+            raise ValueError(f"accepted {accepted} is not a root-to-node path of the pending tree")
+        previous = node
 
 
 def hf_text_prefix(config: dict) -> str:
@@ -335,6 +342,4 @@ def load_qwen3_5(
     if "lm_head.weight" in tensors and not config.tie_word_embeddings:
         text["lm_head.weight"] = tensors["lm_head.weight"]
     load_weights(model, text)
-    model = model.to(device=device, dtype=dtype).eval()
-    model.rotary = model._new_rotary().to(device)  # keep float32 frequencies (.to(dtype) rounds)
-    return model
+    return model.to(device=device, dtype=dtype).eval()
