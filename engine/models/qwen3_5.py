@@ -241,9 +241,12 @@ class Qwen3_5Model(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.tie_weights()
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.partial_rotary_factor)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def _layers_of(self, layer_type: str) -> list[HybridDecoderLayer]:
         return [layer for layer in self.layers if layer.layer_type == layer_type]
@@ -335,11 +338,14 @@ def load_qwen3_5(
     """Load a `qwen3_5_text` checkpoint or the text part of a `qwen3_5` (multimodal) one."""
     hf_config = read_config(path)
     config = Qwen3_5Config.from_hf(hf_config)
-    model = Qwen3_5Model(config, state_strategy)
-    tensors = load_state_dict(path)
+    with torch.device("meta"):  # no random init of weights about to be overwritten
+        model = Qwen3_5Model(config, state_strategy)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()  # materialising meta parameters unties them
+    tensors = load_state_dict(path)  # on the CPU: copied into the device parameters below
     prefix = hf_text_prefix(hf_config)
     text = {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
     if "lm_head.weight" in tensors and not config.tie_word_embeddings:
         text["lm_head.weight"] = tensors["lm_head.weight"]
     load_weights(model, text)
-    return model.to(device=device, dtype=dtype).eval()
+    return model.eval()
