@@ -1,4 +1,4 @@
-"""Simulated `pct` in real LXC containers: messages, locks, devN resolution, driver mismatch.
+"""Simulated `pct` in real LXC containers: messages, locks, a missing devN node, driver mismatch.
 
 python -m pytest -q tests/test_sim_lxc_devices.py
 """
@@ -35,27 +35,6 @@ def test_pct_refuses_to_start_a_running_or_locked_ct_with_the_real_messages(host
     assert host.run(["pct", "status", "200"]).stdout == "status: stopped\n"
     stopped = host.run(["pct", "exec", "200", "--", "true"])
     assert (stopped.rc, stopped.stderr.strip()) == (255, "CT 200 not running")
-
-
-def test_dev_entries_grant_the_major_the_node_has_at_each_start(host):
-    root = Path(host.sysroot)
-    host.write_file("/etc/modules-load.d/nvidia.conf", "nvidia\nnvidia_uvm\n", backup=False)
-    host.write_file(
-        "/etc/systemd/system/nvidia-uvm-nodes.service",
-        "[Unit]\nBefore=pve-guests.service\n[Service]\nType=oneshot\n"
-        "ExecStart=/usr/bin/nvidia-modprobe -u -c=0\n[Install]\nWantedBy=multi-user.target\n",
-        backup=False,
-    )
-    host.write_file("/etc/systemd/system/multi-user.target.wants/nvidia-uvm-nodes.service", "")
-    start_ct(host, DEV_GPU_CONF)
-    assert probe(host)["verdict"] == "ok"
-
-    report = reboot_host(root, uvm_major=300)
-
-    assert report.units == ["nvidia-uvm-nodes"] and report.started == [200]
-    after = probe(host)
-    assert after["verdict"] == "ok"
-    assert {n["node"]: n.get("device") for n in after["nodes"]}["/dev/nvidia-uvm"] == "300:0"
 
 
 def test_a_missing_dev_node_makes_the_start_fail_loudly(host):

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ops.sim import nvidia, pveconf
+from ops.sim.hookscript import HookError, run_hook
 from ops.sim.launcher import write_launcher
 from ops.sim.lxc import LxcContainers
 from ops.sim.processct import ProcessContainers
@@ -44,6 +45,10 @@ class Pct:
         self.root = root
         self.state = load_state(root)
         self.cts = containers_for(root, self.state)
+
+    def _reload_state(self) -> None:
+        self.state = load_state(self.root)
+        self.cts.state = self.state
 
     # -- config files -------------------------------------------------------------------------
     def conf_path(self, vmid: int) -> Path:
@@ -97,13 +102,19 @@ class Pct:
         self._check_unlocked(vmid, options or {})
         if self.cts.is_running(vmid):
             raise PctError(f"CT {vmid} already running")
+        hook = pveconf.values(conf).get("hookscript")
         try:
+            if hook:
+                run_hook(self.root, hook, vmid, "pre-start")
+                self._reload_state()  # the hook may have run nvidia-modprobe
             plan = plan_start(vmid, conf, self.root)
             self.cts.create(vmid)
             self._install_ct_userspace(vmid)
             self.cts.start(vmid, plan)
-        except StartError as exc:
+        except (HookError, StartError) as exc:
             raise PctError(f"{exc}\nstartup for container '{vmid}' failed") from None
+        if hook:
+            run_hook(self.root, hook, vmid, "post-start")
 
     def _install_ct_userspace(self, vmid: int) -> None:
         """The CT's driver userspace (a stand-in for libcuda) and its nvidia-smi, as a CT image has."""

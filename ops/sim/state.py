@@ -19,6 +19,7 @@ from ops.errors import DdopsError
 
 STATE_FILE = "var/lib/ddops-sim/state.json"
 LOG_FILE = "var/log/ddops-sim.log"
+LOCK_HELD_ENV = "DDOPS_SIM_LOCK_HELD"
 LXC_PATH = "var/lib/lxc"
 CT_CONF_DIR = "etc/pve/lxc"
 ROOTFS_DIR = "var/lib/ddops-sim/rootfs"
@@ -103,8 +104,19 @@ def log(root: Path, message: str) -> None:
 
 @contextmanager
 def host_lock(root: Path):
-    """Serialise state changes on one sim host (pct, nvidia-modprobe, reboot): one lock file."""
+    """Serialise state changes on one sim host (pct, nvidia-modprobe, reboot): one lock file.
+
+    A process the lock holder starts (a hookscript calling nvidia-modprobe) inherits the lock
+    through LOCK_HELD_ENV instead of waiting for its own parent."""
+    if os.environ.get(LOCK_HELD_ENV) == str(root):
+        yield
+        return
     path = root / "var/lib/ddops-sim/lock"
     with path.open("a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         yield
+
+
+def lock_inheriting_env(root: Path, env: dict[str, str]) -> dict[str, str]:
+    """`env` for a child of the lock holder (see host_lock)."""
+    return {**env, LOCK_HELD_ENV: str(root)}
