@@ -12,6 +12,7 @@ A directory PATH plays a whole host through `LocalTransport(sysroot=PATH)`:
     nvidia.py     nvidia-smi, nvidia-modprobe, modprobe, lsmod, pveversion
     commands.py   the entry point of those executables; launcher.py writes them
     boot.py       what a reboot honours: modules-load.d and enabled units' ExecStart
+    hookscript.py a CT's `hookscript:` around pct start (pre-start, post-start)
     host.py       init_host / reboot_host / destroy_host (behind `ddops sim`)
     faults.py     fault injection for tests
     hub.py        a local Hugging Face hub (served beside the host)
