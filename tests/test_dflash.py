@@ -5,6 +5,8 @@ Run: python -m pytest -q tests/test_dflash.py
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -79,15 +81,51 @@ def test_the_block_is_discarded_and_the_context_matters(target, target_dir, tmp_
 
 def test_sliding_window_layers_ignore_context_outside_the_window(target, target_dir, tmp_path):
     drafter = load_drafter(
-        save_tiny_dflash(tmp_path, target_dir, num_layers=1, sliding_window=2), torch.float64
+        save_tiny_dflash(tmp_path, target_dir, num_layers=1, sliding_window=3), torch.float64
     )
     drafter.config.layer_types = ("sliding_attention",)
     features = target_features(target, drafter, [5, 9, 2, 31, 40, 7])
     changed = features.clone()
-    changed[:5] += 1.0  # positions 0..4; the bonus sits at 6, so the window keeps 5 only
+    # the bonus sits at 6; the first draft row (position 7) sees 5, 6, 7; only the bonus row,
+    # whose logits are not returned, sees 4
+    changed[:5] += 1.0
     a = drafter.draft(target, drafter.new_cache(6), features, bonus=3)
     b = drafter.draft(target, drafter.new_cache(6), changed, bonus=3)
     assert (a - b).abs().max() <= 1e-10
+    changed[5] += 1.0
+    c = drafter.draft(target, drafter.new_cache(6), changed, bonus=3)
+    assert (a - c).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("is_causal", [None, True, False])
+def test_causal_layers_do_not_look_ahead_in_the_block(target, target_dir, tmp_path, is_causal):
+    """Sliding layers are causal unless the config's is_causal says otherwise (z-lab rule)."""
+    drafter = load_drafter(
+        save_tiny_dflash(tmp_path, target_dir, num_layers=1, sliding_window=64), torch.float64
+    )
+    drafter.config.layer_types = ("sliding_attention",)
+    drafter.config.is_causal = is_causal
+    features = target_features(target, drafter, [5, 9, 2, 31])
+    drafter.config.block_size = 3
+    short = drafter.draft(target, drafter.new_cache(4), features, bonus=3)
+    drafter.config.block_size = 6
+    long = drafter.draft(target, drafter.new_cache(4), features, bonus=3)
+    same_prefix = (short - long[:2]).abs().max() <= 1e-10
+    assert same_prefix == (is_causal is not False)
+
+
+def test_optional_scalars_and_dflash2_refusal(target, target_dir, tmp_path):
+    drafter = load_drafter(save_tiny_dflash(tmp_path / "a", target_dir), torch.float64)
+    features = target_features(target, drafter, [5, 9, 2])
+    plain = drafter.draft(target, drafter.new_cache(3), features, bonus=3)
+    drafter.config.output_multiplier, drafter.config.final_logit_softcapping = 2.0, 0.5
+    capped = drafter.draft(target, drafter.new_cache(3), features, bonus=3)
+    assert (capped - torch.tanh(plain * 2.0 / 0.5) * 0.5).abs().max() <= 1e-10
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    config["dflash_config"]["conv_kernel_size"] = 4
+    (tmp_path / "a" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="DFlash2"):
+        load_drafter(tmp_path / "a")
 
 
 def test_block_logits_is_differentiable_over_batches_of_blocks(target, target_dir, tmp_path):

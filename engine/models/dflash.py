@@ -13,8 +13,11 @@ Training: `drafter.block_logits(target, context, block_ids, block_starts)` is di
 and runs many blocks per sequence (and any leading batch dims) with an explicit mask: the same
 layer code as `draft`.
 
-Sliding-window layers (some checkpoints' `layer_types`) see the context tokens within
-`sliding_window` positions of the block's first (bonus) position.
+Layer types (newer checkpoints): a "sliding_attention" layer is causal inside the block and
+each query sees keys within `sliding_window` positions; `is_causal` in the config overrides the
+causality of every layer. Optional scalars: `input_embedding_scale` (block embeddings),
+`output_multiplier` and `final_logit_softcapping` (draft logits). DFlash2 checkpoints (dynamic
+convolutions, candidate selector) are refused.
 """
 
 from __future__ import annotations
@@ -54,12 +57,19 @@ class DFlashConfig:
     rope_theta: float = 1_000_000.0
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
+    is_causal: bool | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
 
     @classmethod
     def from_dict(cls, raw: dict) -> DFlashConfig:
         """Both z-lab layouts: block_size / rope_theta top-level or in dflash_config / rope_parameters."""
-        dflash = raw.get("dflash_config", {})
-        merged = {**raw, **dflash}
+        merged = {"block_size": 16, **raw, **raw.get("dflash_config", {})}
+        if "conv_kernel_size" in merged or "selector_rank" in merged:
+            raise ValueError(
+                "DFlash2 drafters (convolutions, candidate selector) are not supported"
+            )
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in merged.items() if k in known}
         values.setdefault("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
@@ -68,10 +78,11 @@ class DFlashConfig:
         values["layer_types"] = tuple(raw.get("layer_types") or ())
         return cls(**values)
 
-    def window(self, layer: int) -> int | None:
-        """The sliding window of `layer`, or None for full attention."""
-        sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
-        return self.sliding_window if sliding else None
+    def attention_kind(self, layer: int) -> tuple[bool, int | None]:
+        """(causal inside the block, sliding window or None) of `layer`."""
+        sliding = bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+        causal = sliding if self.is_causal is None else bool(self.is_causal)
+        return causal, (self.sliding_window if sliding else None)
 
 
 class DraftAttention(nn.Module):
@@ -139,6 +150,24 @@ def masked_attention(
     return torch.einsum("...hts,...shd->...thd", probs, v.to(work)).to(q.dtype)
 
 
+def restrict(
+    visible: torch.Tensor,  # [..., T, S] bool
+    query_pos: torch.Tensor,  # [..., T]
+    key_pos: torch.Tensor,  # [..., S]
+    causal: bool,
+    window: int | None,
+) -> torch.Tensor:
+    """`visible` narrowed to causal keys and/or keys within `window` positions of each query."""
+    q, k = query_pos[..., :, None], key_pos[..., None, :]
+    if causal:
+        visible = visible & (k <= q)
+    if window is not None:
+        visible = visible & (q - k < window)
+        if not causal:
+            visible = visible & (k - q < window)
+    return visible
+
+
 class DFlashDrafter(nn.Module):
     """Parameter names are the z-lab checkpoint's (no prefix)."""
 
@@ -195,23 +224,38 @@ class DFlashDrafter(nn.Module):
         start = cache.length + N  # the bonus token's position
         ctx = self.hidden_norm(self.fc(context.to(self.fc.weight.dtype)))  # [N, H]
         ctx_rope = self._positions_rope(torch.arange(cache.length, start, device=device))
-        block_rope = self._positions_rope(torch.arange(start, start + B, device=device))
+        block_pos = torch.arange(start, start + B, device=device)
+        block_rope = self._positions_rope(block_pos)
         ids = torch.full((B,), self.mask_token_id, dtype=torch.long, device=device)
         ids[0] = bonus
-        x = target.embed_tokens(ids)  # [B, H]
-        all_visible = torch.ones(B, B, dtype=torch.bool, device=device)
+        x = self._embed(target, ids)  # [B, H]
         for index, layer in enumerate(self.layers):
             cache.write(index, cache.length, *layer.self_attn.key_values(ctx, ctx_rope))
             q, k, v = layer.block_qkv(x, block_rope)
             keys, values = cache.write(index, start, k, v)  # [start + B, Hkv, D]
-            window = self.config.window(index)
-            first = 0 if window is None else max(0, start - window + 1)
-            attn = tree_attention(
-                q, keys[first:], values[first:], start - first, all_visible, self._scale
-            )
+            causal, window = self.config.attention_kind(index)
+            if window is None:  # the fast kernel: whole context visible
+                in_block = torch.ones(B, B, dtype=torch.bool, device=device)
+                in_block = in_block.tril() if causal else in_block
+                attn = tree_attention(q, keys, values, start, in_block, self._scale)
+            else:  # keys before `first` are out of every query's window
+                first = max(0, start - window + 1)
+                key_pos = torch.arange(first, start + B, device=device)
+                visible = torch.ones(B, len(key_pos), dtype=torch.bool, device=device)
+                visible = restrict(visible, block_pos, key_pos, causal, window)
+                attn = masked_attention(q, keys[first:], values[first:], visible, self._scale)
             x = layer.finish(x, attn)
         cache.length = start
-        return target.lm_head(self.norm(x[1:])).float()
+        return self._logits(target, x[1:])
+
+    def _embed(self, target: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return target.embed_tokens(ids) * self.config.input_embedding_scale
+
+    def _logits(self, target: nn.Module, x: torch.Tensor) -> torch.Tensor:  # float32
+        logits = target.lm_head(self.norm(x)).float() * self.config.output_multiplier
+        if cap := self.config.final_logit_softcapping:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @property
     def _scale(self) -> float:
@@ -236,15 +280,16 @@ class DFlashDrafter(nn.Module):
         block_pos = block_starts[..., None] + torch.arange(B, device=device)  # [..., nb, B]
         ctx_rope = self._positions_rope(ctx_pos)
         block_rope = self._positions_rope(block_pos.flatten(-2))
-        x = target.embed_tokens(block_ids).flatten(-3, -2)  # [..., nb*B, H]
         row_block = torch.arange(nb, device=device).repeat_interleave(B)  # [nb*B]
         same_block = row_block[:, None] == row_block[None, :]  # [nb*B, nb*B]
         row_start = block_starts.repeat_interleave(B, dim=-1)[..., None]  # [..., nb*B, 1]
+        sees_ctx = ctx_pos < row_start  # [..., nb*B, C]: the context before the row's block
+        base = torch.cat([sees_ctx, same_block.expand(*sees_ctx.shape[:-1], -1)], dim=-1)
+        x = self._embed(target, block_ids).flatten(-3, -2)  # [..., nb*B, H]
+        flat_pos = block_pos.flatten(-2)  # [..., nb*B]
+        key_pos = torch.cat([ctx_pos.expand(*flat_pos.shape[:-1], -1), flat_pos], dim=-1)
         for index, layer in enumerate(self.layers):
-            sees_ctx = ctx_pos < row_start  # [..., nb*B, C]
-            if (window := self.config.window(index)) is not None:
-                sees_ctx = sees_ctx & (ctx_pos > row_start - window)
-            visible = torch.cat([sees_ctx, same_block.expand(*sees_ctx.shape[:-1], -1)], dim=-1)
+            visible = restrict(base, flat_pos, key_pos, *self.config.attention_kind(index))
             k_ctx, v_ctx = layer.self_attn.key_values(ctx, ctx_rope)
             q, k, v = layer.block_qkv(x, block_rope)
             attn = masked_attention(
@@ -255,7 +300,7 @@ class DFlashDrafter(nn.Module):
                 self._scale,
             )
             x = layer.finish(x, attn)
-        logits = target.lm_head(self.norm(x)).float()  # [..., nb*B, V]
+        logits = self._logits(target, x)  # [..., nb*B, V]
         return logits.unflatten(-2, (nb, B))[..., 1:, :]
 
 
