@@ -34,6 +34,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 PIDFILE = "/run/ddops/engine.pid"
 STATUS_FILE = "/run/ddops/engine.status"
@@ -159,13 +160,25 @@ def running_supervisor(pidfile: str = PIDFILE) -> int | None:
 class Supervisor:
     """Runs the unit's command until told to stop, restarting it on failure with backoff."""
 
-    def __init__(self, command: UnitCommand, status_file: str, log) -> None:
+    def __init__(
+        self, command: UnitCommand, env: dict[str, str], status_file: str, log_file: str
+    ) -> None:
         self.command = command
+        self.env = env
         self.status_file = status_file
-        self.log = log
+        self.log_file = log_file
+        self.log: TextIO = sys.stderr
         self.status = Status()
         self.stopping = threading.Event()
         self.engine: subprocess.Popen | None = None
+
+    def take_over_stdio(self) -> None:
+        """Become a daemon's process: stdin from /dev/null, stdout and stderr to the log."""
+        self.log = open(self.log_file, "a", buffering=1)  # noqa: SIM115 - open for its life
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(self.log.fileno(), 1)
+        os.dup2(self.log.fileno(), 2)
 
     def say(self, message: str) -> None:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
@@ -196,9 +209,12 @@ class Supervisor:
         return 0
 
     def run_once(self) -> int:
-        env = service_environment(self.command)
         self.engine = subprocess.Popen(
-            self.command.argv, env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log
+            self.command.argv,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=self.log,
         )
         if self.stopping.is_set():  # a SIGTERM came while it was being started
             self.engine.terminate()
@@ -220,6 +236,8 @@ def start(unit: str, pidfile: str, status_file: str, log_file: str) -> int:
     if pid is not None:
         return pid
     command = parse_unit(Path(unit).read_text())  # a bad unit fails here, in the caller's view
+    env = service_environment(command)  # and so does a missing EnvironmentFile
+    stop(pidfile)  # an engine left behind by a killed supervisor would hold the port
     os.makedirs(os.path.dirname(log_file), exist_ok=True)
     ready_r, ready_w = os.pipe()
     child = os.fork()
@@ -235,19 +253,15 @@ def start(unit: str, pidfile: str, status_file: str, log_file: str) -> int:
     os.setsid()
     if os.fork():  # the session leader's child runs on, reparented to init
         os._exit(0)
-    _become_daemon(command, pidfile, status_file, log_file, ready_w)
+    _become_daemon(Supervisor(command, env, status_file, log_file), pidfile, ready_w)
 
 
-def _become_daemon(command, pidfile, status_file, log_file, ready_w) -> None:
+def _become_daemon(supervisor: Supervisor, pidfile: str, ready_w: int) -> None:
+    """The detached process: write the pidfile, tell the caller, supervise, never return."""
     code = 1
     try:
-        log = open(log_file, "a", buffering=1)  # noqa: SIM115 - open for the daemon's life
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
+        supervisor.take_over_stdio()
         os.setpgid(0, 0)  # its own process group: `stop` can kill the engine with it
-        supervisor = Supervisor(command, status_file, log)
         signal.signal(signal.SIGTERM, supervisor.on_sigterm)
         _write_atomic(pidfile, f"{os.getpid()}\n")
         supervisor.save()

@@ -4,16 +4,25 @@ CT 200 (shared by the module) gets a tiny random Qwen3 staged into its /dev/shm 
 then the engine, run by the ddops supervisor (busybox CTs have no systemd), with the test's own
 Python as the engine's interpreter (it is bound into the CT read-only). CT 201 is the scratch CT
 for what must not touch CT 200: dry-run from nothing and a bad model directory.
-Model load is the cost (torch import in the CT: ~10 s idle, much more on a loaded machine).
+Model load is the cost (torch import in the CT: ~10 s idle, ~40 s on a loaded machine): the
+tests that start an engine or import torch in a CT are marked slow (run with --slow).
+The supervisor itself is tested on this machine with stand-in commands, and the systemd path
+against a fake `pct` whose CT runs systemd (no such CT can run here).
 
     python -m pytest -q tests/test_deploy.py
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,14 +31,13 @@ from ops import deploy, supervise
 from ops.errors import DdopsError
 from ops.inventory import EngineSpec, ModelRef
 from ops.pve import ct_exec
+from ops.render import EngineUnit, render
 from ops.sim.host import destroy_host, init_host
 from ops.sim.hub import LocalHub
 from ops.staging import stage_model
 from ops.transport import LocalTransport
 from tests.helpers.engine_server import free_port
 from tests.helpers.tiny_qwen3 import save_tiny_qwen3
-
-pytestmark = pytest.mark.lxc
 
 CT, SCRATCH_CT = 200, 201
 MODEL = ModelRef("ddops/tiny-qwen3", "main", "tiny")
@@ -45,26 +53,30 @@ HOST_ONLY_ENV = ("SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA
 
 @pytest.fixture(scope="module")
 def host(tmp_path_factory):
-    """A sim host with CT 200 (the tiny model staged into its /dev/shm) and CT 201, running."""
-    with pytest.MonkeyPatch.context() as env:
-        for name in HOST_ONLY_ENV:
-            env.delenv(name, raising=False)
-        yield from _sim_host_with_model(tmp_path_factory.mktemp("deploy"))
-
-
-def _sim_host_with_model(tmp):
-    save_tiny_qwen3(tmp / "hub" / "ddops" / "tiny-qwen3", max_position_embeddings=256)
+    """A sim host with CT 200 and CT 201 running."""
+    tmp = tmp_path_factory.mktemp("deploy")
     init_host(tmp / "pve", gpus=1, containers="lxc")
     t = LocalTransport(sysroot=str(tmp / "pve"))
     try:
-        for vmid in (CT, SCRATCH_CT):
-            t.write_file(f"/etc/pve/lxc/{vmid}.conf", CT_CONF.format(vmid=vmid), backup=False)
-            t.run(["pct", "start", str(vmid)]).check(f"CT {vmid}")
-        with LocalHub(tmp / "hub") as hub:
-            stage_model(t, CT, MODEL, python=sys.executable, endpoint=hub.url)
-        yield t
+        with pytest.MonkeyPatch.context() as env:
+            for name in HOST_ONLY_ENV:
+                env.delenv(name, raising=False)
+            for vmid in (CT, SCRATCH_CT):
+                t.write_file(f"/etc/pve/lxc/{vmid}.conf", CT_CONF.format(vmid=vmid), backup=False)
+                t.run(["pct", "start", str(vmid)]).check(f"CT {vmid}")
+            yield t
     finally:
         destroy_host(tmp / "pve")
+
+
+@pytest.fixture(scope="module")
+def staged(host, tmp_path_factory):
+    """The sim host, with a tiny Qwen3 staged from a local hub into CT 200's /dev/shm."""
+    hub_root = tmp_path_factory.mktemp("hub")
+    save_tiny_qwen3(hub_root / "ddops" / "tiny-qwen3", max_position_embeddings=256)
+    with LocalHub(hub_root) as hub:
+        stage_model(host, CT, MODEL, python=sys.executable, endpoint=hub.url)
+    return host
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +85,10 @@ def engine():
 
 
 @pytest.fixture(scope="module")
-def deployed(host, engine):
+def deployed(staged, engine):
     """CT 200's engine deployed from nothing; the first Outcome."""
-    outcome = deploy.ensure_service(host, CT, engine, MODEL_DIR, None, dry_run=False)
-    deploy.wait_ready(host, CT, engine, timeout=READY_TIMEOUT_S)
+    outcome = deploy.ensure_service(staged, CT, engine, MODEL_DIR, None, dry_run=False)
+    deploy.wait_ready(staged, CT, engine, timeout=READY_TIMEOUT_S)
     return outcome
 
 
@@ -98,12 +110,15 @@ def completion(engine, headers=None) -> httpx.Response:
 
 
 # -- install -----------------------------------------------------------------------------------
+@pytest.mark.lxc
+@pytest.mark.slow
 def test_the_sim_engine_python_needs_no_install(host, engine):
     assert deploy.engine_problem(host, CT, engine) is None
     outcome = deploy.install_engine(host, CT, engine)
     assert not outcome.changed and sys.executable in outcome.detail
 
 
+@pytest.mark.lxc
 def test_a_missing_engine_python_is_named_and_not_installed_outside_a_venv(host):
     missing = EngineSpec(python="/usr/bin/no-such-python")
     assert deploy.engine_problem(host, CT, missing) == (
@@ -114,6 +129,7 @@ def test_a_missing_engine_python_is_named_and_not_installed_outside_a_venv(host)
 
 
 # -- the service from nothing, then idempotent ---------------------------------------------------
+@pytest.mark.lxc
 def test_dry_run_from_nothing_shows_the_unit_and_changes_nothing(host, engine):
     outcome = deploy.ensure_service(host, SCRATCH_CT, engine, MODEL_DIR, None, dry_run=True)
     assert outcome.changed
@@ -126,6 +142,8 @@ def test_dry_run_from_nothing_shows_the_unit_and_changes_nothing(host, engine):
     )
 
 
+@pytest.mark.lxc
+@pytest.mark.slow
 def test_from_nothing_the_engine_runs_and_answers_a_generation(host, engine, deployed):
     assert deployed.changed
     assert deployed.detail == "did write the unit, start the service (ddops supervisor)"
@@ -138,6 +156,8 @@ def test_from_nothing_the_engine_runs_and_answers_a_generation(host, engine, dep
     assert answer["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.lxc
+@pytest.mark.slow
 def test_a_second_run_is_unchanged_and_rewrites_nothing(host, engine, deployed):
     stamp = ["stat", "-c", "%Y %i", deploy.SUPERVISED_UNIT]
     before = ct_exec(host, CT, stamp).stdout, supervisor_status(host)
@@ -146,6 +166,8 @@ def test_a_second_run_is_unchanged_and_rewrites_nothing(host, engine, deployed):
     assert (ct_exec(host, CT, stamp).stdout, supervisor_status(host)) == before
 
 
+@pytest.mark.lxc
+@pytest.mark.slow
 def test_dry_run_on_a_changed_budget_shows_the_diff_and_changes_nothing(host, engine, deployed):
     unit, status = ct_file(host, deploy.SUPERVISED_UNIT), supervisor_status(host)
     changed = dataclasses.replace(engine, budget=7)
@@ -158,6 +180,8 @@ def test_dry_run_on_a_changed_budget_shows_the_diff_and_changes_nothing(host, en
 
 
 # -- failures and repairs ----------------------------------------------------------------------
+@pytest.mark.lxc
+@pytest.mark.slow
 def test_a_killed_engine_is_restarted_by_the_supervisor(host, engine, deployed):
     killed = supervisor_status(host)
     ct_exec(host, CT, ["kill", "-KILL", str(killed.engine_pid)]).check("kill")
@@ -168,6 +192,8 @@ def test_a_killed_engine_is_restarted_by_the_supervisor(host, engine, deployed):
     assert deploy.service_problem(host, CT) is None
 
 
+@pytest.mark.lxc
+@pytest.mark.slow
 def test_the_api_key_reaches_the_engine_only_through_its_0600_file(
     host, engine, deployed, monkeypatch
 ):
@@ -190,6 +216,8 @@ def test_the_api_key_reaches_the_engine_only_through_its_0600_file(
     assert not deploy.ensure_service(host, CT, engine, MODEL_DIR, None, dry_run=False).changed
 
 
+@pytest.mark.lxc
+@pytest.mark.slow
 def test_a_gone_supervisor_is_reported_and_restart_service_recovers(host, engine, deployed):
     supervisor = ct_file(host, supervise.PIDFILE).strip()
     ct_exec(host, CT, ["kill", "-KILL", supervisor]).check("kill")
@@ -203,6 +231,8 @@ def test_a_gone_supervisor_is_reported_and_restart_service_recovers(host, engine
     assert ct_file(host, supervise.PIDFILE).strip() != supervisor
 
 
+@pytest.mark.lxc
+@pytest.mark.slow
 def test_a_bad_model_dir_fails_with_the_engines_last_log_lines(host):
     engine = EngineSpec(method="ar", port=free_port(), python=sys.executable)
     missing = "/dev/shm/models/missing"
@@ -215,3 +245,146 @@ def test_a_bad_model_dir_fails_with_the_engines_last_log_lines(host):
     )
     assert str(failure.value).endswith("; its last log lines follow")
     assert f"No such file or directory: '{missing}/config.json'" in failure.value.detail
+
+
+# -- the supervisor on this machine, with stand-in engines ---------------------------------------
+def stand_in_unit(tmp_path, script: str, restart_sec: float = 0.2) -> Path:
+    """A unit like the engine's whose ExecStart runs `script` in Python; its argv carries
+    "engine serve", as the real engine's does (that is how `stop` recognises leftovers)."""
+    (tmp_path / "engine.env").write_text('# the key file\nDDOPS_API_KEY="k-123"\n')
+    unit = tmp_path / "stand-in.service"
+    unit.write_text(
+        "[Unit]\nDescription=stand-in\n\n[Service]\nEnvironment=GREETING=hi\n"
+        f"EnvironmentFile={tmp_path / 'engine.env'}\n"
+        f"ExecStart={sys.executable} -c {json.dumps(script)} engine serve\n"
+        f"RestartSec={restart_sec}\n"
+    )
+    return unit
+
+
+class LocalSupervisor:
+    """`python -m ops.supervise` on this machine, with its files in a tmp dir."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.pidfile = tmp_path / "run" / "engine.pid"
+        self.status_file = tmp_path / "run" / "engine.status"
+        self.log = tmp_path / "engine.log"
+
+    def call(self, *args: str) -> str:
+        argv = [sys.executable, "-m", "ops.supervise", *args, "--pidfile", str(self.pidfile)]
+        return subprocess.run(argv, check=True, capture_output=True, text=True).stdout.strip()
+
+    def start(self, unit: Path) -> int:
+        files = ["--status-file", str(self.status_file), "--log", str(self.log)]
+        return int(self.call("start", "--unit", str(unit), *files))
+
+    def status(self) -> supervise.Status:
+        return supervise.Status(**json.loads(self.status_file.read_text()))
+
+    def wait_for(self, condition, timeout: float = 30.0) -> supervise.Status:
+        # Another process's files: nothing to await but their next state.
+        deadline = time.monotonic() + timeout
+        while not condition(status := self.status()):
+            assert time.monotonic() < deadline, f"supervisor status stuck at {status}"
+            time.sleep(0.05)
+        return status
+
+
+@pytest.fixture
+def supervisor(tmp_path):
+    local = LocalSupervisor(tmp_path)
+    yield local
+    with contextlib.suppress(subprocess.CalledProcessError):
+        local.call("stop")
+
+
+# Prints what reached its environment, then sleeps like a serving engine.
+SLEEPER = (
+    "import os, time; env = os.environ; "
+    "print(env['GREETING'], env['DDOPS_API_KEY'], 'CALLERS_SECRET' in env, flush=True); "
+    "time.sleep(600)"
+)
+
+
+def alive(pid: int) -> bool:
+    """Whether pid runs (a zombie does not: it waits for init to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_parse_unit_reads_back_the_rendered_engine_unit():
+    unit = EngineUnit(
+        python="/opt/my venv/bin/python",
+        model="/models/50% done",
+        port=8123,
+        method="ar",
+        env_file="/etc/ddops/engine.env",
+        cuda_visible_devices="0,1",
+    )
+    command = supervise.parse_unit(render(unit))
+    assert command.argv[:6] == [
+        "/opt/my venv/bin/python",
+        "-m",
+        "engine",
+        "serve",
+        "--model",
+        "/models/50% done",
+    ]
+    assert command.argv[-4:] == ["--dtype", "bfloat16", "--device", "cuda"]
+    assert command.environment == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert command.environment_files == ["/etc/ddops/engine.env"]
+    assert command.restart_sec == 5.0
+    with pytest.raises(ValueError, match="no ExecStart"):
+        supervise.parse_unit("[Unit]\nExecStart=/bin/true\n")
+
+
+def test_supervisor_runs_the_unit_restarts_a_killed_engine_and_stops_the_group(
+    supervisor, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("CALLERS_SECRET", "not-for-the-engine")
+    unit = stand_in_unit(tmp_path, SLEEPER)
+    pid = supervisor.start(unit)
+    assert supervisor.start(unit) == pid  # already running: the same supervisor
+    first = supervisor.wait_for(lambda s: s.engine_pid is not None)
+    os.kill(first.engine_pid, signal.SIGKILL)
+    second = supervisor.wait_for(lambda s: s.starts == 2)
+    assert second.last_exit == -signal.SIGKILL and second.engine_pid != first.engine_pid
+    assert supervisor.call("stop") == "stopped"
+    assert not alive(pid) and not alive(second.engine_pid)
+    assert not supervisor.pidfile.exists()
+    log = supervisor.log.read_text()
+    assert log.count("hi k-123 False\n") == 2  # Environment=, EnvironmentFile=; not the caller's
+    assert "engine exited with -9; restarting in 0.2 s" in log
+    assert supervisor.call("stop") == "not running"
+
+
+def test_supervisor_backs_off_on_failures_and_ends_on_a_clean_exit(supervisor, tmp_path):
+    counter = tmp_path / "runs"
+    script = (
+        f"import pathlib, sys; p = pathlib.Path({str(counter)!r}); "
+        "n = int(p.read_text()) + 1 if p.exists() else 1; p.write_text(str(n)); "
+        "sys.exit(0 if n == 3 else 3)"
+    )
+    pid = supervisor.start(stand_in_unit(tmp_path, script, restart_sec=0.1))
+    status = supervisor.wait_for(lambda s: s.exits == 3)
+    assert (status.starts, status.last_exit) == (3, 0)
+    log = supervisor.log.read_text()
+    assert (
+        "exited with 3; restarting in 0.1 s" in log and "exited with 3; restarting in 0.2 s" in log
+    )
+    assert "engine exited with 0; supervisor ends" in log
+    supervisor.wait_for(lambda s: not alive(pid))
+
+
+def test_a_new_supervisor_first_stops_the_engine_a_killed_one_left(supervisor, tmp_path):
+    unit = stand_in_unit(tmp_path, SLEEPER)
+    old = supervisor.start(unit)
+    orphan = supervisor.wait_for(lambda s: s.engine_pid is not None).engine_pid
+    os.kill(old, signal.SIGKILL)
+    supervisor.wait_for(lambda s: not alive(old))
+    assert alive(orphan)
+    assert supervisor.start(unit) != old
+    assert not alive(orphan)
+    assert supervisor.wait_for(lambda s: s.engine_pid is not None).engine_pid != orphan
