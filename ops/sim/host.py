@@ -111,12 +111,22 @@ def init_host(
         f"sim host created: {gpus} GPU(s), uvm major {uvm_major}, containers: {state.containers}",
     )
     if ct is not None:
-        with host_lock(root):
-            pct = Pct(root)
-            pct.create(ct, "local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst", DEMO_CT_OPTIONS)
-            pct.start(ct)
-            save_state(root, pct.state)
+        _create_demo_ct(root, ct)
     return True
+
+
+def _create_demo_ct(root: Path, vmid: int) -> None:
+    with host_lock(root):
+        pct = Pct(root)
+        try:
+            pct.create(
+                vmid, "local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst", DEMO_CT_OPTIONS
+            )
+            pct.start(vmid)
+        except PctError as exc:
+            raise DdopsError(f"CT {vmid}", str(exc).replace("\n", ": ")) from None
+        finally:
+            save_state(root, pct.state)
 
 
 def _other_major(uvm_major: int) -> int:
