@@ -29,9 +29,7 @@ from ops.bench.matrix import AgenticShape
 CountTokens = Callable[[str], int]
 
 DECODE_PROMPT = (
-    "# A small utility module.\n\n"
-    "def merge_intervals(intervals):\n"
-    '    """Merge overlapping [start, end] intervals and return them sorted."""\n'
+    'import os\nimport sys\n\n\ndef main(argv):\n    """Parse the arguments and run."""\n'
 )
 LONG_HEAD = "Read the following source code, then continue it.\n\n"
 AGENT_HEAD = (

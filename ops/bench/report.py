@@ -115,6 +115,8 @@ def summary_table(rows: list[dict]) -> list[str]:
                 line.append("-")
             elif row["skipped"]:
                 line.append("skipped")
+            elif row["decode_tok_s"] is None:
+                line.append("-")
             else:
                 speedup = _number(row["speedup"], 2, suffix="x")
                 line.append(f"{_number(row['decode_tok_s'], 1)} ({speedup})")

@@ -159,8 +159,7 @@ class RunStore:
         resumable = list(_runs_of(results_dir, digest))
         if resumable:
             return cls._resume(resumable[-1], versions)
-        run_dir = results_dir / f"{utc_stamp()}-{digest}"
-        run_dir.mkdir()
+        run_dir = _new_run_dir(results_dir, f"{utc_stamp()}-{digest}")
         manifest = {
             "state": RUNNING,
             "pid": os.getpid(),
@@ -239,6 +238,16 @@ class RunStore:
         aside = quarantine_run(self.run_dir, reason)
         self.manifest = read_json(self.run_dir / MANIFEST)
         return aside
+
+
+def _new_run_dir(results_dir: Path, name: str) -> Path:
+    """A fresh directory `name` (or `name-2`, ... when runs start within the same second)."""
+    for attempt in range(1, 1000):
+        run_dir = results_dir / (name if attempt == 1 else f"{name}-{attempt}")
+        with contextlib.suppress(FileExistsError):
+            run_dir.mkdir()
+            return run_dir
+    raise DdopsError(str(results_dir), f"cannot make a new run directory {name}")
 
 
 def _runs_of(results_dir: Path, digest: str) -> Iterator[Path]:
