@@ -129,9 +129,12 @@ def create_app(
     async def lifespan(app: FastAPI):
         server.worker.start(lambda: server.start_engine(load), on_fatal)
         yield
-        server.worker.stop()
+        await asyncio.to_thread(server.worker.stop)
 
-    app = FastAPI(title="ddops engine", lifespan=lifespan)
+    # No /docs or /openapi.json: they would be the only unauthenticated pages.
+    app = FastAPI(
+        title="ddops engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.server = server
     app.add_exception_handler(ApiError, server.api_error_response)
     app.include_router(server.open_routes())
@@ -239,7 +242,7 @@ class _Server:
         ):
             raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
 
-    async def health(self, ready: int = 0) -> JSONResponse:
+    async def health(self, ready: bool = False) -> JSONResponse:
         return await self.ready() if ready else JSONResponse({"status": "ok"})
 
     async def ready(self) -> JSONResponse:

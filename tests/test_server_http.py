@@ -23,6 +23,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import loadtest
+from engine.__main__ import main as engine_main
 from engine.decode import GenerationConfig, GenerationResult
 from engine.server import LoadedEngine, ServerConfig, create_app
 
@@ -418,3 +419,16 @@ def test_the_loadtest_fails_on_server_errors(engine, capsys):
         engine.gate.set()
     report = json.loads(capsys.readouterr().out)
     assert report["statuses"]["503"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (["--method", "ddtree"], "--method ddtree needs --draft"),
+        (["--budget", "0"], "--budget and --max-waiting must be at least 1"),
+        (["--max-model-len", "1"], "--max-model-len must be at least 2"),
+    ],
+)
+def test_serve_refuses_bad_flags_before_loading_anything(tmp_path, capsys, argv, problem):
+    assert engine_main(["serve", "--model", str(tmp_path), *argv]) == 2
+    assert problem in capsys.readouterr().err

@@ -49,16 +49,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
 
 
+def _usage_problem(args: argparse.Namespace, method: str) -> str | None:
+    if method != "ar" and not args.draft:
+        return f"--method {method} needs --draft (a DFlash drafter directory)"
+    if args.budget < 1 or args.max_waiting < 1:
+        return "--budget and --max-waiting must be at least 1"
+    if args.max_model_len is not None and args.max_model_len < 2:
+        return "--max-model-len must be at least 2 (a prompt token and a generated one)"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from engine.server import ServerConfig, create_app, load_engine
 
     method = args.method or ("ddtree" if args.draft else "ar")
-    if method != "ar" and not args.draft:
-        print(
-            f"Error: --method {method} needs --draft (a DFlash drafter directory)", file=sys.stderr
-        )
+    if problem := _usage_problem(args, method):
+        print(f"Error: {problem}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     config = ServerConfig(
