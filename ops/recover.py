@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ops.checks import ChainContext, Check, Finding, Policy, chain_for
+from ops.checks import ChainContext, Check, Finding, Policy, chain_for, probe_host
 from ops.errors import DdopsError
 from ops.site import OpenedSite, results_dir
 from ops.steps import CHANGED, FAILED, SKIPPED, STYLE, UNCHANGED, WOULD_CHANGE
@@ -175,17 +175,31 @@ def _with_probe_time(result: CheckResult, seconds: float) -> CheckResult:
     return CheckResult(**{**asdict(result), "seconds": seconds})
 
 
-def health(c: ChainContext) -> ChainReport:
+def health(c: ChainContext, on_result: Callable[[CheckResult], None] | None = None) -> ChainReport:
     """Every probe, read-only."""
-    return run_chain(c, mode="health")
+    return run_chain(c, mode="health", on_result=on_result)
 
 
-def recover(c: ChainContext, *, dry_run: bool = False, mode: str = "recover") -> ChainReport:
-    """Repair the CT in chain order under the host lock (a dry run takes no lock)."""
-    if dry_run:
-        return run_chain(c, mode=mode, dry_run=True)
+def recover(
+    c: ChainContext,
+    *,
+    dry_run: bool = False,
+    mode: str = "recover",
+    on_result: Callable[[CheckResult], None] | None = None,
+) -> ChainReport:
+    """Repair the CT in chain order under the host lock. A dry run changes nothing and an
+    unreachable host cannot be locked: both run without it (the latter fails its first check)."""
+    if dry_run or not _reachable(c):
+        return run_chain(c, mode=mode, dry_run=dry_run, on_result=on_result)
     with host_lock(c.t):
-        return run_chain(c, mode=mode)
+        return run_chain(c, mode=mode, on_result=on_result)
+
+
+def _reachable(c: ChainContext) -> bool:
+    try:
+        return probe_host(c).ok
+    except DdopsError:
+        return False
 
 
 def contexts(opened: OpenedSite, policy: Policy) -> list[ChainContext]:

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import click
 
 from ops.checks import Policy
-from ops.recover import contexts, health, recover, render_reports, reports_json
+from ops.provision import provision
+from ops.recover import CheckResult, contexts, health, recover, render_reports, reports_json
 from ops.site import open_site
 
 VMID = click.IntRange(100, 999_999_999)
@@ -27,8 +28,6 @@ def run_chain_command(
     ctx: click.Context, mode: str, vmids: Sequence[int], policy: Policy, dry_run: bool = False
 ) -> None:
     """Resolve the site, run the chain per CT, print a table (or --json), exit 1 unless all ok."""
-    from ops.provision import provision
-
     app = ctx.obj
     with open_site(
         inventory=app.inventory,
@@ -36,20 +35,26 @@ def run_chain_command(
         vmids=vmids,
         accept_new_host_key=app.accept_new_host_key,
     ) as opened:
+        progress = None if app.json else _progress
         reports = []
         for c in contexts(opened, policy):
             if mode == "health":
-                reports.append(health(c))
+                reports.append(health(c, on_result=progress))
             elif mode == "provision":
-                reports.append(provision(c, dry_run=dry_run))
+                reports.append(provision(c, dry_run=dry_run, on_result=progress))
             else:
-                reports.append(recover(c, dry_run=dry_run))
+                reports.append(recover(c, dry_run=dry_run, on_result=progress))
     if app.json:
         click.echo(json.dumps(reports_json(reports), indent=2))
     else:
         render_reports(reports)
     if not all(r.ok for r in reports) and not (dry_run and _only_planned(reports)):
         ctx.exit(1)
+
+
+def _progress(result: CheckResult) -> None:
+    """One line per check as it finishes (stderr), so a long provision shows where it is."""
+    click.echo(f"{result.status:>12}  {result.title} ({result.seconds:.1f}s)", err=True)
 
 
 def _only_planned(reports) -> bool:

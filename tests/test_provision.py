@@ -1,0 +1,214 @@
+"""`ddops provision` on a sim host (real LXC) with a local hub serving a tiny model pair.
+
+    python -m pytest -q tests/test_provision.py            # dry run + named failures
+    python -m pytest -q --slow tests/test_provision.py     # + from nothing to a healthy engine,
+                                                           #   and no space left in /dev/shm
+
+From nothing: the CT is created, its config grants the current majors, the model in its
+/dev/shm is byte-identical to the hub's, the engine answers; a second run changes no file and
+downloads nothing; a dry run changes nothing. Each named failure stops the run at its check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from ops.checks import Policy
+from ops.provision import provision
+from ops.recover import CheckResult, contexts
+from ops.sim import faults
+from ops.site import open_site
+from tests.helpers.site import DRAFT_REPO, TARGET_REPO, make_tiny_hub_root, sim_site
+
+pytestmark = pytest.mark.lxc
+
+CHAIN_KEYS = [
+    "host",
+    "capacity",
+    "modules",
+    "nodes",
+    "boot",
+    "ct-exists",
+    "ct-config",
+    "ct-running",
+    "cuda",
+    "engine-installed",
+    "model",
+    "service",
+    "engine",
+    "bench",
+]
+
+
+@pytest.fixture(scope="module")
+def hub_root(tmp_path_factory):
+    return make_tiny_hub_root(tmp_path_factory.mktemp("hub"))
+
+
+@pytest.fixture
+def site(tmp_path, hub_root):
+    with sim_site(tmp_path, hub_root) as site:
+        yield site
+
+
+def statuses(document: dict) -> dict[str, str]:
+    (ct,) = document["cts"]
+    return {check["key"]: check["status"] for check in ct["checks"]}
+
+
+def check(document: dict, key: str) -> dict:
+    return next(c for c in document["cts"][0]["checks"] if c["key"] == key)
+
+
+def host_hashes(root: Path) -> dict[str, str]:
+    """sha256 of every file of the sim host; its logs, /run (a tmpfs: the recover lock) and the
+    sim's own bookkeeping (what a real host keeps in its kernel) aside."""
+    return {
+        str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+        and not p.is_symlink()
+        and "log" not in p.name
+        and p.relative_to(root).parts[0] != "run"
+        and "var/lib/ddops-sim" not in str(p)
+    }
+
+
+def edit_inventory(path: Path, edit) -> None:
+    document = yaml.safe_load(path.read_text())
+    edit(document["all"])
+    path.write_text(yaml.safe_dump(document))
+
+
+def test_dry_run_from_nothing_plans_and_changes_nothing(site):
+    before = host_hashes(site.root)
+    code, document = site.ddops("provision", "--ct", "200", "--dry-run")
+    assert code == 0, document
+    assert statuses(document) == {
+        "host": "unchanged",
+        "capacity": "unchanged",
+        "modules": "unchanged",
+        "nodes": "unchanged",
+        "boot": "would change",
+        "ct-exists": "would change",
+        "ct-config": "skipped",
+        "ct-running": "skipped",
+        "cuda": "skipped",
+        "engine-installed": "skipped",
+        "model": "skipped",
+        "service": "skipped",
+        "engine": "skipped",
+        "bench": "unchanged",
+    }
+    boot = check(document, "boot")
+    assert "+Before=pve-guests.service" in boot["diff"]
+    assert f"-i {site.inventory} recover --ct 200" in boot["diff"]
+    assert check(document, "ct-exists")["action"].startswith("would run `pct create 200 ")
+    assert host_hashes(site.root) == before
+    assert site.hub.bytes_served == 0
+
+
+@pytest.mark.slow
+def test_from_nothing_to_healthy_then_a_second_run_changes_nothing(site):
+    code, document = site.ddops("provision", "--ct", "200")
+    assert code == 0, document
+    assert list(statuses(document)) == CHAIN_KEYS
+    assert set(statuses(document).values()) <= {"changed", "unchanged"}
+    assert all(c["seconds"] >= 0 for c in document["cts"][0]["checks"])
+
+    config = site.t.read_text("/etc/pve/lxc/200.conf")
+    for index, node in enumerate(["nvidia0", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"]):
+        assert f"dev{index}: /dev/{node}\n" in config  # PVE 8.2: Proxmox grants the majors at start
+    assert "size=1g" in config
+    assert site.shm_digests("target") == site.hub_digests(TARGET_REPO)
+    assert site.shm_digests("draft") == site.hub_digests(DRAFT_REPO)
+    port = yaml.safe_load(site.inventory.read_text())["all"]["vars"]["ddops_engine"]["port"]
+    answer = httpx.post(
+        f"http://127.0.0.1:{port}/v1/completions",
+        json={"prompt": "w1 w2 w3", "max_tokens": 4},
+        timeout=60,
+    ).json()
+    assert answer["usage"]["completion_tokens"] >= 1 and answer["choices"][0]["text"]
+
+    files, served = site.file_state(), site.hub.bytes_served
+    code, again = site.ddops("provision", "--ct", "200")
+    assert code == 0 and set(statuses(again).values()) == {"unchanged"}
+    assert site.file_state() == files  # no file rewritten: mtimes and hashes
+    assert site.hub.bytes_served == served  # zero bytes downloaded
+
+    before = host_hashes(site.root)
+    code, planned = site.ddops("provision", "--ct", "200", "--dry-run")
+    assert code == 0 and set(statuses(planned).values()) == {"unchanged"}
+    assert host_hashes(site.root) == before
+
+
+def test_unreachable_host_is_named_and_nothing_else_runs(site):
+    edit_inventory(
+        site.inventory,
+        lambda group: group["hosts"]["pve"].update(ddops_target="ssh://root@127.0.0.1:1"),
+    )
+    code, document = site.ddops("provision", "--ct", "200")
+    assert code == 1
+    host = check(document, "host")
+    assert host["status"] == "failed" and "unreachable" in host["evidence"]
+    assert set(list(statuses(document).values())[1:]) == {"skipped"}
+
+
+def test_locked_ct_stops_the_run_naming_the_lock(site):
+    site.t.run(["pct", "create", "200", "local:vztmpl/debian-12.tar.zst"]).check("create")
+    faults.lock_ct(site.root, 200, "backup")
+    code, document = site.ddops("provision", "--ct", "200")
+    assert code == 1
+    running = check(document, "ct-running")
+    assert running["status"] == "failed"
+    assert running["evidence"].startswith("CT 200 is locked (backup): once the backup is over")
+    assert statuses(document)["cuda"] == "skipped"
+
+
+@pytest.mark.parametrize(
+    ("edit", "evidence"),
+    [
+        (
+            lambda group: group["hosts"]["pve"]["ddops_containers"][0].update(memory_mib=1024),
+            "CT 200: memory 1024 MiB cannot hold the staged model (1 MiB in /dev/shm) plus the "
+            "engine (~2048 MiB): raise memory_mib to at least 2049",
+        ),
+        (
+            lambda group: group["vars"]["ddops_model"]["target"].update(repo="ddops/none"),
+            "model ddops/none: repository not found on the hub (or no access: check HF_TOKEN)",
+        ),
+        (
+            lambda group: group["vars"]["ddops_model"]["draft"].update(revision="v9"),
+            f"model {DRAFT_REPO}: revision 'v9' not found on the hub",
+        ),
+    ],
+    ids=["memory-too-small", "repo-not-found", "revision-not-found"],
+)
+def test_what_the_ct_cannot_serve_is_refused_before_anything_changes(site, edit, evidence):
+    edit_inventory(site.inventory, edit)
+    before = host_hashes(site.root)
+    code, document = site.ddops("provision", "--ct", "200")
+    assert code == 1
+    capacity = check(document, "capacity")
+    assert (capacity["status"], capacity["evidence"]) == ("failed", evidence)
+    assert host_hashes(site.root) == before
+
+
+@pytest.mark.slow  # the engine-installed check imports torch in the CT first
+def test_no_space_left_in_dev_shm_is_named(site):
+    def fill_shm_once_cuda_works(result: CheckResult) -> None:
+        if result.key == "cuda":  # the CT runs with its final /dev/shm (1 GiB): fill it
+            site.ct_sh("head -c 2G /dev/zero > /dev/shm/filler || true")
+
+    with open_site(inventory=str(site.inventory), host=None, vmids=[200]) as opened:
+        (c,) = contexts(opened, Policy(provision=True))
+        report = provision(c, on_result=fill_shm_once_cuda_works)
+    model = next(r for r in report.results if r.key == "model")
+    assert model.status == "failed"
+    assert "no space left in /dev/shm/models: the model needs" in model.action
+    assert [r.status for r in report.results[-3:]] == ["skipped"] * 3
