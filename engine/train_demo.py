@@ -53,16 +53,16 @@ class Recipe:
     full_attention_interval: int = 2  # GDN, attention, GDN, attention
     intermediate_size: int = 512
     seq_len: int = 256
-    target_steps: int = 250
-    target_batch: int = 8
+    target_steps: int = 300
+    target_batch: int = 4
     target_lr: float = 4e-3
     drafter_layers: int = 1
     block_size: int = 16
     num_target_features: int = 3
     prompt_len: int = 64
     continuation_len: int = 160
-    num_continuations: int = 256
-    drafter_steps: int = 600
+    num_continuations: int = 192
+    drafter_steps: int = 500
     drafter_batch: int = 8  # sequences per step
     blocks_per_sequence: int = 8
     drafter_lr: float = 2e-3
@@ -71,18 +71,18 @@ class Recipe:
 
 
 MINI = Recipe(  # a smoke version for tests: seconds, not minutes
-    max_files=12,
+    max_files=8,
     vocab_size=512,
     hidden_size=64,
     intermediate_size=128,
     seq_len=64,
-    target_steps=30,
+    target_steps=20,
     target_batch=4,
     block_size=4,
     prompt_len=16,
     continuation_len=24,
     num_continuations=8,
-    drafter_steps=20,
+    drafter_steps=15,
     drafter_batch=4,
     blocks_per_sequence=4,
     loss_decay=2.0,
@@ -207,8 +207,8 @@ def optimise(
     peak_lr: float,
     name: str,
     log: Log,
-) -> None:
-    """AdamW with linear warm-up and a cosine decay; logs loss and elapsed time."""
+) -> float:
+    """AdamW with linear warm-up and a cosine decay; logs and returns the smoothed loss."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimiser = torch.optim.AdamW(params, lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, steps // 20)
@@ -226,10 +226,11 @@ def optimise(
             log(
                 f"{name} step {step + 1}/{steps} loss {running:.3f} {time.monotonic() - start:.0f}s"
             )
+    return running
 
 
 def train_target(recipe: Recipe, tokenizer, train_ids: torch.Tensor, log: Log):
-    """A Qwen3_5ForCausalLM trained on random windows of the training stream."""
+    """(Qwen3_5ForCausalLM trained on random windows of the training stream, final loss)."""
     from transformers import Qwen3_5ForCausalLM
 
     torch.manual_seed(recipe.seed)
@@ -243,8 +244,8 @@ def train_target(recipe: Recipe, tokenizer, train_ids: torch.Tensor, log: Log):
         return model(input_ids=batch, labels=batch).loss
 
     model.train()
-    optimise(model, batches, loss_fn, recipe.target_steps, recipe.target_lr, "target", log)
-    return model.eval()
+    loss = optimise(model, batches, loss_fn, recipe.target_steps, recipe.target_lr, "target", log)
+    return model.eval(), loss
 
 
 @torch.no_grad()
@@ -355,11 +356,11 @@ def build_corpus(recipe: Recipe, log: Log, tokenizer=None) -> Corpus:
 
 
 def make_target(recipe: Recipe, corpus: Corpus, out_dir: Path, log: Log):
-    """Train the target, round it to fp16 and save it with the tokenizer into out_dir."""
-    model = round_to_fp16(train_target(recipe, corpus.tokenizer, corpus.train_ids, log))
-    save_hf(model, out_dir)
+    """(target trained, rounded to fp16 and saved with the tokenizer into out_dir, final loss)."""
+    model, loss = train_target(recipe, corpus.tokenizer, corpus.train_ids, log)
+    save_hf(round_to_fp16(model), out_dir)
     save_tokenizer(corpus.tokenizer, out_dir, max_length=4096)
-    return model
+    return model, loss
 
 
 def load_target_for_training(target_dir: Path):
@@ -475,7 +476,7 @@ def drafter_loss_and_prefix(
 
 
 def train_drafter(recipe: Recipe, target, config: dict, data: DraftData, log: Log):
-    """A DFlash drafter trained on the target's greedy continuations (target frozen)."""
+    """(DFlash drafter trained on the target's greedy continuations, final loss); target frozen."""
     from engine.models.dflash import DFlashConfig, DFlashDrafter
 
     torch.manual_seed(recipe.seed + 1)
@@ -493,8 +494,10 @@ def train_drafter(recipe: Recipe, target, config: dict, data: DraftData, log: Lo
     def loss_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return drafter_loss_and_prefix(drafter, head, data, *batch, weights)[0]
 
-    optimise(drafter, batches, loss_fn, recipe.drafter_steps, recipe.drafter_lr, "drafter", log)
-    return drafter.eval()
+    loss = optimise(
+        drafter, batches, loss_fn, recipe.drafter_steps, recipe.drafter_lr, "drafter", log
+    )
+    return drafter.eval(), loss
 
 
 @torch.no_grad()
@@ -539,12 +542,13 @@ def train_demo(
     """
     start = time.monotonic()
     target_dir, draft_dir = out_dir / "target", out_dir / "draft"
+    target_loss = None  # not known for a reused target
     if reuse_target:
         target, tokenizer = load_target_for_training(target_dir)
         corpus = build_corpus(recipe, log, tokenizer)
     else:
         corpus = build_corpus(recipe, log)
-        target = make_target(recipe, corpus, target_dir, log)
+        target, target_loss = make_target(recipe, corpus, target_dir, log)
     held_out = corpus.held_out_ids[: recipe.eval_tokens]
     accuracy = next_token_accuracy(target, held_out, recipe.seq_len)
     log(f"target held-out next-token accuracy {accuracy:.3f}")
@@ -560,9 +564,11 @@ def train_demo(
     log(
         f"drafter data: {tuple(train_data.sequences.shape)} greedy sequences, {time.monotonic() - start:.0f}s"
     )
-    drafter = train_drafter(recipe, target, config, train_data, log)
+    drafter, drafter_loss = train_drafter(recipe, target, config, train_data, log)
     save_drafter(drafter, config, draft_dir)
     report = {
+        "target_final_loss": target_loss and round(target_loss, 4),
+        "drafter_final_loss": round(drafter_loss, 4),
         "held_out_next_token_accuracy": round(accuracy, 4),
         "held_out_estimated_linear_tau": round(
             estimated_linear_tau(drafter, target, eval_data, recipe), 3

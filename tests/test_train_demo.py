@@ -1,0 +1,146 @@
+"""The demo-model training pipeline: corpus split, prompts, DFlash batches, a mini run end to end.
+
+    python -m pytest -q tests/test_train_demo.py
+
+The mini run (engine.train_demo.MINI: tiny sizes and steps) trains once per module; its
+directories must load in transformers and in our engine, and decode there like in transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine import train_demo as td
+from engine.__main__ import main
+from tests.helpers.tiny_hybrid import torch_threads
+
+DEMO_MODEL = Path(td.__file__).parent / "demo_model"
+
+
+@pytest.fixture(scope="module")
+def mini(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, list[str]]:
+    out = tmp_path_factory.mktemp("demo")
+    logs: list[str] = []
+    with torch_threads(1):
+        report = td.train_demo(out, td.MINI, log=logs.append)
+    return out, report, logs
+
+
+def test_held_out_split_is_disjoint_deterministic_and_every_tenth_file():
+    train, held_out = td.stdlib_files()
+    assert td.stdlib_files() == (train, held_out)
+    assert not set(train) & set(held_out)
+    everything = sorted(train + held_out)
+    assert held_out == everything[:: td.HELD_OUT_EVERY]
+    assert all(f.suffix == ".py" for f in everything)
+
+
+def test_held_out_prompts_end_with_a_def_line_of_a_held_out_file():
+    prompts = td.held_out_prompts(4)
+    held_out_texts = td.read_texts(td.stdlib_files()[1])
+    assert len(prompts) == 4
+    for prompt in prompts:
+        assert prompt.splitlines()[-1].lstrip().startswith("def ")
+        assert prompt.endswith(":\n")
+        assert any(prompt in text for text in held_out_texts)
+
+
+def test_layer_ids_spread_from_first_to_last():
+    assert td.spread_layer_ids(4, 3) == [0, 2, 3]
+    assert td.spread_layer_ids(6, 4) == [0, 2, 3, 5]
+    assert td.spread_layer_ids(4, 1) == [3]
+
+
+def test_blocks_are_bonus_then_masks_and_labels_are_the_next_tokens():
+    sequences = torch.arange(100, 120).view(2, 10)
+    data = td.DraftData(sequences, torch.zeros(2, 10, 4, dtype=torch.half), first_anchor=3)
+    blocks, labels = td.block_inputs(data, torch.tensor([1]), torch.tensor([[3, 6]]), 4, mask_id=7)
+    assert blocks.tolist() == [[[113, 7, 7, 7], [116, 7, 7, 7]]]
+    assert labels.tolist() == [[[114, 115, 116], [117, 118, 119]]]
+    rows, starts = td.sample_blocks(data, 50, 3, 4, torch.Generator().manual_seed(0))
+    assert rows.shape == (50,) and starts.shape == (50, 3)
+    assert starts.min() >= 3 and starts.max() <= 10 - 4
+
+
+def test_position_weights_decay_and_sum_to_one():
+    weights = td.position_weights(16, decay=7.0)
+    assert weights.shape == (15,)
+    assert weights.sum().item() == pytest.approx(1.0)
+    assert weights[0] / weights[7] == pytest.approx(math.e)
+
+
+def test_accepted_prefix_stops_at_the_first_miss():
+    labels = torch.tensor([[1, 2, 3], [1, 2, 3], [0, 2, 3]])
+    logits = torch.nn.functional.one_hot(torch.tensor([1, 2, 0]).expand(3, 3), 4).float()
+    assert td.accepted_prefix(logits, labels).tolist() == [2, 2, 0]
+
+
+def test_mini_run_trains_both_models_and_reports(mini):
+    out, report, logs = mini
+    vocab = td.MINI.vocab_size
+    assert report["target_final_loss"] < math.log(vocab) - 0.3  # better than uniform
+    assert report["drafter_final_loss"] < math.log(vocab)
+    assert 0.0 < report["held_out_next_token_accuracy"] < 1.0
+    assert 1.0 <= report["held_out_estimated_linear_tau"] <= td.MINI.block_size
+    assert json.loads((out / "training.json").read_text()) == report
+    assert any(line.startswith("drafter step") for line in logs)
+
+
+def test_mini_dirs_load_in_transformers_and_in_our_engine_alike(mini):
+    from transformers import Qwen3_5ForCausalLM
+
+    from engine.models import load_drafter, load_target
+
+    out, _, _ = mini
+    ids = torch.tensor([5, 17, 3, 9, 44, 2])
+    hf = Qwen3_5ForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval()
+    ours = load_target(out / "target")
+    with torch.no_grad():
+        expected = hf(input_ids=ids[None]).logits[0]  # [T, V]
+        logits, _ = ours.forward(ids, ours.new_cache(16))
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    drafter = load_drafter(out / "draft")
+    assert drafter.block_size == td.MINI.block_size
+    assert list(drafter.target_layer_ids) == td.spread_layer_ids(td.MINI.num_layers, 3)
+
+
+def test_mini_dirs_are_fp16_with_a_tokenizer_whose_mask_token_the_drafter_uses(mini):
+    from engine.tokenizer import load_tokenizer
+
+    out, _, _ = mini
+    for part in ("target", "draft"):
+        weights = load_file(out / part / "model.safetensors")
+        assert {tensor.dtype for tensor in weights.values()} == {torch.float16}
+    tokenizer = load_tokenizer(out / "target")
+    code = "def f(x):\n    return x + 1\n"
+    assert tokenizer.decode(tokenizer.encode(code)) == code
+    assert tokenizer.encode(td.EOS_TOKEN) == list(tokenizer.eos_token_ids)
+    chat = tokenizer.decode(
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]), False
+    )
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    draft_config = json.loads((out / "draft" / "config.json").read_text())
+    mask_id = draft_config["dflash_config"]["mask_token_id"]
+    assert tokenizer.decode([mask_id], False) == td.MASK_TOKEN
+
+
+def test_reuse_target_needs_a_trained_target(tmp_path, capsys):
+    assert main(["train-demo", "--out", str(tmp_path), "--reuse-target", "--mini"]) == 2
+    assert "holds no trained target" in capsys.readouterr().err
+
+
+def test_shipped_demo_pair_is_small_and_complete():
+    files = [p for p in DEMO_MODEL.rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in files) <= 20 * 2**20
+    for part in ("target", "draft"):
+        assert (DEMO_MODEL / part / "config.json").exists()
+        assert (DEMO_MODEL / part / "model.safetensors").exists()
+    assert (DEMO_MODEL / "target" / "tokenizer.json").exists()
+    report = json.loads((DEMO_MODEL / "training.json").read_text())
+    assert report["recipe"] == json.loads(json.dumps(td.asdict(td.Recipe())))
