@@ -12,7 +12,8 @@ the last accepted node. Two strategies, selectable per model:
   beta); commit re-runs the recurrence along the accepted path only. Extra memory per node
   is O(conv_dim), a few tens of KiB per layer at 27B shapes.
 - "snapshot": the pass keeps every node's recurrent state; commit picks one. Extra memory per
-  node is Hv*Dk*Dv floats per layer (3 MiB per layer at 27B shapes).
+  node is Hv*Dk*Dv floats per layer (3 MiB per layer at 27B shapes), so a long prefill under
+  this strategy holds T such states: use it for small models or short chains only.
 
 `pending_bytes` gives the extra memory per round of either strategy for any config; for
 Qwen3.6-27B (48 GDN layers, bf16, 16-token verify; `python -m engine.models.gated_deltanet`):
@@ -40,6 +41,7 @@ from engine.models.common import compute_dtype
 
 StateStrategy = Literal["replay", "snapshot"]
 STATE_STRATEGIES: tuple[str, ...] = ("replay", "snapshot")
+REPLAY_PIECE = 64  # tokens re-run per kernel call when replaying an accepted path
 
 
 @dataclass
@@ -173,16 +175,19 @@ class GatedDeltaNet(nn.Module):
         if pending.node_states is not None:
             state.recurrent = pending.node_states[accepted[-1]].clone()  # frees the rest
             return
-        chain = torch.arange(-1, accepted.shape[0] - 1, device=accepted.device)
-        _, path_states = self._delta_rule(
-            pending.conv_outputs[accepted],
-            pending.g[accepted],
-            pending.beta[accepted],
-            chain,
-            state.recurrent,
-            return_states=True,
-        )
-        state.recurrent = path_states[-1].clone()
+        for piece in accepted.split(REPLAY_PIECE):
+            # The kernel hands back every node's state: re-running a long path (a prefill) in
+            # pieces keeps that to REPLAY_PIECE states at a time.
+            chain = torch.arange(-1, piece.shape[0] - 1, device=piece.device)
+            _, piece_states = self._delta_rule(
+                pending.conv_outputs[piece],
+                pending.g[piece],
+                pending.beta[piece],
+                chain,
+                state.recurrent,
+                return_states=True,
+            )
+            state.recurrent = piece_states[-1].clone()
 
     def _delta_rule(
         self,
