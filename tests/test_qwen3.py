@@ -145,6 +145,12 @@ def test_load_target_rejects_an_unknown_model_type(tmp_path):
         load_target(tmp_path)
 
 
+def test_unsupported_qwen3_variants_are_refused(tmp_path):
+    model_dir = save_tiny_qwen3(tmp_path, seed=6, tokenizer=False, attention_bias=True)
+    with pytest.raises(ValueError, match="attention_bias"):
+        load_target(model_dir)
+
+
 def test_tied_model_shares_embedding_and_lm_head(tmp_path):
     model = load_target(
         save_tiny_qwen3(tmp_path, seed=5, tie_word_embeddings=True, tokenizer=False)

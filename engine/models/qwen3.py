@@ -51,6 +51,9 @@ class Qwen3Config:
 
     @classmethod
     def from_dict(cls, raw: dict) -> Qwen3Config:
+        for unsupported in ("attention_bias", "use_sliding_window"):
+            if raw.get(unsupported):
+                raise ValueError(f"Qwen3 with {unsupported}=true is not supported")
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in raw.items() if k in known}
         values.setdefault("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
