@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import importlib.metadata
 import json
 import os
 import signal
@@ -35,7 +37,7 @@ from ops.render import EngineUnit, render
 from ops.sim.host import destroy_host, init_host
 from ops.sim.hub import LocalHub
 from ops.staging import stage_model
-from ops.transport import LocalTransport
+from ops.transport import LocalTransport, Result, Transport
 from tests.helpers.engine_server import free_port
 from tests.helpers.tiny_qwen3 import save_tiny_qwen3
 
@@ -388,3 +390,175 @@ def test_a_new_supervisor_first_stops_the_engine_a_killed_one_left(supervisor, t
     assert supervisor.start(unit) != old
     assert not alive(orphan)
     assert supervisor.wait_for(lambda s: s.engine_pid is not None).engine_pid != orphan
+
+
+# -- a CT that runs systemd, on a real (non-sim) host: a fake `pct` -------------------------------
+class SystemdCtHost(Transport):
+    """A Proxmox host (no sysroot: not a simulation) whose CT 200 runs systemd, faked at the
+    `pct exec` / `pct push` level: CT files in a dict, systemctl calls recorded."""
+
+    def __init__(self, engine_installed: bool = True) -> None:
+        super().__init__("fake-pve")
+        self.host_files: dict[str, bytes] = {}
+        self.ct_files: dict[str, bytes] = {}
+        self.systemctl: list[list[str]] = []
+        self.ct_commands: list[list[str]] = []
+        self.engine_installed = engine_installed
+        self.unit_state = ("inactive", "dead", 0)  # ActiveState, SubState, NRestarts
+
+    def run(self, argv, *, timeout=60.0, input=None, env=None) -> Result:
+        argv = tuple(argv)
+        if argv[:2] == ("pct", "push"):
+            self.ct_files[argv[4]] = self.host_files[argv[3]]
+            return Result(argv, 0, "", "")
+        assert argv[:2] == ("pct", "exec") and argv[3] == "--", argv
+        rc, out = self.exec_in_ct(list(argv[4:]), input)
+        if rc == 0:
+            return Result(argv, rc, out, "")
+        return Result(argv, rc, "", out or f"{argv[4]}: failed")  # a failure's words: stderr
+
+    def exec_in_ct(self, cmd: list[str], stdin: str | None) -> tuple[int, str]:
+        self.ct_commands.append(cmd)
+        match cmd:
+            case ["test", "-d", "/run/systemd/system"] | ["mkdir", "-p", _]:
+                return 0, ""
+            case ["cat", path]:
+                return (0, self.ct_files[path].decode()) if path in self.ct_files else (1, "")
+            case ["sha256sum", path] if path in self.ct_files:
+                return 0, f"{hashlib.sha256(self.ct_files[path]).hexdigest()}  {path}\n"
+            case ["rm", "-f", path]:
+                self.ct_files.pop(path, None)
+                return 0, ""
+            case ["sh", "-c", deploy._WRITE_PRIVATE, "sh", path]:
+                self.ct_files[path] = stdin.encode()
+                return 0, ""
+            case ["systemctl", "show", *_]:
+                active, sub, restarts = self.unit_state
+                return (
+                    0,
+                    f"ActiveState={active}\nSubState={sub}\nNRestarts={restarts}\nExecMainStatus=1\n",
+                )
+            case ["systemctl", *action]:
+                self.systemctl.append(action)
+                self.unit_state = ("active", "running", 0)
+                return 0, ""
+            case [_, "-c", deploy.IMPORT_CHECK]:
+                if self.engine_installed:
+                    return 0, importlib.metadata.version("ddops") + "\n"
+                return 1, "ModuleNotFoundError: No module named 'engine'\n"
+            case ["sh", "-c", deploy._PATH_KIND, "sh", _]:
+                return 0, "absent\n"
+            case ["python3", "-m", "venv", _]:
+                return 0, ""
+            case [_, "-m", "pip", "install", "--upgrade", _]:
+                self.engine_installed = True
+                return 0, ""
+        return 1, ""
+
+    def _read(self, real_path: str) -> bytes:
+        return self.host_files[real_path]
+
+    def _write_atomic(self, real_path: str, data: bytes, mode: int) -> None:
+        self.host_files[real_path] = data
+
+    def _stat_mode(self, real_path: str) -> int | None:
+        return 0o644 if real_path in self.host_files else None
+
+
+REAL_ENGINE = EngineSpec(
+    method="ddtree", budget=15, port=8000
+)  # python: /opt/ddops/venv/bin/python
+TARGET, DRAFT = "/dev/shm/models/qwen3.6-27b", "/dev/shm/models/qwen3.6-27b-dflash"
+
+
+def test_systemd_ct_gets_the_unit_enabled_and_started_then_nothing_changes():
+    t = SystemdCtHost()
+    outcome = deploy.ensure_service(t, CT, REAL_ENGINE, TARGET, DRAFT, dry_run=False)
+    assert outcome.detail == "did write the unit, start the service (systemd)"
+    unit = t.ct_files[EngineUnit.INSTALL_PATH].decode()
+    assert f"+{unit.splitlines()[0]}" in outcome.diff
+    assert "--method ddtree --budget 15 --dtype bfloat16 --device cuda" in unit  # "auto", real host
+    assert "EnvironmentFile" not in unit
+    assert t.systemctl == [["daemon-reload"], ["enable", "--now", "ddops-engine.service"]]
+    assert deploy.service_problem(t, CT) is None
+    pushed = len(t.host_files)
+    again = deploy.ensure_service(t, CT, REAL_ENGINE, TARGET, DRAFT, dry_run=False)
+    assert again == deploy.Outcome(False, "running (systemd)")
+    assert len(t.systemctl) == 2 and len(t.host_files) == pushed
+
+
+def test_systemd_ct_changed_unit_dry_run_then_daemon_reload_and_restart():
+    t = SystemdCtHost()
+    deploy.ensure_service(t, CT, REAL_ENGINE, TARGET, DRAFT, dry_run=False)
+    unit, changed = t.ct_files[EngineUnit.INSTALL_PATH], dataclasses.replace(REAL_ENGINE, budget=22)
+    dry = deploy.ensure_service(t, CT, changed, TARGET, DRAFT, dry_run=True)
+    assert dry.detail == "would write the unit, restart the service (systemd)"
+    assert "--budget 22" in dry.diff
+    assert t.ct_files[EngineUnit.INSTALL_PATH] == unit and len(t.systemctl) == 2
+    deploy.ensure_service(t, CT, changed, TARGET, DRAFT, dry_run=False)
+    assert t.systemctl[2:] == [["daemon-reload"], ["restart", "ddops-engine.service"]]
+    assert b"--budget 22" in t.ct_files[EngineUnit.INSTALL_PATH]
+
+
+def test_systemd_ct_api_key_travels_on_stdin_and_is_compared_by_hash(monkeypatch):
+    t = SystemdCtHost()
+    monkeypatch.setenv(deploy.API_KEY_ENV, "sk-live-0b7a")
+    outcome = deploy.ensure_service(t, CT, REAL_ENGINE, TARGET, DRAFT, dry_run=False)
+    assert "write the API key to /etc/ddops/engine.env" in outcome.detail
+    assert t.ct_files[deploy.ENV_FILE] == b"DDOPS_API_KEY=sk-live-0b7a\n"
+    assert not any("sk-live-0b7a" in word for cmd in t.ct_commands for word in cmd)
+    assert "sk-live-0b7a" not in outcome.diff + outcome.detail
+    assert not deploy.ensure_service(t, CT, REAL_ENGINE, TARGET, DRAFT, dry_run=False).changed
+    monkeypatch.delenv(deploy.API_KEY_ENV)
+    dropped = deploy.ensure_service(t, CT, REAL_ENGINE, TARGET, DRAFT, dry_run=False)
+    assert dropped.detail == (
+        "did write the unit, remove /etc/ddops/engine.env, restart the service (systemd)"
+    )
+    assert ["rm", "-f", deploy.ENV_FILE] in t.ct_commands
+
+
+@pytest.mark.parametrize(
+    "state, problem",
+    [
+        (("active", "running", 0), None),
+        (
+            ("activating", "auto-restart", 2),
+            "is restarting the engine (systemd: activating (auto-restart), last exit status 1)",
+        ),
+        (("failed", "failed", 5), "is not running (systemd: failed (failed), last exit status 1)"),
+    ],
+)
+def test_systemd_states_as_service_problems(state, problem):
+    t = SystemdCtHost()
+    t.unit_state = state
+    expected = problem and f"engine service in CT {CT} {problem}"
+    assert deploy.service_problem(t, CT) == expected
+
+
+@pytest.mark.slow
+def test_a_real_host_gets_a_venv_and_this_ddops_wheel_with_the_engine_extra():
+    t = SystemdCtHost(engine_installed=False)
+    outcome = deploy.install_engine(t, CT, REAL_ENGINE)
+    assert outcome == deploy.Outcome(
+        True, f"installed ddops[engine] {deploy.ddops_version()} into /opt/ddops/venv"
+    )
+    wheel = f"/tmp/ddops-{deploy.ddops_version()}-py3-none-any.whl"
+    assert t.ct_files[wheel][:2] == b"PK"  # a zip: the wheel built from this tree
+    assert ["python3", "-m", "venv", "/opt/ddops/venv"] in t.ct_commands
+    pip = [REAL_ENGINE.python, "-m", "pip", "install", "--upgrade", f"{wheel}[engine]"]
+    assert pip in t.ct_commands
+    assert not deploy.install_engine(t, CT, REAL_ENGINE).changed
+
+
+def test_engine_problem_names_a_missing_engine_and_a_version_mismatch(monkeypatch):
+    t = SystemdCtHost(engine_installed=False)
+    python = REAL_ENGINE.python
+    assert deploy.engine_problem(t, CT, REAL_ENGINE) == (
+        f"engine python {python} in CT {CT}: ModuleNotFoundError: No module named 'engine'"
+    )
+    t.engine_installed = True
+    monkeypatch.setattr(deploy, "ddops_version", lambda: "9.9.9")
+    assert deploy.engine_problem(t, CT, REAL_ENGINE) == (
+        f"engine python {python} in CT {CT}: has ddops {importlib.metadata.version('ddops')}, "
+        "this is ddops 9.9.9"
+    )
