@@ -2,8 +2,9 @@
 
 - `RMSNorm`, `SwiGLU`, `Rotary` (RoPE with an optional partial rotary factor);
 - `KVCache`: a preallocated per-layer K/V store with pending tokens and `commit`;
-- HF-directory loading: `read_config`, `load_state_dict` (single file or sharded index), and
-  `load_weights` (strict copy into a module, with a key prefix stripped);
+- HF-directory loading: `read_config`, `load_state_dict` (single file or sharded index),
+  `materialize` (meta-built module -> empty storage) and `load_weights` (strict copy into a
+  module, with a key prefix stripped);
 - dtype/device helpers for the command line (`resolve_dtype`, `default_device`).
 
 Every layer works on tensors with any number of leading dimensions ([..., T, H]) so the drafter
@@ -139,6 +140,15 @@ class KVCache:
         self.k[:, start:end] = self.k[:, source]  # advanced indexing gathers a copy first
         self.v[:, start:end] = self.v[:, source]
         self.length = end
+
+
+def materialize(module: nn.Module, dtype: torch.dtype, device) -> nn.Module:
+    """A module built on the meta device, given uninitialised storage of `dtype` on `device`.
+
+    Casting while still on meta costs nothing, so no float32 copy of the weights ever exists.
+    Materialising unties shared parameters: re-tie them afterwards.
+    """
+    return module.to(dtype).to_empty(device=device)
 
 
 def read_config(model_dir: str | Path) -> dict:

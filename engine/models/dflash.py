@@ -37,6 +37,7 @@ from engine.models.common import (
     compute_dtype,
     load_state_dict,
     load_weights,
+    materialize,
     read_config,
     rope_theta,
 )
@@ -311,6 +312,6 @@ def load_dflash(
     cfg = DFlashConfig.from_dict(read_config(model_dir))
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg)
-    drafter = drafter.to_empty(device=device).to(dtype)
+    drafter = materialize(drafter, dtype, device)
     load_weights(drafter, load_state_dict(model_dir, device))
     return drafter.eval()

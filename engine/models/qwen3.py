@@ -29,6 +29,7 @@ from engine.models.common import (
     SwiGLU,
     load_state_dict,
     load_weights,
+    materialize,
     read_config,
     rope_theta,
 )
@@ -176,7 +177,7 @@ def load_qwen3(
     cfg = Qwen3Config.from_dict(read_config(model_dir))
     with torch.device("meta"):
         model = Qwen3Model(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialize(model, dtype, device)
     model.tie_weights()  # materialising meta parameters unties them
     tensors = {
         name.removeprefix("model."): t for name, t in load_state_dict(model_dir, device).items()
