@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ops import deploy, host_setup
+from ops.bench.store import find_stale_runs, quarantine_run
 from ops.errors import DdopsError
 from ops.gpu import driver_version, gpu_facts, loaded_modules, parse_char_majors
 from ops.inventory import ContainerSpec, EngineSpec, ModelRef, ModelSpec
@@ -399,8 +400,6 @@ def restart_engine(c: ChainContext, dry_run: bool) -> Outcome:
 
 # -- 10. no stale bench runs -----------------------------------------------------------------
 def probe_bench(c: ChainContext) -> Finding:
-    from ops.benchstate import find_stale_runs
-
     if c.results_dir is None:
         return _ok("no results directory")
     stale = find_stale_runs(c.results_dir)
@@ -411,8 +410,6 @@ def probe_bench(c: ChainContext) -> Finding:
 
 
 def quarantine_runs(c: ChainContext, dry_run: bool) -> Outcome:
-    from ops.benchstate import find_stale_runs, quarantine_run
-
     stale = find_stale_runs(c.results_dir)
     if dry_run:
         return Outcome(True, f"would mark {len(stale)} run(s) crashed and move their partial files")

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ops import benchstate, checks, recover
+from ops import checks, recover
+from ops.bench.store import find_stale_runs
 from ops.checks import ChainContext, Check, Finding, Policy
 from ops.inventory import ContainerSpec, EngineSpec, ModelRef, ModelSpec
 from ops.sim import faults
@@ -182,7 +183,7 @@ def test_stale_bench_run_is_marked_crashed_and_its_partial_files_moved_aside(tmp
     assert (run / "cell-ar-256.json").exists()  # a finished cell stays for a resume
     assert (aside / "cell-ddtree-256.json.tmp").read_text() == '{"tok_'  # never deleted
     assert checks.probe_bench(c).ok
-    assert benchstate.find_stale_runs(tmp_path) == []
+    assert find_stale_runs(tmp_path) == []
 
 
 # -- the runner, on a scripted chain -----------------------------------------------------------
