@@ -35,7 +35,7 @@ from ops.bench.prompts import (
     long_prompt,
 )
 from ops.bench.report import csv_text, load_rows, render_report
-from ops.bench.runner import percentile, summarize
+from ops.bench.runner import NullProgress, percentile, run_bench, summarize
 from ops.bench.store import (
     COMPLETE,
     CRASHED,
@@ -384,3 +384,89 @@ def test_ddops_bench_needs_one_engine_and_valid_options():
     assert bad.exit_code == 2 and "expected ar, linear, ddtree" in bad.output
     gone = CliRunner().invoke(cli, ["bench", "--url", "http://127.0.0.1:9", "--lengths", "16"])
     assert gone.exit_code == 1 and "not ready" in gone.output
+
+
+# -- run_bench over a scripted engine ------------------------------------------------------------
+class ScriptedEngine:
+    """An httpx transport answering like the engine: /v1/models, /tokenize (word_count) and
+    streamed completions of `max_tokens` one-character tokens; request number `fail_at` is a 500."""
+
+    def __init__(self, max_model_len: int = 256, fail_at: int | None = None) -> None:
+        self.max_model_len = max_model_len
+        self.fail_at = fail_at
+        self.completions: list[dict] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(
+                200, json={"data": [{"id": "m", "max_model_len": self.max_model_len}]}
+            )
+        body = json.loads(request.content)
+        if request.url.path == "/tokenize":
+            return httpx.Response(200, json={"count": word_count(body["prompt"])})
+        self.completions.append(body)
+        if len(self.completions) == self.fail_at:
+            return httpx.Response(500, json={"error": {"message": "engine fell over"}})
+        tokens = body["max_tokens"]
+        spec = {"rounds": tokens // 2, "mean_acceptance_length": 2.0}
+        return httpx.Response(
+            200,
+            content=sse(
+                *({"choices": [{"text": "x", "finish_reason": None}]} for _ in range(tokens)),
+                {"choices": [{"text": "", "finish_reason": "length"}], "speculative": spec},
+                {
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": word_count(body["prompt"]),
+                        "completion_tokens": tokens,
+                    },
+                },
+            ),
+        )
+
+
+def scripted_client(engine: ScriptedEngine) -> EngineClient:
+    http = httpx.Client(base_url="http://engine", transport=httpx.MockTransport(engine))
+    return EngineClient("http://engine", http=http)
+
+
+def test_run_bench_measures_each_cell_after_warm_up_and_skips_what_cannot_fit(tmp_path):
+    engine = ScriptedEngine(max_model_len=256)
+    config = BenchConfig(parse_methods("ar,ddtree:4"), lengths=(16, 256), repeats=2, warmup=1)
+    store = RunStore.open(tmp_path, {"bench": config.to_json()}, {})
+    result = run_bench(config, scripted_client(engine), store, NullProgress())
+    by_key = {c["cell"]["key"]: c for c in result.cells}
+    assert set(by_key) == {
+        "decode-16-ar",
+        "decode-16-ddtree-4",
+        "decode-256-ar",
+        "decode-256-ddtree-4",
+    }
+    measured = by_key["decode-16-ddtree-4"]
+    assert measured["metrics"]["requests"] == 2 and measured["metrics"]["tau"] == 2.0
+    assert [s["repeat"] for s in measured["samples"]] == [0, 1]
+    assert "> max-model-len 256" in by_key["decode-256-ar"]["skipped"]
+    # Per measured cell: one 8-token warm-up, then the repeats; skipped cells warm up only.
+    sent = [(b["speculative"], b["max_tokens"]) for b in engine.completions]
+    assert sent[:3] == [({"method": "ar"}, 8), ({"method": "ar"}, 16), ({"method": "ar"}, 16)]
+    assert read_json(result.run_dir / MANIFEST)["state"] == COMPLETE
+
+
+def test_a_run_that_fails_midway_is_marked_crashed_and_the_rerun_resumes(tmp_path):
+    config = BenchConfig(parse_methods("ar,linear"), lengths=(16,), repeats=2, warmup=0)
+    run_config = {"bench": config.to_json()}
+    store = RunStore.open(tmp_path, run_config, {})
+    with pytest.raises(DdopsError, match="500: engine fell over"):
+        run_bench(config, scripted_client(ScriptedEngine(fail_at=4)), store, NullProgress())
+    manifest = read_json(store.run_dir / MANIFEST)
+    assert manifest["state"] == CRASHED and "engine fell over" in manifest["crashes"][0]["reason"]
+    assert store.has_cell("decode-16-ar") and not store.has_cell("decode-16-linear")
+    aside = store.run_dir / manifest["crashes"][0]["moved_to"]
+    assert (aside / "cell-decode-16-linear.partial.jsonl").read_text().count("\n") == 1
+
+    engine = ScriptedEngine()
+    resumed = RunStore.open(tmp_path, run_config, {})
+    result = run_bench(config, scripted_client(engine), resumed, NullProgress())
+    assert result.resumed and result.run_dir == store.run_dir
+    assert [b["speculative"]["method"] for b in engine.completions] == ["linear", "linear"]
+    assert len(result.cells) == 2

@@ -83,10 +83,9 @@ def _number(value: float | None, digits: int, scale: float = 1.0, suffix: str = 
 
 
 def _columns(rows: list[dict]) -> list[tuple[str, int]]:
-    return sorted(
-        {(r["scenario"], r["length"]) for r in rows},
-        key=lambda c: _column_order({"scenario": c[0], "length": c[1]}),
-    )
+    """The (scenario, length) pairs present, scenarios in SCENARIOS order, lengths ascending."""
+    pairs = {(r["scenario"], r["length"]) for r in rows}
+    return sorted(pairs, key=lambda pair: (SCENARIOS.index(pair[0]), pair[1]))
 
 
 def _methods(rows: list[dict]) -> list[str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -99,9 +100,7 @@ def run_bench(
             if store.has_cell(cell.key):
                 continue
             progress.cell_started(cell)
-            data = measure_cell(
-                config, client, cell, lambda s, c=cell: store.record_sample(c.key, s)
-            )
+            data = measure_cell(config, client, cell, partial(store.record_sample, cell.key))
             store.write_cell(cell.key, data)
             progress.cell_finished(cell, data)
     except BaseException as exc:
@@ -156,28 +155,46 @@ def _take(samples: list, record: Record, sample: Sample, **where) -> None:
     record({**where, **sample.to_json()})
 
 
-def _measure_decode(config: BenchConfig, client: EngineClient, cell: Cell, record: Record):
+def _too_long(prompt_tokens: int, max_tokens: int, limit: int, what: str = "the prompt") -> str:
+    return (
+        f"{what} has {prompt_tokens} tokens; with max_tokens {max_tokens} that is "
+        f"{prompt_tokens + max_tokens} > max-model-len {limit}"
+    )
+
+
+def _repeated(
+    config: BenchConfig, client: EngineClient, cell: Cell, prompt: str, record: Record
+) -> list:
     samples: list = []
     for repeat in range(config.repeats):
-        done = _request(config, client, cell, decode_prompt(), cell.length)
+        done = _request(config, client, cell, prompt, cell.length)
         _take(samples, record, done.sample, repeat=repeat)
-    return samples, {}
+    return samples
 
 
-def _measure_long(config: BenchConfig, client: EngineClient, cell: Cell, record: Record):
+def _measure_decode(
+    config: BenchConfig, client: EngineClient, cell: Cell, record: Record
+) -> Measured:
+    limit, tokens = client.max_model_len(), client.count_tokens(decode_prompt())
+    if tokens + cell.length > limit:
+        return [], {"skipped": _too_long(tokens, cell.length, limit)}
+    return _repeated(config, client, cell, decode_prompt(), record), {}
+
+
+def _measure_long(
+    config: BenchConfig, client: EngineClient, cell: Cell, record: Record
+) -> Measured:
     limit = client.max_model_len()
     fitted = long_prompt(client.count_tokens, max_model_len=limit, max_tokens=cell.length)
     prompt = {"tokens": fitted.tokens, "max_tokens": cell.length, "max_model_len": limit}
     if fitted.skipped:
         return [], {"skipped": fitted.skipped, "prompt": prompt}
-    samples: list = []
-    for repeat in range(config.repeats):
-        done = _request(config, client, cell, fitted.prompt, cell.length)
-        _take(samples, record, done.sample, repeat=repeat)
-    return samples, {"prompt": prompt}
+    return _repeated(config, client, cell, fitted.prompt, record), {"prompt": prompt}
 
 
-def _measure_agentic(config: BenchConfig, client: EngineClient, cell: Cell, record: Record):
+def _measure_agentic(
+    config: BenchConfig, client: EngineClient, cell: Cell, record: Record
+) -> Measured:
     limit = client.max_model_len()
     samples: list = []
     contexts = []
@@ -189,10 +206,7 @@ def _measure_agentic(config: BenchConfig, client: EngineClient, cell: Cell, reco
         for turn in range(config.agentic.turns):
             fitted = transcript.prompt_for_turn(turn, answer)
             if fitted.tokens + cell.length > limit:
-                why = (
-                    f"turn {turn}: the transcript has {fitted.tokens} tokens; with max_tokens "
-                    f"{cell.length} that is {fitted.tokens + cell.length} > max-model-len {limit}"
-                )
+                why = _too_long(fitted.tokens, cell.length, limit, f"turn {turn}'s transcript")
                 return [], {"skipped": why}
             done = _request(config, client, cell, fitted.prompt, cell.length)
             answer = done.text
