@@ -84,7 +84,7 @@ class CompletionRequest(_Sampling):
     """`POST /v1/completions`: a prompt as text or as token ids."""
 
     prompt: str | list[int] = Field(min_length=1)
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: int | None = Field(16, ge=1)
     echo: Literal[False] = False
 
     def requested_max_tokens(self) -> int | None:
@@ -110,8 +110,8 @@ class ChatRequest(_Sampling):
     """`POST /v1/chat/completions`: messages rendered with the model directory's chat template."""
 
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
