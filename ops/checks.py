@@ -38,6 +38,7 @@ from ops.pve import (
     pve_version,
     supports_dev_entries,
 )
+from ops.render import TemplateSpec
 from ops.staging import SHM_MODELS, check_staged, stage_model
 from ops.steps import Outcome
 from ops.transport import Transport
@@ -189,7 +190,7 @@ def probe_capacity(c: ChainContext) -> Finding:
     )
 
 
-def _boot_specs(c: ChainContext) -> list:
+def _boot_specs(c: ChainContext) -> list[TemplateSpec]:
     return host_setup.boot_specs(c.ct.gpus, c.host_vmids or (c.vmid,), c.inventory_path)
 
 

@@ -1,13 +1,14 @@
 """What only `ddops provision` sets up (recover never does): the CT itself, recovery at every boot,
 and the check that the CT's memory can hold the model at all.
 
-    pct_create_argv(ct)          # `pct create` from the inventory's container spec
-    boot_problems(t, specs) / install_boot(t, specs, dry_run)   # specs = boot_specs(...)
+    pct_create_argv(ct)                              # `pct create` from the inventory
+    specs = boot_specs(gpu_minors, vmids, inventory)  # what recovery at boot needs:
         /etc/modules-load.d/ddops-nvidia.conf          nvidia + nvidia_uvm load at boot
         /etc/systemd/system/ddops-gpu-nodes.service    nvidia-modprobe, Before=pve-guests.service
         /etc/systemd/system/ddops-recover.service      `ddops recover --ct N`, After=pve-guests
-      both units enabled (linked into multi-user.target.wants/, what `systemctl enable` does).
-    capacity_problem(ct, models, endpoint, token)   # memory >= staged model + engine runtime; /dev/shm >= model
+      both units enabled (linked into multi-user.target.wants/, what `systemctl enable` does)
+    boot_problems(t, specs); install_boot(t, specs, dry_run)
+    capacity_problem(ct, models, endpoint, token)    # memory >= model + engine; /dev/shm >= model
 
 The chain (ops/checks.py) wraps these into its provision-only checks.
 """
