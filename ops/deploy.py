@@ -35,7 +35,7 @@ from ops.inventory import EngineSpec
 from ops.pve import ct_exec, ct_push, validate_vmid
 from ops.render import EngineUnit, render
 from ops.steps import Outcome
-from ops.transport import Transport
+from ops.transport import Result, Transport
 
 API_KEY_ENV = "DDOPS_API_KEY"
 ENV_FILE = "/etc/ddops/engine.env"
@@ -108,8 +108,7 @@ def engine_problem(t: Transport, vmid: int | str, engine: EngineSpec) -> str | N
     if r.rc in (126, 127):
         return f"{where}: not found"
     if not r.ok:
-        words = (r.stderr.strip() or r.stdout.strip()).splitlines()
-        return f"{where}: {words[-1] if words else f'exited {r.rc}'}"
+        return f"{where}: {_last_words(r)}"
     installed, wanted = r.stdout.strip(), ddops_version()
     if installed != wanted:
         return f"{where}: has ddops {installed}, this is ddops {wanted}"
@@ -171,18 +170,34 @@ def _push_wheel(t: Transport, vmid: int | str) -> str | None:
     return f"{dest}[engine]"
 
 
-def _run(t: Transport, vmid: int | str, argv: list[str], what: str, *, timeout: float) -> None:
-    r = ct_exec(t, vmid, argv, timeout=timeout)
+def _run(
+    t: Transport,
+    vmid: int | str,
+    argv: list[str],
+    what: str,
+    *,
+    timeout: float = 120.0,
+    input: str | None = None,
+) -> str:
+    """Run argv in the CT; its stdout, or DdopsError with `what` and the command's last words."""
+    r = ct_exec(t, vmid, argv, timeout=timeout, input=input)
     if not r.ok:
-        words = (r.stderr.strip() or r.stdout.strip()).splitlines()
-        raise DdopsError(f"CT {vmid}", f"{what} failed: {words[-1] if words else f'exit {r.rc}'}")
+        raise DdopsError(f"CT {validate_vmid(vmid)}", f"{what} failed: {_last_words(r)}")
+    return r.stdout
+
+
+def _last_words(r: Result, *, stdout_first: bool = False) -> str:
+    """The last line a failed command said (stderr first, unless it reports on stdout)."""
+    streams = (r.stdout, r.stderr) if stdout_first else (r.stderr, r.stdout)
+    lines = (streams[0].strip() or streams[1].strip()).splitlines()
+    return lines[-1] if lines else f"exited {r.rc}"
 
 
 def _push(t: Transport, vmid: int | str, data: bytes | str, dest: str, perms: int = 0o644) -> None:
     """Put `data` at `dest` in the CT through a host-side copy and `pct push` (not for secrets)."""
     staged = f"{PUSH_DIR}/{validate_vmid(vmid)}/{PurePosixPath(dest).name}"
     t.write_file(staged, data, backup=False)
-    _run(t, vmid, ["mkdir", "-p", str(PurePosixPath(dest).parent)], f"mkdir for {dest}", timeout=60)
+    _run(t, vmid, ["mkdir", "-p", str(PurePosixPath(dest).parent)], f"mkdir for {dest}")
     ct_push(t, vmid, staged, dest, perms=perms)
 
 
@@ -236,12 +251,7 @@ class ServiceManager(ABC):
         self.t, self.vmid = t, vmid
 
     def run(self, argv: list[str], what: str, timeout: float = 120.0) -> str:
-        r = ct_exec(self.t, self.vmid, argv, timeout=timeout)
-        if not r.ok:
-            words = (r.stderr.strip() or r.stdout.strip()).splitlines()
-            cause = words[-1] if words else f"exit {r.rc}"
-            raise DdopsError(f"CT {self.vmid}", f"{what} failed: {cause}")
-        return r.stdout
+        return _run(self.t, self.vmid, argv, what, timeout=timeout)
 
     def install(self, unit_text: str) -> None:
         _push(self.t, self.vmid, unit_text, self.unit_path)
@@ -462,9 +472,7 @@ def _apply_api_key(t: Transport, vmid: str, api_key: str | None) -> None:
         argv, stdin = ["rm", "-f", ENV_FILE], None
     else:
         argv, stdin = ["sh", "-c", _WRITE_PRIVATE, "sh", ENV_FILE], _env_file_text(api_key)
-    r = ct_exec(t, vmid, argv, input=stdin)
-    if not r.ok:
-        raise DdopsError(f"CT {vmid}", f"writing {ENV_FILE} failed: {r.stderr.strip()}")
+    _run(t, vmid, argv, f"writing {ENV_FILE}", input=stdin)
 
 
 # -- health ------------------------------------------------------------------------------------
@@ -476,10 +484,7 @@ def engine_health_problem(
     vmid = validate_vmid(vmid)
     argv = [engine.python, "-c", HEALTH_PROBE, str(engine.port), ENV_FILE, f"{timeout:g}"]
     r = ct_exec(t, vmid, argv, timeout=timeout * 2 + 30)
-    if r.ok:
-        return None
-    words = (r.stdout.strip() or r.stderr.strip()).splitlines()
-    return f"engine in CT {vmid}: {words[-1] if words else f'the health probe exited {r.rc}'}"
+    return None if r.ok else f"engine in CT {vmid}: {_last_words(r, stdout_first=True)}"
 
 
 def wait_ready(t: Transport, vmid: int | str, engine: EngineSpec, timeout: float) -> None:
