@@ -110,15 +110,14 @@ def _touch_up(count: CountTokens, body: str, tail: str, target: int) -> FittedPr
 def long_prompt(count: CountTokens, *, max_model_len: int, max_tokens: int) -> FittedPrompt:
     """A prompt of exactly max_model_len - max_tokens tokens (by the server's count)."""
     target = max_model_len - max_tokens
-    fitted = fit_to_tokens(count, LONG_HEAD, target) if target > 0 else None
-    if fitted is None or fitted.skipped:
-        least = fitted.tokens if fitted else count(LONG_HEAD)
+    least = count(LONG_HEAD)
+    if least > target:
         why = (
             f"the prompt needs at least {least} tokens; with max_tokens {max_tokens} that is "
             f"{least + max_tokens} > max-model-len {max_model_len}"
         )
         return FittedPrompt(LONG_HEAD, least, target, skipped=why)
-    return fitted
+    return fit_to_tokens(count, LONG_HEAD, target)
 
 
 class AgenticTranscript:
