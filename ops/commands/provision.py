@@ -13,13 +13,14 @@ from __future__ import annotations
 import click
 
 from ops.checks import Policy
-from ops.commands.recover import VMID, run_chain_command
+from ops.commands.recover import VIA, VMID, run_chain_command
 
 
 @click.command("provision")
 @click.option("--ct", "vmids", type=VMID, multiple=True, help="The CT (repeat; default: all).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and file diffs; change nothing.")
+@VIA
 @click.pass_context
-def provision_command(ctx: click.Context, vmids: tuple[int, ...], dry_run: bool) -> None:
+def provision_command(ctx: click.Context, vmids: tuple[int, ...], dry_run: bool, via: str) -> None:
     """Set up GPU containers from the inventory and bring their engines up."""
-    run_chain_command(ctx, "provision", vmids, Policy(provision=True), dry_run)
+    run_chain_command(ctx, "provision", vmids, Policy(provision=True), dry_run, via)

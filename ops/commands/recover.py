@@ -22,10 +22,22 @@ from ops.recover import CheckResult, contexts, health, recover, render_reports, 
 from ops.site import open_site
 
 VMID = click.IntRange(100, 999_999_999)
+VIA = click.option(
+    "--via",
+    type=click.Choice(["direct", "ansible"]),
+    default="direct",
+    show_default=True,
+    help="direct: ddops acts itself; ansible: through playbooks/ with ansible-runner.",
+)
 
 
 def run_chain_command(
-    ctx: click.Context, mode: str, vmids: Sequence[int], policy: Policy, dry_run: bool = False
+    ctx: click.Context,
+    mode: str,
+    vmids: Sequence[int],
+    policy: Policy,
+    dry_run: bool = False,
+    via: str = "direct",
 ) -> None:
     """Resolve the site, run the chain per CT, print a table (or --json), exit 1 unless all ok."""
     app = ctx.obj
@@ -35,6 +47,10 @@ def run_chain_command(
         vmids=vmids,
         accept_new_host_key=app.accept_new_host_key,
     ) as opened:
+        if via == "ansible":
+            from ops.commands.via_ansible import chain_via_ansible
+
+            return chain_via_ansible(ctx, opened, mode, policy, dry_run)
         progress = None if app.json else _progress
         reports = []
         for c in contexts(opened, policy):
@@ -66,9 +82,10 @@ def _only_planned(reports) -> bool:
 @click.option("--ct", "vmids", type=VMID, multiple=True, help="The CT (repeat; default: all).")
 @click.option("--dry-run", is_flag=True, help="Show what would be done; change nothing.")
 @click.option("--unlock", is_flag=True, help="Clear a CT lock (pct unlock) before starting it.")
+@VIA
 @click.pass_context
 def recover_command(
-    ctx: click.Context, vmids: tuple[int, ...], dry_run: bool, unlock: bool
+    ctx: click.Context, vmids: tuple[int, ...], dry_run: bool, unlock: bool, via: str
 ) -> None:
     """Repair GPU containers after reboots and faults: probe, remedy, re-probe, in chain order."""
-    run_chain_command(ctx, "recover", vmids, Policy(unlock=unlock), dry_run)
+    run_chain_command(ctx, "recover", vmids, Policy(unlock=unlock), dry_run, via)

@@ -1,0 +1,277 @@
+"""Run ddops' playbooks (playbooks/*.yml) through ansible-runner, for a fleet or one host.
+
+    with open_site(inventory="site.yml", host=None, vmids=[]) as opened:
+        run = run_chain_playbook(opened, "provision", Policy(provision=True), dry_run=False,
+                                 inventory="site.yml", on_progress=print)
+    run.reports            # ChainReport per CT, from the playbook's ddops_check results
+    run.hosts              # HostOutcome per host: ok / changed / failed / unreachable, and why
+    render_hosts(run.hosts); hosts_json(run.hosts)
+
+The playbooks read the same YAML inventory as the CLI. ddops hands ansible-runner a copy in
+which every local or simulated host (ddops_target `local` / `sim:PATH`) gets
+`ansible_connection: local` and this Python as its interpreter (it has ddops); with `--host` and
+no inventory, it writes a one-host inventory from the site. A failure on one host is reported
+with that host; the others go on (Ansible's own behaviour, kept: no any_errors_fatal).
+`ansible-playbook` must be on PATH: this Python's bin directory is put first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from ops.checks import Policy
+from ops.errors import DdopsError
+from ops.hosts import parse_target
+from ops.inventory import Site
+from ops.recover import ChainReport, CheckResult
+from ops.resources import playbooks_dir
+from ops.site import OpenedSite
+
+PLAYBOOKS = {"provision": "provision.yml", "recover": "recover.yml", "bench": "bench.yml"}
+CHECK_MODULE = "ddops_check"
+HOST_EVENTS = {
+    "runner_on_ok": "ok",
+    "runner_on_failed": "failed",
+    "runner_on_unreachable": "unreachable",
+    "runner_on_skipped": "skipped",
+}
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class HostOutcome:
+    """One host's play: ok, changed, failed or unreachable, and the first failure in words."""
+
+    host: str
+    status: str = "ok"
+    detail: str = ""
+    changed_tasks: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("ok", "changed")
+
+
+@dataclass
+class PlaybookRun:
+    """What a playbook did: per host, and per CT for the chain's checks."""
+
+    hosts: dict[str, HostOutcome] = field(default_factory=dict)
+    reports: dict[tuple[str, int], ChainReport] = field(default_factory=dict)
+    task_results: list[dict] = field(default_factory=list)  # res of tasks that returned data
+
+    @property
+    def ok(self) -> bool:
+        return all(h.ok for h in self.hosts.values())
+
+
+# -- the inventory ansible-runner gets -----------------------------------------------------------
+
+
+def connection_vars(target: str) -> dict:
+    """How Ansible reaches a host named by a ddops target."""
+    parsed = parse_target(target)
+    if parsed.kind != "ssh":
+        return {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    return {"ansible_host": parsed.host, "ansible_port": parsed.port, "ansible_user": parsed.user}
+
+
+def _plain(value) -> object:
+    """Dataclasses as YAML-safe data (tuples become lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(value)))
+
+
+def site_inventory(site: Site) -> dict:
+    """An inventory document for a site that came from `--host` (no inventory file)."""
+    hosts = {
+        host.name: {
+            **connection_vars(host.target),
+            "ddops_target": host.target,
+            "ddops_containers": [_plain(ct) for ct in host.containers],
+        }
+        for host in site.hosts
+    }
+    model = {k: v for k, v in _plain(site.model).items() if v is not None}
+    return {
+        "all": {
+            "vars": {"ddops_model": model, "ddops_engine": _plain(site.engine)},
+            "hosts": hosts,
+        }
+    }
+
+
+def with_local_connections(document: dict) -> dict:
+    """The user's inventory, local and simulated hosts reached with a local connection."""
+    document = json.loads(json.dumps(document))
+    for hostvars in (document["all"].get("hosts") or {}).values():
+        target = (hostvars or {}).get("ddops_target")
+        if target and parse_target(target).kind != "ssh":
+            for name, value in connection_vars(target).items():
+                hostvars.setdefault(name, value)
+    return document
+
+
+# -- running a playbook --------------------------------------------------------------------------
+
+
+def run_playbook(
+    name: str,
+    inventory: dict,
+    *,
+    check: bool = False,
+    limit: Sequence[str] = (),
+    tags: Sequence[str] = (),
+    extravars: dict | None = None,
+    mode: str = "",
+    on_progress: Progress | None = None,
+) -> PlaybookRun:
+    """Run playbooks/<name>.yml over an inventory document; per-host and per-CT results."""
+    import ansible_runner  # heavy, and only this path needs it
+
+    run = PlaybookRun()
+    options = ["--check", "--diff"] if check else []
+    if tags:
+        options += ["--tags", ",".join(tags)]
+    with tempfile.TemporaryDirectory(prefix="ddops-ansible-") as workdir:
+        inventory_path = Path(workdir) / "inventory.yml"
+        inventory_path.write_text(yaml.safe_dump(inventory, sort_keys=False))
+        runner = ansible_runner.run(
+            private_data_dir=workdir,
+            playbook=str(playbooks_dir() / PLAYBOOKS[name]),
+            inventory=str(inventory_path),
+            limit=",".join(limit) or None,
+            extravars=extravars or {},
+            cmdline=" ".join(options) or None,
+            envvars=_env(),
+            event_handler=lambda event: _on_event(run, event, mode, check, on_progress),
+            quiet=True,
+        )
+        if not run.hosts and runner.rc != 0:
+            raise DdopsError(f"playbook {name}", _runner_failure(runner))
+    return run
+
+
+def _env() -> dict[str, str]:
+    """ansible-playbook from this Python's environment; no cowsay, no retry files."""
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    return {"PATH": path, "ANSIBLE_NOCOWS": "1", "ANSIBLE_RETRY_FILES_ENABLED": "0"}
+
+
+def _runner_failure(runner) -> str:
+    """The last lines ansible-playbook wrote, when it failed before any host ran."""
+    lines = [line for line in runner.stdout.read().splitlines() if line.strip()]
+    return f"ansible-playbook exited {runner.rc}: " + (" | ".join(lines[-3:]) or "no output")
+
+
+def _on_event(
+    run: PlaybookRun, event: dict, mode: str, check: bool, on_progress: Progress | None
+) -> bool:
+    data = event.get("event_data") or {}
+    status = HOST_EVENTS.get(event.get("event", ""))
+    if status is None or "host" not in data:
+        return False
+    host, res = data["host"], data.get("res") or {}
+    outcome = run.hosts.setdefault(host, HostOutcome(host))
+    if status == "ok" and res.get("changed"):
+        outcome.changed_tasks += 1
+        outcome.status = "changed" if outcome.ok else outcome.status
+    elif status in ("failed", "unreachable") and not data.get("ignore_errors"):
+        outcome.status = status
+        outcome.detail = outcome.detail or f"{data.get('task', '')}: {res.get('msg', '')}".strip()
+    if data.get("task_action") == CHECK_MODULE:
+        for item in res.get("results") or []:
+            _record_check(run, host, item, mode, check, on_progress)
+    elif on_progress:
+        on_progress(f"{host}: {data.get('task', '')}: {_task_status(status, res)}")
+    if res and status == "ok":
+        run.task_results.append({"host": host, "task": data.get("task", ""), "res": res})
+    return False
+
+
+def _task_status(status: str, res: dict) -> str:
+    if status == "ok" and res.get("changed"):
+        return "changed"
+    return status
+
+
+def _record_check(
+    run: PlaybookRun, host: str, item: dict, mode: str, check: bool, on_progress: Progress | None
+) -> None:
+    vmid = int(item.pop("vmid"))
+    result = CheckResult(**item)
+    report = run.reports.setdefault((host, vmid), ChainReport(host, vmid, mode, check))
+    report.results.append(result)
+    report.seconds += result.seconds
+    if on_progress:
+        on_progress(
+            f"{host}: CT {vmid}: {result.status:>12}  {result.title} ({result.seconds:.1f}s)"
+        )
+
+
+# -- the chain commands (provision, recover) through their playbooks ----------------------------
+
+
+def chain_inventory(opened: OpenedSite, inventory: str | None) -> dict:
+    """The inventory document for the playbooks: the user's file, or one made from `--host`."""
+    if inventory is None:
+        return site_inventory(opened.site)
+    return with_local_connections(yaml.safe_load(Path(inventory).read_text()))
+
+
+def run_chain_playbook(
+    opened: OpenedSite,
+    mode: str,
+    policy: Policy,
+    *,
+    dry_run: bool,
+    inventory: str | None,
+    on_progress: Progress | None = None,
+) -> PlaybookRun:
+    """`ddops provision|recover --via ansible`: the selected CTs through playbooks/<mode>.yml."""
+    vmids = sorted({target.ct.vmid for target in opened.targets})
+    hosts = sorted({target.host.name for target in opened.targets})
+    return run_playbook(
+        mode,
+        chain_inventory(opened, inventory),
+        check=dry_run,
+        limit=hosts,
+        extravars={
+            "ddops_vmids": vmids,
+            "ddops_unlock": policy.unlock,
+            "ddops_inventory_path": opened.inventory_path,
+        },
+        mode=mode,
+        on_progress=on_progress,
+    )
+
+
+# -- output --------------------------------------------------------------------------------------
+
+_HOST_STYLE = {"ok": "green", "changed": "yellow", "failed": "bold red", "unreachable": "bold red"}
+
+
+def render_hosts(hosts: dict[str, HostOutcome], console: Console | None = None) -> None:
+    """The per-host result table."""
+    table = Table(title="hosts", title_justify="left")
+    for column in ("host", "result", "changed tasks", "why"):
+        table.add_column(column, overflow="fold")
+    for h in hosts.values():
+        style = _HOST_STYLE[h.status]
+        table.add_row(h.host, f"[{style}]{h.status}[/]", str(h.changed_tasks), h.detail)
+    (console or Console()).print(table)
+
+
+def hosts_json(hosts: dict[str, HostOutcome]) -> list[dict]:
+    return [dataclasses.asdict(h) | {"ok": h.ok} for h in hosts.values()]

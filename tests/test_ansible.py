@@ -1,0 +1,358 @@
+"""The playbooks through ansible-runner on two sim hosts: one local, one over real SSH on loopback.
+
+    python -m pytest -q tests/test_ansible.py            # inventories and event handling
+    python -m pytest -q --slow tests/test_ansible.py     # + real playbook runs (each 30-90 s here)
+
+The slow ones: `ddops provision --via ansible --dry-run` from nothing plans and changes nothing;
+the playbook applies (changed), then applies again (unchanged), and the CT config and boot units
+it wrote equal, byte for byte, what the CLI path writes on twin hosts from the same inventory;
+a host whose CT cannot be served fails with the CT named while the other host goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from ops.ansible import (
+    PlaybookRun,
+    connection_vars,
+    run_playbook,
+    site_inventory,
+    with_local_connections,
+)
+from ops.checks import Policy, chain_for
+from ops.cli import cli
+from ops.host_setup import boot_specs
+from ops.inventory import parse_site
+from ops.recover import contexts
+from ops.sim.host import destroy_host, init_host
+from ops.sim.hub import LocalHub
+from ops.site import open_site
+from tests.helpers.site import inventory_document, make_tiny_hub_root, without_host_ca_env
+from tests.helpers.sshd import running_sshd
+
+pytestmark = pytest.mark.ansible
+
+LOCAL, REMOTE = "pve-local", "pve-ssh"
+VMIDS = {LOCAL: 200, REMOTE: 201}  # distinct: both hosts' LXC containers live on this machine
+BOOT_UNITS = [spec.INSTALL_PATH for spec in boot_specs((0,), (200,), None)]
+
+
+# -- fast: inventories and events ----------------------------------------------------------------
+
+
+def test_site_inventory_round_trips_through_the_cli_reader(tmp_path):
+    (tmp_path / "etc/pve").mkdir(parents=True)  # enough of a sim root for its target to parse
+    document = inventory_document(tmp_path, "http://127.0.0.1:9", vmid=200, gpus=[0, 1])
+    document["all"]["hosts"]["remote"] = {
+        "ddops_target": "ssh://root@192.0.2.7:2222",
+        "ddops_containers": [{"vmid": 300}],
+    }
+    site = parse_site(document)
+    written = site_inventory(site)
+    assert parse_site(yaml.safe_load(yaml.safe_dump(written))) == site
+    local, remote = (written["all"]["hosts"][name] for name in ("pve", "remote"))
+    assert local["ansible_connection"] == "local"
+    assert local["ansible_python_interpreter"] == sys.executable
+    assert remote | connection_vars("ssh://root@192.0.2.7:2222") == remote
+    assert (remote["ansible_host"], remote["ansible_port"]) == ("192.0.2.7", 2222)
+
+
+def test_user_inventory_gets_local_connections_for_sim_hosts_only_and_keeps_its_own_vars():
+    document = {
+        "all": {
+            "hosts": {
+                "sim": {"ddops_target": "local", "ansible_python_interpreter": "/opt/x/python"},
+                "real": {"ansible_host": "192.0.2.8"},
+            }
+        }
+    }
+    changed = with_local_connections(document)
+    assert changed["all"]["hosts"]["sim"] == {
+        "ddops_target": "local",
+        "ansible_python_interpreter": "/opt/x/python",
+        "ansible_connection": "local",
+    }
+    assert changed["all"]["hosts"]["real"] == {"ansible_host": "192.0.2.8"}
+    assert "ansible_connection" not in document["all"]["hosts"]["sim"]  # the input is not edited
+
+
+def _event(kind: str, host: str, task: str, action: str, res: dict) -> dict:
+    data = {"host": host, "task": task, "task_action": action, "res": res}
+    return {"event": kind, "event_data": data}
+
+
+def _check_item(vmid: int, key: str, status: str, evidence: str = "") -> dict:
+    return {
+        "vmid": vmid,
+        "key": key,
+        "title": key,
+        "status": status,
+        "seconds": 0.5,
+        "evidence": evidence,
+        "action": "",
+        "diff": "",
+    }
+
+
+def test_events_become_per_ct_reports_and_per_host_outcomes():
+    from ops.ansible import _on_event
+
+    run, lines = PlaybookRun(), []
+    events = [
+        _event(
+            "runner_on_ok",
+            "a",
+            "CT exists",
+            "ddops_check",
+            {
+                "changed": True,
+                "results": [_check_item(200, "ct-exists", "changed")],
+            },
+        ),
+        _event(
+            "runner_on_ok",
+            "b",
+            "CT exists",
+            "ddops_check",
+            {
+                "changed": False,
+                "results": [_check_item(201, "ct-exists", "failed", "no CT")],
+            },
+        ),
+        _event(
+            "runner_on_failed",
+            "b",
+            "Every container passed its checks",
+            "assert",
+            {
+                "msg": "CT 201: CT exists: no CT",
+            },
+        ),
+        _event(
+            "runner_on_unreachable",
+            "c",
+            "Host reachable",
+            "ddops_check",
+            {
+                "msg": "ssh: connect to host c port 22: Connection refused",
+            },
+        ),
+        {"event": "playbook_on_stats", "event_data": {}},
+    ]
+    for event in events:
+        _on_event(run, event, "provision", False, lines.append)
+    assert {h: (o.status, o.changed_tasks) for h, o in run.hosts.items()} == {
+        "a": ("changed", 1),
+        "b": ("failed", 0),
+        "c": ("unreachable", 0),
+    }
+    assert run.hosts["b"].detail == "Every container passed its checks: CT 201: CT exists: no CT"
+    assert [(r.host, r.vmid, r.ok) for r in run.reports.values()] == [
+        ("a", 200, True),
+        ("b", 201, False),
+    ]
+    assert not run.ok
+    assert lines[0] == "a: CT 200:      changed  ct-exists (0.5s)"
+
+
+# -- slow: real playbooks on two sim hosts -------------------------------------------------------
+
+
+@dataclass
+class Fleet:
+    roots: dict[str, Path]  # host name -> its sim root
+    inventory: Path
+
+    def document(self) -> dict:
+        return yaml.safe_load(self.inventory.read_text())
+
+    def edit(self, host: str, **ct: object) -> None:
+        document = self.document()
+        document["all"]["hosts"][host]["ddops_containers"][0].update(ct)
+        self.inventory.write_text(yaml.safe_dump(document))
+
+    def file_state(self) -> dict[str, str]:
+        """{path: sha256} of every file in the hosts' /etc, /var/lib/lxc and /var/lib/ddops."""
+        return {
+            str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+            for root in self.roots.values()
+            for base in ("etc", "var/lib/lxc", "var/lib/ddops")
+            for p in sorted((root / base).rglob("*"))
+            if p.is_file() and not p.is_symlink()
+        }
+
+    def playbook(self, name: str, *, check: bool = False) -> PlaybookRun:
+        """The playbook over the host and CT steps (the engine steps load torch in the CT)."""
+        return run_playbook(
+            name,
+            with_local_connections(self.document()),
+            check=check,
+            tags=("host", "ct"),
+            extravars={"ddops_inventory_path": str(self.inventory)},
+            mode=name,
+        )
+
+    def ddops(self, *args: str) -> tuple[int, dict]:
+        result = CliRunner().invoke(cli, ["-i", str(self.inventory), "--json", *args])
+        if result.exception and not isinstance(result.exception, SystemExit):
+            raise result.exception
+        return result.exit_code, json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def hub_root(tmp_path_factory):
+    return make_tiny_hub_root(tmp_path_factory.mktemp("hub"))
+
+
+@pytest.fixture(scope="module")
+def sshd_server(tmp_path_factory):
+    with running_sshd(tmp_path_factory.mktemp("sshd")) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def two_sim_hosts(tmp_path: Path, hub_url: str, server) -> Iterator[Fleet]:
+    """Sim hosts pve-local (local connection) and pve-ssh (SSH to loopback), one CT each."""
+    roots = {name: tmp_path / f"{name}" for name in VMIDS}
+    for root in roots.values():
+        init_host(root, gpus=1, uvm_major=511, containers="lxc")
+    known_hosts = server.write_known_hosts(tmp_path / "known_hosts")
+    document = inventory_document(roots[LOCAL], hub_url, vmid=VMIDS[LOCAL])
+    hosts = document["all"]["hosts"]
+    hosts[LOCAL] = hosts.pop("pve")
+    hosts[REMOTE] = {
+        "ddops_target": f"{server.target}?sysroot={roots[REMOTE]}",
+        "ansible_host": server.host,
+        "ansible_port": server.port,
+        "ansible_user": server.user,
+        "ansible_ssh_private_key_file": str(server.client_key),
+        "ansible_ssh_common_args": f"-o UserKnownHostsFile={known_hosts} -o StrictHostKeyChecking=yes",
+        "ansible_python_interpreter": sys.executable,
+        "ddops_containers": [{**hosts[LOCAL]["ddops_containers"][0], "vmid": VMIDS[REMOTE]}],
+    }
+    inventory = tmp_path / "inventory.yml"
+    inventory.write_text(yaml.safe_dump(document))
+    try:
+        yield Fleet(roots, inventory)
+    finally:
+        for root in roots.values():
+            destroy_host(root)
+
+
+@pytest.fixture
+def fleet(tmp_path, hub_root, sshd_server):
+    with (
+        without_host_ca_env(),
+        LocalHub(hub_root) as hub,
+        two_sim_hosts(tmp_path, hub.url, sshd_server) as fleet,
+    ):
+        yield fleet
+
+
+def statuses(run: PlaybookRun) -> dict[int, dict[str, str]]:
+    return {vmid: {r.key: r.status for r in rep.results} for (_, vmid), rep in run.reports.items()}
+
+
+@contextlib.contextmanager
+def twin_host(root: Path) -> Iterator[Path]:
+    init_host(root, gpus=1, uvm_major=511, containers="lxc")
+    try:
+        yield root
+    finally:
+        destroy_host(root)
+
+
+def cli_path_up_to_ct_config(fleet: Fleet, host: str, twin: Path) -> None:
+    """What `ddops -i INVENTORY provision` does for `host` up to the CT config, on a twin host:
+    the chain's own probes and remedies, in order, with the fleet's inventory."""
+    document = fleet.document()
+    document["all"]["hosts"] = {
+        host: document["all"]["hosts"][host] | {"ddops_target": f"sim:{twin}"}
+    }
+    twin_inventory = twin.parent / f"{twin.name}.yml"
+    twin_inventory.write_text(yaml.safe_dump(document))
+    policy = Policy(provision=True)
+    with open_site(inventory=str(twin_inventory), host=None) as opened:
+        (c,) = contexts(opened, policy)
+        c = dataclasses.replace(c, inventory_path=str(fleet.inventory))
+        for check in chain_for(policy):
+            if check.key not in ("host", "capacity") and not check.probe(c).ok:
+                check.remedy(c, False)
+            if check.key == "ct-config":
+                return
+
+
+@pytest.mark.slow
+@pytest.mark.lxc
+@pytest.mark.ssh
+def test_dry_run_via_ansible_plans_on_both_hosts_and_changes_nothing(fleet):
+    before = fleet.file_state()
+    code, document = fleet.ddops("provision", "--via", "ansible", "--dry-run")
+    assert fleet.file_state() == before
+    assert code == 0, document
+    assert {h["host"]: h["status"] for h in document["hosts"]} == {
+        LOCAL: "changed",
+        REMOTE: "changed",
+    }
+    for ct in document["cts"]:
+        checks = {c["key"]: c["status"] for c in ct["checks"]}
+        assert checks["ct-exists"] == "would change", ct
+        assert checks["ct-config"] == "skipped" and checks["model"] == "skipped"
+        assert checks["modules"] == checks["nodes"] == "unchanged"
+
+
+@pytest.mark.slow
+@pytest.mark.lxc
+@pytest.mark.ssh
+def test_apply_then_apply_again_and_the_files_equal_the_cli_paths(fleet, tmp_path):
+    applied = fleet.playbook("provision")
+    assert {h: o.status for h, o in applied.hosts.items()} == {LOCAL: "changed", REMOTE: "changed"}
+    for vmid, checks in statuses(applied).items():
+        assert checks["ct-exists"] == checks["ct-config"] == checks["ct-running"] == "changed", vmid
+        assert checks["cuda"] == "unchanged", vmid
+    after_apply = fleet.file_state()
+
+    again = fleet.playbook("provision")
+    assert {h: (o.status, o.changed_tasks) for h, o in again.hosts.items()} == {
+        LOCAL: ("ok", 0),
+        REMOTE: ("ok", 0),
+    }
+    assert all(s == "unchanged" for checks in statuses(again).values() for s in checks.values())
+    assert fleet.file_state() == after_apply
+
+    for host, vmid in VMIDS.items():
+        with twin_host(tmp_path / f"cli-{host}") as twin:
+            cli_path_up_to_ct_config(fleet, host, twin)
+            for path in [f"/etc/pve/lxc/{vmid}.conf", *BOOT_UNITS]:
+                ours = (fleet.roots[host] / path.lstrip("/")).read_bytes()
+                assert ours == (twin / path.lstrip("/")).read_bytes(), (host, path)
+
+
+@pytest.mark.slow
+@pytest.mark.lxc
+@pytest.mark.ssh
+def test_a_host_that_fails_is_named_and_the_other_goes_on(fleet):
+    fleet.edit(REMOTE, memory_mib=256)  # cannot hold the model: the capacity check refuses it
+    code, document = fleet.ddops("provision", "--via", "ansible", "--dry-run")
+    assert code == 1
+    hosts = {h["host"]: h for h in document["hosts"]}
+    assert hosts[REMOTE]["status"] == "failed"
+    assert f"CT {VMIDS[REMOTE]}: CT memory holds model + engine: " in hosts[REMOTE]["detail"]
+    assert "raise memory_mib" in hosts[REMOTE]["detail"]
+    assert hosts[LOCAL]["status"] == "changed"
+    by_ct = {ct["ct"]: {c["key"]: c["status"] for c in ct["checks"]} for ct in document["cts"]}
+    assert by_ct[VMIDS[REMOTE]]["capacity"] == "failed"
+    assert by_ct[VMIDS[REMOTE]]["modules"] == "skipped"  # after a failure the CT's chain stops
+    assert by_ct[VMIDS[LOCAL]]["ct-exists"] == "would change"  # the other host went on
