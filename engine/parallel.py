@@ -1,0 +1,385 @@
+"""Tensor parallelism for the engine over torch.distributed: NCCL on CUDA, gloo on CPU.
+
+Layout of the work (Megatron-style, one all-reduce after each row-parallel layer):
+- attention: q/k/v rows split by heads (GQA: each rank keeps whole groups, so kv_heads % tp == 0),
+  o_proj columns split the same way, then all-reduced; q_norm / k_norm act per head: replicated;
+- Gated DeltaNet: key and value heads split together (the q, k and v parts of in_proj_qkv and of
+  the depthwise conv's channels, z / a / b rows, A_log and dt_bias), out_proj row-parallel;
+  its gated norm acts per head: replicated;
+- MLP: gate/up column-parallel, down row-parallel;
+- embeddings replicated; lm_head replicated on rank 0 only (the default) or vocab-sharded and
+  gathered to rank 0 (`lm_head="sharded"`). Why replicated: the drafter borrows the target's
+  lm_head, so rank 0 holds the whole head anyway, and on the CPU measurement in
+  tests/test_parallel.py's module docstring the gather costs more than the sharded matmul saves.
+
+Control: rank 0, the leader, runs engine/decode.py's round loop unchanged over a
+`TensorParallelTarget`. Every new_cache / forward / commit on it is first broadcast as a
+`Command` carrying the decisions already made on rank 0 (the bonus and drafted tree tokens,
+the tree's parents, the accepted path), then run by every rank on its shard; followers run
+`follow`. So sampling, the drafter, tree building and the walk happen once, on rank 0, and
+every rank commits the same path. The drafter lives on rank 0 only.
+
+    target = launch_target(model_dir, torch.float32, "cpu", tp=2)  # spawns rank 1
+    generate(target, drafter, prompt_ids, cfg)
+    target.close()
+
+Under torchrun (RANK / WORLD_SIZE set) nothing is spawned: `launch_target` returns None on the
+followers once the leader has closed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.common import SwiGLU
+
+LM_HEAD_MODES = ("replicated", "sharded")
+LEADER = 0
+SPLIT_FIELDS = (  # config fields that count what the ranks share out
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+)
+STARTUP_TIMEOUT = timedelta(minutes=30)  # rank 0 waits this long for every rank to load
+
+
+# --- process group -------------------------------------------------------------------------
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def rank_device(device: str, local_rank: int) -> str:
+    """Rank r's device: cuda:r (of the visible GPUs) on CUDA, the CPU otherwise."""
+    return f"cuda:{local_rank}" if device.startswith("cuda") else device
+
+
+def init_group(rank: int, world: int, device: str, init_method: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend_for(device), init_method, world_size=world, rank=rank, timeout=STARTUP_TIMEOUT
+    )
+
+
+# --- sharding by heads and columns ----------------------------------------------------------
+
+
+def owned(count: int, rank: int, world: int, what: str) -> range:
+    """The contiguous block of `count` heads (or rows) rank `rank` keeps."""
+    if count % world:
+        raise ValueError(f"{what}: {count} is not divisible by --tp {world}")
+    size = count // world
+    return range(rank * size, (rank + 1) * size)
+
+
+def head_rows(heads: range, width: int, offset: int = 0) -> torch.Tensor:
+    """Row indices [len(heads) * width] of `heads`, each `width` rows, after `offset` rows."""
+    starts = offset + torch.tensor(list(heads)) * width  # [h]
+    return (starts[:, None] + torch.arange(width)).flatten()
+
+
+def keep_rows(linear: nn.Linear, rows: torch.Tensor) -> None:
+    """Column-parallel: this rank computes only output features `rows`."""
+    weight = linear.weight.data[rows.to(linear.weight.device)]
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    linear.out_features = weight.shape[0]
+
+
+class RowParallelLinear(nn.Linear):
+    """A linear over this rank's slice of input features; partial sums all-reduced over ranks."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        dist.all_reduce(out)
+        return out
+
+
+def row_parallel(linear: nn.Linear, columns: torch.Tensor) -> RowParallelLinear:
+    """The rank's RowParallelLinear holding input features `columns` of `linear` (no bias)."""
+    weight = linear.weight.data[:, columns.to(linear.weight.device)]
+    sharded = RowParallelLinear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    sharded.weight = nn.Parameter(weight, requires_grad=False)
+    return sharded
+
+
+def shard_mlp(mlp: SwiGLU, rank: int, world: int) -> None:
+    columns = torch.tensor(owned(mlp.gate_proj.out_features, rank, world, "intermediate_size"))
+    keep_rows(mlp.gate_proj, columns)
+    keep_rows(mlp.up_proj, columns)
+    mlp.down_proj = row_parallel(mlp.down_proj, columns)
+
+
+def shard_attention(attn: nn.Module, rank: int, world: int, q_width: int) -> None:
+    """Dense or gated attention: q rows of `q_width` per head (2 * head_dim with a gate)."""
+    heads = owned(attn.heads, rank, world, "num_attention_heads")
+    kv_heads = owned(attn.kv_heads, rank, world, "num_key_value_heads")
+    keep_rows(attn.q_proj, head_rows(heads, q_width))
+    kv_rows = head_rows(kv_heads, attn.head_dim)
+    keep_rows(attn.k_proj, kv_rows)
+    keep_rows(attn.v_proj, kv_rows)
+    attn.o_proj = row_parallel(attn.o_proj, head_rows(heads, attn.head_dim))
+    attn.heads, attn.kv_heads = len(heads), len(kv_heads)
+
+
+def shard_gated_deltanet(gdn: nn.Module, rank: int, world: int) -> None:
+    """Key heads and the value heads they serve stay together on one rank."""
+    s = gdn.shape
+    key_heads = owned(s.key_heads, rank, world, "linear_num_key_heads")
+    value_heads = owned(s.value_heads, rank, world, "linear_num_value_heads")
+    qk = s.key_heads * s.key_dim
+    channels = torch.cat(  # of the conv input [q | k | v]
+        [
+            head_rows(key_heads, s.key_dim),
+            head_rows(key_heads, s.key_dim, offset=qk),
+            head_rows(value_heads, s.value_dim, offset=2 * qk),
+        ]
+    )
+    keep_rows(gdn.in_proj_qkv, channels)
+    conv_weight = gdn.conv1d.weight.data[channels.to(gdn.conv1d.weight.device)]  # [C', 1, K]
+    gdn.conv1d.weight = nn.Parameter(conv_weight, requires_grad=False)
+    keep_rows(gdn.in_proj_z, head_rows(value_heads, s.value_dim))
+    per_head = torch.tensor(value_heads)
+    keep_rows(gdn.in_proj_a, per_head)
+    keep_rows(gdn.in_proj_b, per_head)
+    gdn.A_log = nn.Parameter(gdn.A_log.data[per_head.to(gdn.A_log.device)], requires_grad=False)
+    gdn.dt_bias = nn.Parameter(
+        gdn.dt_bias.data[per_head.to(gdn.dt_bias.device)], requires_grad=False
+    )
+    gdn.out_proj = row_parallel(gdn.out_proj, head_rows(value_heads, s.value_dim))
+    gdn.shape = replace(s, key_heads=len(key_heads), value_heads=len(value_heads))
+
+
+class VocabParallelHead(nn.Module):
+    """This rank's rows of the lm_head; rank 0 gathers the full logits, the others get none."""
+
+    def __init__(self, head: nn.Linear, rank: int, world: int) -> None:
+        super().__init__()
+        self.vocab = head.out_features
+        size = -(-self.vocab // world)  # ceil: every rank the same size, the last one padded
+        rows = torch.arange(rank * size, (rank + 1) * size)
+        weight = head.weight.data[rows.clamp(max=self.vocab - 1).to(head.weight.device)]
+        self.weight = nn.Parameter(weight, requires_grad=False)  # [V/tp, H]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, V] on rank 0
+        local = F.linear(x, self.weight)  # [T, V/tp]
+        if dist.get_rank() != LEADER:
+            dist.gather(local, None, dst=LEADER)
+            return local[:, :0]
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.gather(local, parts, dst=LEADER)
+        return torch.cat(parts, dim=-1)[:, : self.vocab]
+
+
+class NoHead(nn.Module):
+    """Followers with a replicated head: rank 0 alone turns hidden states into logits."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[..., :0]
+
+
+def shard_model(model: nn.Module, rank: int, world: int, lm_head: str = "replicated") -> nn.Module:
+    """Cut a loaded dense or hybrid target down to rank `rank`'s shard, in place.
+
+    The model's config is replaced by the shard's (local head and column counts), so
+    `new_cache` allocates only this rank's K/V heads.
+    """
+    if lm_head not in LM_HEAD_MODES:
+        raise ValueError(f"lm_head must be one of {LM_HEAD_MODES}, not {lm_head!r}")
+    cfg = model.config
+    for layer in model.layers:
+        shard_mlp(layer.mlp, rank, world)
+        if hasattr(layer, "linear_attn"):
+            shard_gated_deltanet(layer.linear_attn, rank, world)
+        else:
+            attn = layer.self_attn
+            gated = attn.q_proj.out_features == 2 * attn.heads * attn.head_dim
+            shard_attention(attn, rank, world, (2 if gated else 1) * attn.head_dim)
+    if lm_head == "sharded":
+        model.lm_head = VocabParallelHead(model.lm_head, rank, world)
+    elif rank != LEADER:
+        model.lm_head = NoHead()
+    split = {name: getattr(cfg, name) // world for name in SPLIT_FIELDS if hasattr(cfg, name)}
+    model.config = replace(cfg, **split)
+    return model
+
+
+# --- leader and followers --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Command:
+    """One step every rank runs on its shard, carrying the decisions rank 0 made for it."""
+
+    op: str  # "new_cache" | "forward" | "commit" | "stop"
+    max_len: int = 0  # new_cache
+    ids: list[int] | None = None  # forward: [bonus, drafted tree tokens...]
+    parents: list[int] | None = None  # forward: the tree's parents; None = a chain
+    accepted: list[int] | None = None  # commit: the accepted root-to-node path
+
+
+def broadcast_command(command: Command | None) -> Command:
+    """Rank 0 sends `command`; every other rank passes None and gets it."""
+    box = [command]
+    dist.broadcast_object_list(box, src=LEADER)
+    return box[0]
+
+
+def follow(shard: nn.Module) -> None:
+    """A follower's life: run rank 0's commands on this rank's shard until "stop"."""
+    device = shard.embed_tokens.weight.device
+    cache = None
+    while (command := broadcast_command(None)).op != "stop":
+        if command.op == "new_cache":
+            cache = None  # one live sequence: free the previous one before allocating
+            cache = shard.new_cache(command.max_len)
+        elif command.op == "forward":
+            ids = torch.tensor(command.ids, dtype=torch.long, device=device)
+            parents = None if command.parents is None else torch.tensor(command.parents)
+            shard.forward(ids, cache, parents)
+        elif command.op == "commit":
+            shard.commit(cache, torch.tensor(command.accepted, dtype=torch.long, device=device))
+        else:
+            raise ValueError(f"unknown tensor-parallel command {command.op!r}")
+
+
+class TensorParallelTarget:
+    """Rank 0's sharded target with the engine's target interface (see engine/decode.py).
+
+    Serves one sequence at a time: a new cache replaces the previous one on every rank.
+    `lm_head` is the whole head (the drafter borrows it); `config` is the whole model's.
+    """
+
+    def __init__(
+        self, shard: nn.Module, config, lm_head: nn.Module, followers: Sequence[mp.Process] = ()
+    ) -> None:
+        self.shard, self.config, self.lm_head = shard, config, lm_head
+        self.embed_tokens = shard.embed_tokens
+        self._followers = list(followers)
+        self._cache = None
+
+    def new_cache(self, max_len: int):
+        broadcast_command(Command("new_cache", max_len=max_len))
+        self._cache = None
+        self._cache = self.shard.new_cache(max_len)
+        return self._cache
+
+    def forward(
+        self,
+        ids: torch.Tensor,  # [T]
+        cache,
+        parents: torch.Tensor | None = None,  # [T]
+        hidden_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [T, V], hidden [T, n*H]
+        self._check_live(cache)
+        tree = None if parents is None else parents.tolist()
+        broadcast_command(Command("forward", ids=ids.tolist(), parents=tree))
+        return self.shard.forward(ids, cache, parents, hidden_layers)
+
+    def commit(self, cache, accepted: torch.Tensor) -> None:
+        self._check_live(cache)
+        broadcast_command(Command("commit", accepted=accepted.tolist()))
+        self.shard.commit(cache, accepted)
+
+    def close(self) -> None:
+        """Stop the followers and leave the process group."""
+        broadcast_command(Command("stop"))
+        for process in self._followers:
+            process.join()
+        dist.destroy_process_group()
+
+    def _check_live(self, cache) -> None:
+        if cache is not self._cache:
+            raise ValueError("a tensor-parallel target decodes one sequence: its latest cache")
+
+
+# --- launching -------------------------------------------------------------------------------
+
+
+def load_shard(
+    model_dir: str | Path, dtype: torch.dtype, device: str, rank: int, world: int, lm_head: str
+) -> tuple[nn.Module, nn.Module, object]:
+    """This rank's shard on `device`, the whole lm_head (rank 0's drafter) and whole config."""
+    from engine.models import load_target
+
+    model = load_target(model_dir, dtype, "cpu")  # cut on the CPU: only the shard moves
+    whole_head, whole_config = model.lm_head, model.config
+    shard = shard_model(model, rank, world, lm_head).to(device)
+    return shard, whole_head.to(device), whole_config
+
+
+def launch_target(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: str,
+    tp: int,
+    lm_head: str = "replicated",
+) -> TensorParallelTarget | None:
+    """Load the target over `tp` ranks and return rank 0's view of it.
+
+    Under torchrun (WORLD_SIZE set) this process is one rank: followers serve rank 0 until it
+    closes, then get None. Otherwise rank 0 is this process and spawns ranks 1..tp-1.
+    """
+    if "WORLD_SIZE" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if world != tp:
+            raise ValueError(f"--tp {tp} but torchrun started {world} ranks")
+        local = rank_device(device, int(os.environ.get("LOCAL_RANK", rank)))
+        init_group(rank, world, local, "env://")
+        if rank != LEADER:
+            _serve_as_follower(model_dir, dtype, local, rank, world, lm_head)
+            return None
+        followers = []
+    else:
+        init_method = "file://" + os.path.join(tempfile.mkdtemp(prefix="ddops-tp-"), "store")
+        followers = _spawn_followers(model_dir, dtype, device, tp, lm_head, init_method)
+        local = rank_device(device, LEADER)
+        init_group(LEADER, tp, local, init_method)
+    shard, whole_head, whole_config = load_shard(model_dir, dtype, local, LEADER, tp, lm_head)
+    return TensorParallelTarget(shard, whole_config, whole_head, followers)
+
+
+def _spawn_followers(
+    model_dir, dtype: torch.dtype, device: str, tp: int, lm_head: str, init_method: str
+) -> list[mp.Process]:
+    """Start ranks 1..tp-1 (fresh interpreters), with as many torch threads as this one."""
+    context = mp.get_context("spawn")
+    followers = []
+    for rank in range(1, tp):
+        args = (str(model_dir), dtype, device, rank, tp, lm_head, init_method)
+        process = context.Process(
+            target=_spawned_follower, args=(*args, torch.get_num_threads()), daemon=True
+        )
+        process.start()
+        followers.append(process)
+    return followers
+
+
+def _spawned_follower(model_dir, dtype, device, rank, world, lm_head, init_method, threads):
+    torch.set_num_threads(threads)
+    local = rank_device(device, rank)
+    init_group(rank, world, local, init_method)
+    _serve_as_follower(model_dir, dtype, local, rank, world, lm_head)
+
+
+def _serve_as_follower(model_dir, dtype, device: str, rank: int, world: int, lm_head: str):
+    shard, _, _ = load_shard(model_dir, dtype, device, rank, world, lm_head)
+    try:
+        with torch.inference_mode():
+            follow(shard)
+    finally:
+        dist.destroy_process_group()
