@@ -12,6 +12,7 @@ downloads nothing; a dry run changes nothing. Each named failure stops the run a
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import httpx
@@ -27,6 +28,7 @@ from tests.helpers.site import DRAFT_REPO, TARGET_REPO, make_tiny_hub_root, sim_
 
 pytestmark = pytest.mark.lxc
 
+HUB_TOKEN = "hf_test_0123456789abcdef"
 CHAIN_KEYS = [
     "host",
     "capacity",
@@ -113,10 +115,20 @@ def test_dry_run_from_nothing_plans_and_changes_nothing(site):
     assert site.hub.bytes_served == 0
 
 
+@pytest.fixture
+def private_site(tmp_path, hub_root, monkeypatch):
+    """The hub answers only with the token; HF_TOKEN in the environment carries it."""
+    monkeypatch.setenv("HF_TOKEN", HUB_TOKEN)
+    with sim_site(tmp_path, hub_root, hub_token=HUB_TOKEN) as site:
+        yield site
+
+
 @pytest.mark.slow
-def test_from_nothing_to_healthy_then_a_second_run_changes_nothing(site):
+def test_from_nothing_to_healthy_then_a_second_run_changes_nothing(private_site):
+    site = private_site
     code, document = site.ddops("provision", "--ct", "200")
     assert code == 0, document
+    assert HUB_TOKEN not in json.dumps(document)
     assert list(statuses(document)) == CHAIN_KEYS
     assert set(statuses(document).values()) <= {"changed", "unchanged"}
     assert all(c["seconds"] >= 0 for c in document["cts"][0]["checks"])
@@ -157,6 +169,15 @@ def test_unreachable_host_is_named_and_nothing_else_runs(site):
     host = check(document, "host")
     assert host["status"] == "failed" and "unreachable" in host["evidence"]
     assert set(list(statuses(document).values())[1:]) == {"skipped"}
+
+
+def test_a_private_hub_without_hf_token_is_refused(tmp_path, hub_root):
+    with sim_site(tmp_path, hub_root, hub_token=HUB_TOKEN) as site:
+        code, document = site.ddops("provision", "--ct", "200")
+    assert code == 1
+    assert check(document, "capacity")["evidence"] == (
+        f"model {TARGET_REPO}: repository not found on the hub (or no access: check HF_TOKEN)"
+    )
 
 
 def test_locked_ct_stops_the_run_naming_the_lock(site):

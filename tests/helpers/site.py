@@ -168,12 +168,19 @@ def inventory_document(
 
 @contextlib.contextmanager
 def sim_site(
-    tmp_path: Path, hub_root: Path, *, uvm_major: int = 511, pve_version: str = "8.2.4", **ct
+    tmp_path: Path,
+    hub_root: Path,
+    *,
+    uvm_major: int = 511,
+    pve_version: str = "8.2.4",
+    hub_token: str | None = None,
+    **ct,
 ) -> Iterator[SimSite]:
-    """A fresh sim host (real LXC) + a running hub over `hub_root` + an inventory file."""
+    """A fresh sim host (real LXC) + a running hub over `hub_root` (private with `hub_token`:
+    it answers only `Authorization: Bearer <hub_token>`) + an inventory file."""
     root = tmp_path / "pve"
     init_host(root, gpus=1, uvm_major=uvm_major, pve_version=pve_version, containers="lxc")
-    with without_host_ca_env(), LocalHub(hub_root) as hub:
+    with without_host_ca_env(), LocalHub(hub_root, token=hub_token) as hub:
         inventory = tmp_path / "inventory.yml"
         inventory.write_text(yaml.safe_dump(inventory_document(root, hub.url, **ct)))
         try:
