@@ -1,7 +1,7 @@
 """`python -m engine generate`: one generation with ar, linear (DFlash chain) or ddtree decoding.
 
     python -m engine generate --model DIR --draft DRAFT_DIR --method ddtree --budget 15 \
-        --prompt "w1 w2" --max-new-tokens 64 --json [--trace]
+        --prompt "w1 w2" --max-new-tokens 64 --json [--trace] [--tp 2]
 
 Prints the text (or, with --json, one JSON document: output_ids, text, acceptance_lengths,
 decode_tokens_per_s, stage_seconds, finish_reason, ttft_s, and rounds with --trace).
@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float64"))
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel ranks (spawned, or torchrun's)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument(
         "--trace", action="store_true", help="add the per-round trees (with --json)"
@@ -42,11 +45,15 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from engine.decode import GenerationConfig, generate
-    from engine.models import load_drafter, load_target
+    from engine.models import load_drafter
     from engine.models.common import default_device, resolve_dtype
+    from engine.parallel import close_target, open_target
 
     if args.method != "ar" and args.draft is None:
         print(f"Error: --method {args.method} needs --draft DIR", file=sys.stderr)
+        return 2
+    if args.tp < 1:
+        print(f"Error: --tp must be at least 1, not {args.tp}", file=sys.stderr)
         return 2
     tokenizer = _tokenizer_or_none(args.model)
     if args.prompt is not None and tokenizer is None:
@@ -59,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
         if args.prompt is not None
         else [int(i) for i in args.prompt_ids.split(",") if i.strip()]
     )
-    target = load_target(args.model, dtype, device)
+    target = open_target(args.model, dtype, device, args.tp)
+    if target is None:  # a torchrun follower: rank 0 has finished
+        return 0
     drafter = load_drafter(args.draft, dtype, device) if args.method != "ar" else None
     cfg = GenerationConfig(
         method=args.method,
@@ -72,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     )
     with torch.inference_mode():
         result = generate(target, drafter, prompt_ids, cfg)
+    close_target(target)
     text = tokenizer.decode(result.output_ids) if tokenizer else None
     if not args.json:
         print(text if text is not None else " ".join(map(str, result.output_ids)))
