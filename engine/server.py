@@ -89,19 +89,22 @@ def load_engine(
     dtype: str = "float32",
     device: str = "cpu",
     max_model_len: int | None = None,
+    tp: int = 1,
 ) -> LoadedEngine:
     """Load the target (and drafter) and the model directory's tokenizer for serving.
 
-    `max_model_len` defaults to the target's max_position_embeddings.
+    `max_model_len` defaults to the target's max_position_embeddings; `tp` > 1 spreads the
+    target over that many tensor-parallel ranks (engine/parallel.py).
     """
     import torch
 
     from engine.decode import generate
-    from engine.models import load_drafter, load_target
+    from engine.models import load_drafter
+    from engine.parallel import open_target
     from engine.tokenizer import load_tokenizer
 
     torch_dtype = getattr(torch, dtype)
-    target = load_target(model_dir, dtype=torch_dtype, device=device)
+    target = open_target(model_dir, torch_dtype, device, tp)
     drafter = load_drafter(draft_dir, dtype=torch_dtype, device=device) if draft_dir else None
     limit = max_model_len or target.config.max_position_embeddings
 

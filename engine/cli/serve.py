@@ -2,6 +2,7 @@
 
     python -m engine serve --model DIR [--draft DIR] [--host 127.0.0.1] [--port 8000] \\
         [--max-model-len N] [--api-key KEY | env DDOPS_API_KEY] [--dtype float32] [--device cpu] \\
+        [--tp N] \\
         [--method ar|linear|ddtree] [--budget 15] [--max-waiting 32] [--served-model-name NAME]
 
 The model loads after the port opens: `/health` answers at once, `/ready` once the model is
@@ -37,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel ranks (this process spawns them)"
+    )
+    parser.add_argument(
         "--method",
         choices=["ar", "linear", "ddtree"],
         help="default decoding method (default: ddtree with --draft, else ar)",
@@ -54,6 +58,8 @@ def _usage_problem(args: argparse.Namespace, method: str) -> str | None:
         return f"--method {method} needs --draft (a DFlash drafter directory)"
     if args.budget < 1 or args.max_waiting < 1:
         return "--budget and --max-waiting must be at least 1"
+    if args.tp < 1:
+        return "--tp must be at least 1"
     if args.max_model_len is not None and args.max_model_len < 2:
         return "--max-model-len must be at least 2 (a prompt token and a generated one)"
     return None
@@ -78,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
     )
 
     def load():
-        return load_engine(args.model, args.draft, args.dtype, args.device, args.max_model_len)
+        return load_engine(
+            args.model, args.draft, args.dtype, args.device, args.max_model_len, args.tp
+        )
 
     server: uvicorn.Server | None = None
 
