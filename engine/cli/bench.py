@@ -1,7 +1,7 @@
 """`python -m engine bench`: ar, linear (DFlash chain) and ddtree side by side on held-out prompts.
 
     python -m engine bench --model DIR --draft DIR [--budgets 4,8,15,32,64] \\
-        [--max-new-tokens 256] [--prompts 8] [--dtype float32] [--device cpu]
+        [--max-new-tokens 256] [--prompts 8] [--dtype float32] [--device cpu] [--tp 1]
 
 Prompts are Python code from the standard-library files the demo model never trained on
 (engine.train_demo.held_out_prompts). Every method runs in this one process, prompt by prompt
@@ -72,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts to run")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks for the target")
 
 
 def methods_for(budgets: list[int]) -> list[Method]:
@@ -110,13 +111,16 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from engine.decode import GenerationConfig, generate
-    from engine.models import load_drafter, load_target
+    from engine.models import load_drafter
     from engine.models.common import DTYPES
+    from engine.parallel import close_target, open_target
     from engine.tokenizer import load_tokenizer
     from engine.train_demo import held_out_prompts
 
     dtype = DTYPES[args.dtype]
-    target = load_target(args.model, dtype=dtype, device=args.device)
+    target = open_target(args.model, dtype, args.device, args.tp)
+    if target is None:  # a torchrun follower: rank 0 has finished
+        return 0
     drafter = load_drafter(args.draft, dtype=dtype, device=args.device)
     tokenizer = load_tokenizer(args.model)
     prompts = [tokenizer.encode(text) for text in held_out_prompts(args.prompts)]
@@ -137,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
             result = decode(method, prompt, args.max_new_tokens)
             tallies[method].add(result.acceptance_lengths, result.decode_tokens_per_s)
         print(f"prompt {index + 1}/{len(prompts)} done ({len(prompt)} prompt tokens)", flush=True)
+    close_target(target)
     rows = summarise(tallies)
     print(format_table(rows))
     print(
@@ -148,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
                 "max_new_tokens": args.max_new_tokens,
                 "dtype": args.dtype,
                 "device": args.device,
+                "tp": args.tp,
                 "threads": torch.get_num_threads(),
                 "results": rows,
             }
