@@ -383,3 +383,22 @@ def _serve_as_follower(model_dir, dtype, device: str, rank: int, world: int, lm_
             follow(shard)
     finally:
         dist.destroy_process_group()
+
+
+def open_target(
+    model_dir: str | Path, dtype: torch.dtype, device: str, tp: int = 1
+) -> nn.Module | TensorParallelTarget | None:
+    """The target for the command line: whole (tp 1) or over `tp` ranks (see launch_target)."""
+    if tp < 1:
+        raise ValueError(f"--tp must be at least 1, not {tp}")
+    if tp == 1:
+        from engine.models import load_target
+
+        return load_target(model_dir, dtype, device)
+    return launch_target(model_dir, dtype, device, tp)
+
+
+def close_target(target) -> None:
+    """Stop a tensor-parallel target's followers; a whole target needs nothing."""
+    if isinstance(target, TensorParallelTarget):
+        target.close()
