@@ -95,36 +95,37 @@ def _unfixable_reason(check: Check, c: ChainContext, finding: Finding) -> str | 
 def _repair(check: Check, c: ChainContext, finding: Finding, dry_run: bool) -> CheckResult:
     """Apply the check's remedy and re-probe: changed (fixed), would change, or failed."""
     start = time.monotonic()
+
+    def result(status: str, action: str = "", diff: str = "") -> CheckResult:
+        seconds = time.monotonic() - start
+        return CheckResult(check.key, check.title, status, seconds, finding.evidence, action, diff)
+
     if (reason := _unfixable_reason(check, c, finding)) is not None:
         return CheckResult(check.key, check.title, FAILED, 0.0, reason)
     try:
         outcome = check.remedy(c, dry_run)
     except DdopsError as exc:
-        return CheckResult(
-            check.key, check.title, FAILED, time.monotonic() - start, finding.evidence, str(exc)
-        )
+        return result(FAILED, str(exc))
     if dry_run:
-        return CheckResult(
-            check.key,
-            check.title,
-            WOULD_CHANGE,
-            time.monotonic() - start,
-            finding.evidence,
-            outcome.detail,
-            outcome.diff,
-        )
+        return result(WOULD_CHANGE, outcome.detail, outcome.diff)
     after = _probe(check, c)
-    status = CHANGED if after.ok else FAILED
-    action = outcome.detail if after.ok else f"{outcome.detail}; still failing: {after.evidence}"
-    return CheckResult(
-        check.key,
-        check.title,
-        status,
-        time.monotonic() - start,
-        finding.evidence,
-        action,
-        outcome.diff,
-    )
+    if after.ok:
+        return result(CHANGED, outcome.detail, outcome.diff)
+    return result(FAILED, f"{outcome.detail}; still failing: {after.evidence}", outcome.diff)
+
+
+def run_check(check: Check, c: ChainContext, *, repair: bool, dry_run: bool = False) -> CheckResult:
+    """One check: probe; when it fails and `repair`, remedy and re-probe (time: all of it)."""
+    start = time.monotonic()
+    finding = _probe(check, c)
+    if finding.ok:
+        status = UNCHANGED if repair else OK
+    elif repair:
+        result = _repair(check, c, finding, dry_run)
+        return _with_probe_time(result, time.monotonic() - start)
+    else:
+        status = FAILED
+    return CheckResult(check.key, check.title, status, time.monotonic() - start, finding.evidence)
 
 
 def run_chain(
@@ -134,8 +135,9 @@ def run_chain(
     dry_run: bool = False,
     on_result: Callable[[CheckResult], None] | None = None,
 ) -> ChainReport:
-    """Go through the chain for `c.policy`. mode "health" only probes; "recover" and "provision"
-    repair in order and stop at the first failure nothing fixes."""
+    """Go through the chain for `c.policy`. mode "health" only probes (a check whose prerequisite
+    failed is skipped); "recover" and "provision" repair in order and stop at the first failure
+    nothing fixes."""
     repair = mode != "health"
     report = ChainReport(c.t.label, c.vmid, mode, dry_run)
     start = time.monotonic()
@@ -147,20 +149,7 @@ def run_chain(
             why = "an earlier check failed" if stopped else f"needs {', '.join(missing)}"
             result = CheckResult(check.key, check.title, SKIPPED, 0.0, why)
         else:
-            t0 = time.monotonic()
-            finding = _probe(check, c)
-            if finding.ok:
-                status = UNCHANGED if repair else OK
-                result = CheckResult(
-                    check.key, check.title, status, time.monotonic() - t0, finding.evidence
-                )
-            elif repair:
-                result = _repair(check, c, finding, dry_run)
-                result = _with_probe_time(result, time.monotonic() - t0)
-            else:
-                result = CheckResult(
-                    check.key, check.title, FAILED, time.monotonic() - t0, finding.evidence
-                )
+            result = run_check(check, c, repair=repair, dry_run=dry_run)
         if result.status not in (OK, UNCHANGED, CHANGED):
             not_ok.add(check.key)
         stopped = stopped or (repair and result.status == FAILED)
