@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from ops import checks, recover
 from ops.bench.store import find_stale_runs
@@ -294,3 +295,26 @@ def test_the_host_lock_makes_a_second_holder_wait(tmp_path):
     first.join()
     second.join()
     assert (tmp_path / "run/lock/ddops/recover.lock").exists()
+
+
+def test_reports_render_as_a_table_and_one_json_document(monkeypatch):
+    a, b = Scripted("a", ok=False), Scripted("b")
+    _, report = run_scripted(monkeypatch, [(a, ()), (b, ("a",))], mode="recover", dry_run=True)
+    console = Console(record=True, width=120)
+    recover.render_reports([report], console)
+    text = console.export_text()
+    assert text.startswith("recover: CT 200 on local: changes planned (")
+    assert "│ a     │ would change │" in text and "a broken" in text and "-> would fix a" in text
+    assert "│ b     │ skipped      │" in text and "needs a" in text
+    assert text.rstrip().endswith("diff")  # the planned diff follows the table
+    document = recover.reports_json([report])
+    assert document["ok"] is False
+    assert document["cts"][0]["checks"][0] == {
+        "key": "a",
+        "title": "a",
+        "status": "would change",
+        "seconds": document["cts"][0]["checks"][0]["seconds"],
+        "evidence": "a broken",
+        "action": "would fix a",
+        "diff": "diff",
+    }
