@@ -1,0 +1,128 @@
+"""Tensor parallelism (engine/parallel.py) on the CPU with gloo: two ranks decode like one.
+
+This pytest process is rank 0 and spawns rank 1, once per tiny model (dense with the lm_head
+replicated on rank 0, hybrid with it vocab-sharded), so the tests drive the real leader/follower
+protocol: logits and hidden states within 1e-5 of the whole model through prefill, a tree
+verify, its commit and a chain; greedy ddtree (with a drafter that is often right, so trees are
+accepted several tokens deep) and ar token for token. The slow test starts `serve --tp 2`.
+
+Run: python -m pytest -q tests/test_parallel.py [--slow]
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import torch
+from torch import nn
+
+from engine.decode import GenerationConfig, generate
+from engine.models import load_drafter, load_target
+from engine.parallel import TensorParallelTarget, launch_target, shard_model
+from engine.tokenizer import load_tokenizer
+from tests.helpers.engine_server import engine_server
+from tests.helpers.tiny_hybrid import save_tiny_hybrid
+from tests.helpers.tiny_qwen3 import save_tiny_dflash, save_tiny_qwen3
+from tests.test_decode import OracleDrafter
+
+torch.set_num_threads(1)
+
+CASES = {"dense": (save_tiny_qwen3, "replicated"), "hybrid": (save_tiny_hybrid, "sharded")}
+PROMPT = [5, 17, 3, 42, 8, 23, 11]
+TOLERANCE = 1e-5
+
+
+@dataclass
+class Pair:
+    """The same checkpoint whole (one process) and over two ranks."""
+
+    whole: nn.Module
+    sharded: TensorParallelTarget
+
+    @property
+    def vocab(self) -> int:
+        return self.whole.config.vocab_size
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def pair(request, tmp_path_factory):
+    save, lm_head = CASES[request.param]
+    model_dir = save(tmp_path_factory.mktemp(request.param), seed=3, tokenizer=False)
+    sharded = launch_target(model_dir, torch.float32, "cpu", tp=2, lm_head=lm_head)
+    yield Pair(load_target(model_dir), sharded)
+    sharded.close()
+
+
+def prefill_tree_chain(target, layers: tuple[int, ...]) -> list[torch.Tensor]:
+    """Logits and hidden states of: prefill, a branching tree, its commit, then a chain."""
+    cache = target.new_cache(64)
+    outputs = list(target.forward(torch.tensor(PROMPT), cache, None, layers))
+    target.commit(cache, torch.arange(len(PROMPT)))
+    tree_ids, parents = torch.tensor([7, 8, 9, 10, 11]), torch.tensor([-1, 0, 0, 1, 3])
+    outputs += target.forward(tree_ids, cache, parents, layers)
+    target.commit(cache, torch.tensor([0, 1, 3, 4]))
+    outputs += target.forward(torch.tensor([12, 13]), cache, None, layers)
+    return outputs
+
+
+def test_logits_and_hidden_states_equal_one_rank(pair):
+    expected = prefill_tree_chain(pair.whole, (0, 1))
+    got = prefill_tree_chain(pair.sharded, (0, 1))
+    for want, have in zip(expected, got, strict=True):
+        assert have.shape == want.shape
+        torch.testing.assert_close(have, want, atol=TOLERANCE, rtol=0)
+
+
+def oracle_for(pair: Pair, seed: int) -> OracleDrafter:
+    """A drafter that knows one rank's greedy output: often first, sometimes second, or absent."""
+    cfg = GenerationConfig(method="ar", max_new_tokens=24)
+    sequence = PROMPT + generate(pair.whole, None, PROMPT, cfg).output_ids
+    rng = random.Random(seed)
+    ranks = {p: rng.choice([0, 0, 0, 1, None]) for p in range(len(sequence))}
+    return OracleDrafter(sequence, pair.vocab, block_size=5, ranks=ranks)
+
+
+@pytest.mark.parametrize(("method", "budget"), [("ar", 1), ("ddtree", 6)])
+def test_greedy_output_equals_one_rank_token_for_token(pair, method, budget):
+    drafter = oracle_for(pair, seed=budget)
+    cfg = GenerationConfig(method=method, budget=budget, max_new_tokens=24, trace=True)
+    expected = generate(pair.whole, drafter, PROMPT, cfg)
+    got = generate(pair.sharded, drafter, PROMPT, cfg)
+    assert got.output_ids == expected.output_ids
+    assert got.rounds == expected.rounds  # same trees, same accepted paths
+    if method == "ddtree":
+        assert max(got.acceptance_lengths) >= 3
+
+
+def test_only_the_latest_sequence_can_step(pair):
+    stale = pair.sharded.new_cache(16)
+    pair.sharded.new_cache(16)
+    with pytest.raises(ValueError, match="one sequence"):
+        pair.sharded.forward(torch.tensor(PROMPT), stale)
+    test_logits_and_hidden_states_equal_one_rank(pair)  # the ranks are still in step
+
+
+def test_heads_that_do_not_divide_are_refused(tmp_path):
+    model = load_target(save_tiny_qwen3(tmp_path, tokenizer=False, intermediate_size=66))
+    with pytest.raises(ValueError, match="intermediate_size: 66 is not divisible by --tp 4"):
+        shard_model(model, rank=0, world=4)
+
+
+@pytest.mark.slow
+def test_server_with_two_ranks_answers_like_one_rank(tmp_path):
+    target_dir = save_tiny_qwen3(tmp_path / "target", seed=5)
+    draft_dir = save_tiny_dflash(tmp_path / "draft", target_dir)
+    tokenizer = load_tokenizer(target_dir)
+    prompt = "w1 w2 w3 w4"
+    cfg = GenerationConfig(max_new_tokens=12, budget=6, stop_token_ids=tokenizer.eos_token_ids)
+    drafter = load_drafter(draft_dir)
+    expected = generate(load_target(target_dir), drafter, tokenizer.encode(prompt), cfg)
+    with engine_server(target_dir, draft_dir, extra_args=["--tp", "2", "--budget", "6"]) as server:
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200
+    ids = [t for t in expected.output_ids if t not in tokenizer.eos_token_ids]
+    assert response.json()["choices"][0]["text"] == tokenizer.decode(ids)
