@@ -237,6 +237,7 @@ def _plot_by_method(rows: list[dict], path: Path) -> Path:
 
 def _plot_by_budget(rows: list[dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     figure, (tau_axes, rate_axes) = plt.subplots(1, 2, figsize=(10, 4))
     for scenario, length in _columns(rows):
@@ -257,6 +258,7 @@ def _plot_by_budget(rows: list[dict], path: Path) -> Path:
             budgets, [r["decode_tok_s"] for _, r in points], "o-", label=f"{scenario} {length}"
         )
     for axes, label in ((tau_axes, "tau (tokens per round)"), (rate_axes, "decode tok/s")):
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.set_xlabel("ddtree budget (nodes)")
         axes.set_ylabel(label)
         axes.legend()
