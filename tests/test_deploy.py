@@ -94,6 +94,16 @@ def deployed(staged, engine):
     return outcome
 
 
+def wait_until(probe, timeout: float = 60.0):
+    """probe()'s first truthy value. What tests wait for here happens in other processes (the
+    supervisor, a CT): there is no event to await, only their next state to read."""
+    deadline = time.monotonic() + timeout
+    while not (value := probe()):
+        assert time.monotonic() < deadline, f"still waiting after {timeout:g} s"
+        time.sleep(0.05)
+    return value
+
+
 def supervisor_status(t, vmid: int = CT) -> supervise.Status:
     r = ct_exec(t, vmid, ["cat", supervise.STATUS_FILE]).check("status")
     return supervise.Status(**json.loads(r.stdout))
@@ -187,6 +197,7 @@ def test_dry_run_on_a_changed_budget_shows_the_diff_and_changes_nothing(host, en
 def test_a_killed_engine_is_restarted_by_the_supervisor(host, engine, deployed):
     killed = supervisor_status(host)
     ct_exec(host, CT, ["kill", "-KILL", str(killed.engine_pid)]).check("kill")
+    wait_until(lambda: supervisor_status(host).exits > killed.exits)  # it saw the exit
     deploy.wait_ready(host, CT, engine, timeout=READY_TIMEOUT_S)
     now = supervisor_status(host)
     assert now.starts == killed.starts + 1 and now.last_exit == -9
@@ -283,13 +294,17 @@ class LocalSupervisor:
     def status(self) -> supervise.Status:
         return supervise.Status(**json.loads(self.status_file.read_text()))
 
-    def wait_for(self, condition, timeout: float = 30.0) -> supervise.Status:
-        # Another process's files: nothing to await but their next state.
-        deadline = time.monotonic() + timeout
-        while not condition(status := self.status()):
-            assert time.monotonic() < deadline, f"supervisor status stuck at {status}"
-            time.sleep(0.05)
-        return status
+    def wait_for(self, condition) -> supervise.Status:
+        """The status once `condition(status)` holds."""
+
+        def satisfied() -> supervise.Status | None:
+            status = self.status()
+            return status if condition(status) else None
+
+        return wait_until(satisfied)
+
+    def wait_for_log(self, line: str, count: int) -> None:
+        self.wait_for(lambda _: self.log.read_text().count(line) >= count)
 
 
 @pytest.fixture
@@ -306,6 +321,7 @@ SLEEPER = (
     "print(env['GREETING'], env['DDOPS_API_KEY'], 'CALLERS_SECRET' in env, flush=True); "
     "time.sleep(600)"
 )
+SLEEPER_SAYS = "hi k-123 False\n"
 
 
 def alive(pid: int) -> bool:
@@ -350,14 +366,16 @@ def test_supervisor_runs_the_unit_restarts_a_killed_engine_and_stops_the_group(
     pid = supervisor.start(unit)
     assert supervisor.start(unit) == pid  # already running: the same supervisor
     first = supervisor.wait_for(lambda s: s.engine_pid is not None)
+    supervisor.wait_for_log(SLEEPER_SAYS, 1)
     os.kill(first.engine_pid, signal.SIGKILL)
     second = supervisor.wait_for(lambda s: s.starts == 2)
     assert second.last_exit == -signal.SIGKILL and second.engine_pid != first.engine_pid
+    supervisor.wait_for_log(SLEEPER_SAYS, 2)
     assert supervisor.call("stop") == "stopped"
     assert not alive(pid) and not alive(second.engine_pid)
     assert not supervisor.pidfile.exists()
     log = supervisor.log.read_text()
-    assert log.count("hi k-123 False\n") == 2  # Environment=, EnvironmentFile=; not the caller's
+    assert log.count(SLEEPER_SAYS) == 2  # Environment=, EnvironmentFile=; not the caller's env
     assert "engine exited with -9; restarting in 0.2 s" in log
     assert supervisor.call("stop") == "not running"
 
@@ -370,14 +388,14 @@ def test_supervisor_backs_off_on_failures_and_ends_on_a_clean_exit(supervisor, t
         "sys.exit(0 if n == 3 else 3)"
     )
     pid = supervisor.start(stand_in_unit(tmp_path, script, restart_sec=0.1))
-    status = supervisor.wait_for(lambda s: s.exits == 3)
-    assert (status.starts, status.last_exit) == (3, 0)
+    status = supervisor.wait_for(lambda s: not alive(pid))  # it ends by itself
+    assert (status.starts, status.exits, status.last_exit) == (3, 3, 0)
+    assert not supervisor.pidfile.exists()
     log = supervisor.log.read_text()
     assert (
         "exited with 3; restarting in 0.1 s" in log and "exited with 3; restarting in 0.2 s" in log
     )
-    assert "engine exited with 0; supervisor ends" in log
-    supervisor.wait_for(lambda s: not alive(pid))
+    assert log.endswith("engine exited with 0; supervisor ends\n")
 
 
 def test_a_new_supervisor_first_stops_the_engine_a_killed_one_left(supervisor, tmp_path):
