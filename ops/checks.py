@@ -99,6 +99,8 @@ Remedy = Callable[[ChainContext, bool], Outcome]
 
 @dataclass(frozen=True)
 class Check:
+    """One link of the chain: `needs` names the checks whose failure makes this one moot."""
+
     key: str
     title: str
     probe: Probe
