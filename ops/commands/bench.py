@@ -35,6 +35,7 @@ from ops.bench.matrix import (
 from ops.bench.report import load_rows, markdown_report, render_report, summary_table
 from ops.bench.runner import RichProgress, run_bench
 from ops.bench.store import RunStore
+from ops.commands.recover import VIA
 from ops.errors import DdopsError
 
 API_KEY_ENV = "DDOPS_API_KEY"
@@ -83,13 +84,12 @@ def _parsed(parse):
 @click.option("--agentic-turns", type=click.IntRange(1), default=4, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False), help="Results directory.")
 @click.option("--no-recover", is_flag=True, help="Fail when a health check fails; repair nothing.")
+@VIA
 @click.pass_context
-def bench_command(ctx: click.Context, vmid, url, out, no_recover, **matrix) -> None:
+def bench_command(ctx: click.Context, vmid, url, out, no_recover, via, **matrix) -> None:
     """Measure decoding methods x output lengths x scenarios; write results and a report."""
     if ctx.invoked_subcommand:
         return
-    if (vmid is None) == (url is None):
-        raise click.UsageError("name the engine: --ct VMID (with a site) or --url URL")
     config = BenchConfig(
         methods=matrix["methods"],
         lengths=matrix["lengths"],
@@ -98,6 +98,14 @@ def bench_command(ctx: click.Context, vmid, url, out, no_recover, **matrix) -> N
         warmup=matrix["warmup"],
         agentic=AgenticShape(matrix["agentic_context"], matrix["agentic_turns"]),
     )
+    if via == "ansible":
+        if url:
+            raise click.UsageError("--via ansible benches the site's CTs (--ct), not a --url")
+        from ops.commands.via_ansible import bench_via_ansible
+
+        return bench_via_ansible(ctx, vmid, config, out, no_recover)
+    if (vmid is None) == (url is None):
+        raise click.UsageError("name the engine: --ct VMID (with a site) or --url URL")
     results = Path(out) if out else _default_results()
     api_key = os.environ.get(API_KEY_ENV) or None
     if url:

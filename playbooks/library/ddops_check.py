@@ -163,7 +163,6 @@ def main() -> None:
     diff = "".join(r["diff"] for r in results)
     module.exit_json(
         changed=any(r["status"] in ("changed", "would change") for r in results),
-        skipped=bool(results) and all(r["status"] == "skipped" for r in results),
         results=results,
         diff={"prepared": diff} if diff else {},
         ansible_facts={"ddops_chain_state": state},
