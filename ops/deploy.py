@@ -287,6 +287,7 @@ class Systemd(ServiceManager):
         restarts = int(shown.get("NRestarts") or 0)
         words = f"{active} ({sub}), last exit status {shown.get('ExecMainStatus', '?')}"
         running = active in ("active", "activating", "reloading")
+        # NRestarts counts restarts done; an engine down now has exited once more than that.
         return ServiceState(running, engine_up, restarts + (not engine_up), words)
 
     def start(self) -> None:
@@ -296,17 +297,8 @@ class Systemd(ServiceManager):
         self.run(["systemctl", "restart", SYSTEMD_UNIT_NAME], "systemctl restart")
 
     def log_tail(self) -> str:
-        argv = [
-            "journalctl",
-            "-u",
-            SYSTEMD_UNIT_NAME,
-            "-n",
-            str(LOG_LINES),
-            "--no-pager",
-            "-o",
-            "cat",
-        ]
-        return ct_exec(self.t, self.vmid, argv).stdout
+        journal = ["journalctl", "--unit", SYSTEMD_UNIT_NAME, "--lines", str(LOG_LINES)]
+        return ct_exec(self.t, self.vmid, [*journal, "--no-pager", "--output", "cat"]).stdout
 
 
 # Prints "alive", "gone" (pidfile, no supervisor) or "none" (no pidfile), then the status JSON.
