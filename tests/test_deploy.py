@@ -9,7 +9,8 @@ tests that start an engine or import torch in a CT are marked slow (run with --s
 The supervisor itself is tested on this machine with stand-in commands, and the systemd path
 against a fake `pct` whose CT runs systemd (no such CT can run here).
 
-    python -m pytest -q tests/test_deploy.py
+    python -m pytest -q tests/test_deploy.py            # ~40 s: supervisor, systemd path, dry-run
+    python -m pytest -q tests/test_deploy.py --slow     # + engines in real CTs: ~5 min on 2 busy cores
 """
 
 from __future__ import annotations
