@@ -18,8 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from click.testing import CliRunner
 
 from ops.checks import Policy
+from ops.cli import cli
 from ops.provision import provision
 from ops.recover import CheckResult, contexts
 from ops.sim import faults
@@ -169,6 +171,12 @@ def test_unreachable_host_is_named_and_nothing_else_runs(site):
     host = check(document, "host")
     assert host["status"] == "failed" and "unreachable" in host["evidence"]
     assert set(list(statuses(document).values())[1:]) == {"skipped"}
+    human = CliRunner().invoke(cli, ["-i", str(site.inventory), "provision", "--ct", "200"])
+    assert human.exit_code == 1
+    assert human.stderr.splitlines()[-1] == (
+        "Error: ssh://root@127.0.0.1:1: unreachable: connection refused on port 1"
+    )
+    assert "host reachable" in human.stdout and "skipped" in human.stdout
 
 
 def test_a_private_hub_without_hf_token_is_refused(tmp_path, hub_root):

@@ -18,8 +18,17 @@ import click
 
 from ops.checks import Policy
 from ops.provision import provision
-from ops.recover import CheckResult, contexts, health, recover, render_reports, reports_json
+from ops.recover import (
+    ChainReport,
+    CheckResult,
+    contexts,
+    health,
+    recover,
+    render_reports,
+    reports_json,
+)
 from ops.site import open_site
+from ops.steps import FAILED
 
 VMID = click.IntRange(100, 999_999_999)
 VIA = click.option(
@@ -39,7 +48,8 @@ def run_chain_command(
     dry_run: bool = False,
     via: str = "direct",
 ) -> None:
-    """Resolve the site, run the chain per CT, print a table (or --json), exit 1 unless all ok."""
+    """Resolve the site, run the chain per CT, print a table (or --json); when a check failed,
+    its cause as one `Error:` line on stderr and exit 1."""
     app = ctx.obj
     with open_site(
         inventory=app.inventory,
@@ -64,7 +74,8 @@ def run_chain_command(
         click.echo(json.dumps(reports_json(reports), indent=2))
     else:
         render_reports(reports)
-    if not all(r.ok for r in reports) and not (dry_run and _only_planned(reports)):
+    if failure := _first_failure(reports):
+        click.echo(f"Error: {failure}", err=True)
         ctx.exit(1)
 
 
@@ -73,9 +84,12 @@ def _progress(result: CheckResult) -> None:
     click.echo(f"{result.status:>12}  {result.title} ({result.seconds:.1f}s)", err=True)
 
 
-def _only_planned(reports) -> bool:
-    """A dry run that found fixable changes only (nothing failed) exits 0."""
-    return not any(r.status == "failed" for report in reports for r in report.results)
+def _first_failure(reports: Sequence[ChainReport]) -> str | None:
+    """The cause of the first failed check (what its remedy said, else what its probe found);
+    None when nothing failed (a dry run that only plans changes succeeds)."""
+    failed = (r for report in reports for r in report.results if r.status == FAILED)
+    first = next(failed, None)
+    return (first.action or first.evidence) if first else None
 
 
 @click.command("recover")
