@@ -12,6 +12,7 @@ Host paths given to push/pull are paths on the simulated host, so they live belo
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from ops.sim.state import CT_CONF_DIR, SimState, host_lock, load_state, save_sta
 
 TASK_ERROR = 255
 CT_SIDE_TOOLS = ("nvidia-smi",)
+PCT_EXEC_DROPPED_ENV = ("SSL_CERT_FILE", "SSL_CERT_DIR")
 
 
 class PctError(Exception):
@@ -186,6 +188,9 @@ class Pct:
         self._require_running(vmid)
         if not argv:
             raise PctError("400 missing command")
+        # Like Proxmox's pct (clean_environment): the host's CA paths would break TLS inside.
+        for var in PCT_EXEC_DROPPED_ENV:
+            os.environ.pop(var, None)
         return self.cts.exec(vmid, argv)
 
     def push(self, vmid: int, source: str, dest: str, options: dict[str, str]) -> None:
