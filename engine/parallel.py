@@ -32,6 +32,7 @@ followers once the leader has closed.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Sequence
@@ -46,8 +47,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.common import SwiGLU
+from engine.models.qwen3_5 import GatedAttention
 
+log = logging.getLogger(__name__)
 LM_HEAD_MODES = ("replicated", "sharded")
+COMMAND_OPS = ("new_cache", "forward", "commit", "stop")
 LEADER = 0
 SPLIT_FIELDS = (  # config fields that count what the ranks share out
     "num_attention_heads",
@@ -210,7 +214,7 @@ def shard_model(model: nn.Module, rank: int, world: int, lm_head: str = "replica
             shard_gated_deltanet(layer.linear_attn, rank, world)
         else:
             attn = layer.self_attn
-            gated = attn.q_proj.out_features == 2 * attn.heads * attn.head_dim
+            gated = isinstance(attn, GatedAttention)  # q_proj holds [query | gate] per head
             shard_attention(attn, rank, world, (2 if gated else 1) * attn.head_dim)
     if lm_head == "sharded":
         model.lm_head = VocabParallelHead(model.lm_head, rank, world)
@@ -228,7 +232,7 @@ def shard_model(model: nn.Module, rank: int, world: int, lm_head: str = "replica
 class Command:
     """One step every rank runs on its shard, carrying the decisions rank 0 made for it."""
 
-    op: str  # "new_cache" | "forward" | "commit" | "stop"
+    op: str  # one of COMMAND_OPS
     max_len: int = 0  # new_cache
     ids: list[int] | None = None  # forward: [bonus, drafted tree tokens...]
     parents: list[int] | None = None  # forward: the tree's parents; None = a chain
@@ -244,20 +248,32 @@ def broadcast_command(command: Command | None) -> Command:
 
 def follow(shard: nn.Module) -> None:
     """A follower's life: run rank 0's commands on this rank's shard until "stop"."""
-    device = shard.embed_tokens.weight.device
     cache = None
     while (command := broadcast_command(None)).op != "stop":
+        if command.op not in COMMAND_OPS:
+            raise ValueError(f"unknown tensor-parallel command {command.op!r}")
         if command.op == "new_cache":
             cache = None  # one live sequence: free the previous one before allocating
-            cache = shard.new_cache(command.max_len)
-        elif command.op == "forward":
-            ids = torch.tensor(command.ids, dtype=torch.long, device=device)
-            parents = None if command.parents is None else torch.tensor(command.parents)
-            shard.forward(ids, cache, parents)
-        elif command.op == "commit":
-            shard.commit(cache, torch.tensor(command.accepted, dtype=torch.long, device=device))
-        else:
-            raise ValueError(f"unknown tensor-parallel command {command.op!r}")
+        try:
+            cache = run_command(shard, command, cache)
+        except ValueError as error:
+            # The shapes and paths a step checks (cache room, root-to-node path) are the same on
+            # every rank, and checked before any collective: rank 0 refused this step too.
+            log.debug("step refused on every rank: %s", error)
+
+
+def run_command(shard: nn.Module, command: Command, cache):
+    """Run one command on this rank's shard; returns the (new) live cache."""
+    device = shard.embed_tokens.weight.device
+    if command.op == "new_cache":
+        return shard.new_cache(command.max_len)
+    if command.op == "forward":
+        ids = torch.tensor(command.ids, dtype=torch.long, device=device)
+        parents = None if command.parents is None else torch.tensor(command.parents)
+        shard.forward(ids, cache, parents)
+    elif command.op == "commit":
+        shard.commit(cache, torch.tensor(command.accepted, dtype=torch.long, device=device))
+    return cache
 
 
 class TensorParallelTarget:
@@ -352,7 +368,11 @@ def launch_target(
         followers = _spawn_followers(model_dir, dtype, device, tp, lm_head, init_method)
         local = rank_device(device, LEADER)
         init_group(LEADER, tp, local, init_method)
-    shard, whole_head, whole_config = load_shard(model_dir, dtype, local, LEADER, tp, lm_head)
+    try:
+        shard, whole_head, whole_config = load_shard(model_dir, dtype, local, LEADER, tp, lm_head)
+    except BaseException:  # the followers fail alike; leave the group so a retry can join one
+        dist.destroy_process_group()
+        raise
     return TensorParallelTarget(shard, whole_config, whole_head, followers)
 
 

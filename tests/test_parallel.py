@@ -97,12 +97,14 @@ def test_greedy_output_equals_one_rank_token_for_token(pair, method, budget):
         assert max(got.acceptance_lengths) >= 3
 
 
-def test_only_the_latest_sequence_can_step(pair):
+def test_refused_steps_leave_the_ranks_in_step(pair):
     stale = pair.sharded.new_cache(16)
-    pair.sharded.new_cache(16)
+    small = pair.sharded.new_cache(4)
     with pytest.raises(ValueError, match="one sequence"):
-        pair.sharded.forward(torch.tensor(PROMPT), stale)
-    test_logits_and_hidden_states_equal_one_rank(pair)  # the ranks are still in step
+        pair.sharded.forward(torch.tensor(PROMPT), stale)  # refused before any rank runs it
+    with pytest.raises(ValueError, match="KV cache full"):
+        pair.sharded.forward(torch.tensor(PROMPT), small)  # refused by every rank alike
+    test_logits_and_hidden_states_equal_one_rank(pair)
 
 
 def test_heads_that_do_not_divide_are_refused(tmp_path):
