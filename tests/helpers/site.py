@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import yaml
 
 from ops.sim.host import destroy_host, init_host
@@ -118,19 +117,6 @@ def disable_boot_units(root: Path, *units: str) -> None:
         (root / "etc/systemd/system/multi-user.target.wants" / unit).unlink()
 
 
-# The CT shares this process's environment (pct exec keeps it, like lxc-attach), but not this
-# machine's CA files: a CA bundle path from here would break TLS set-up inside the CT.
-CA_ENV = ("SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
-
-
-@contextlib.contextmanager
-def without_host_ca_env() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        for name in CA_ENV:
-            mp.delenv(name, raising=False)
-        yield
-
-
 def free_port() -> int:
     """A loopback port free now (the engine in the CT shares the host's network namespace)."""
     with socket.socket() as s:
@@ -180,7 +166,7 @@ def sim_site(
     it answers only `Authorization: Bearer <hub_token>`) + an inventory file."""
     root = tmp_path / "pve"
     init_host(root, gpus=1, uvm_major=uvm_major, pve_version=pve_version, containers="lxc")
-    with without_host_ca_env(), LocalHub(hub_root, token=hub_token) as hub:
+    with LocalHub(hub_root, token=hub_token) as hub:
         inventory = tmp_path / "inventory.yml"
         inventory.write_text(yaml.safe_dump(inventory_document(root, hub.url, **ct)))
         try:
