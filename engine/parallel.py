@@ -33,8 +33,11 @@ followers once the leader has closed.
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import multiprocessing.connection
 import os
 import tempfile
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -249,7 +252,7 @@ def broadcast_command(command: Command | None) -> Command:
 def follow(shard: nn.Module) -> None:
     """A follower's life: run rank 0's commands on this rank's shard until "stop"."""
     cache = None
-    while (command := broadcast_command(None)).op != "stop":
+    while (command := _next_command()) is not None and command.op != "stop":
         if command.op not in COMMAND_OPS:
             raise ValueError(f"unknown tensor-parallel command {command.op!r}")
         if command.op == "new_cache":
@@ -260,6 +263,15 @@ def follow(shard: nn.Module) -> None:
             # The shapes and paths a step checks (cache room, root-to-node path) are the same on
             # every rank, and checked before any collective: rank 0 refused this step too.
             log.debug("step refused on every rank: %s", error)
+
+
+def _next_command() -> Command | None:
+    """Rank 0's next command, or None once rank 0 is gone (killed: its connection closed)."""
+    try:
+        return broadcast_command(None)
+    except RuntimeError as error:
+        log.info("rank 0 is gone, this rank stops: %s", error)
+        return None
 
 
 def run_command(shard: nn.Module, command: Command, cache):
@@ -393,10 +405,22 @@ def _spawn_followers(
 
 
 def _spawned_follower(model_dir, dtype, device, rank, world, lm_head, init_method, threads):
+    _exit_with_parent()
     torch.set_num_threads(threads)
     local = rank_device(device, rank)
     init_group(rank, world, local, init_method)
     _serve_as_follower(model_dir, dtype, local, rank, world, lm_head)
+
+
+def _exit_with_parent() -> None:
+    """End this spawned rank when rank 0's process ends, even mid-collective (NCCL waits on)."""
+    parent = multiprocessing.parent_process()
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _serve_as_follower(model_dir, dtype, device: str, rank: int, world: int, lm_head: str):

@@ -12,7 +12,10 @@ Run: python -m pytest -q tests/test_parallel.py [--slow]
 from __future__ import annotations
 
 import random
+import signal
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,7 +26,7 @@ from engine.decode import GenerationConfig, generate
 from engine.models import load_drafter, load_target
 from engine.parallel import TensorParallelTarget, launch_target, shard_model
 from engine.tokenizer import load_tokenizer
-from tests.helpers.engine_server import engine_server
+from tests.helpers.engine_server import start_engine_server
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_qwen3 import save_tiny_dflash, save_tiny_qwen3
 from tests.test_decode import OracleDrafter
@@ -113,8 +116,24 @@ def test_heads_that_do_not_divide_are_refused(tmp_path):
         shard_model(model, rank=0, world=4)
 
 
+def children_of(pid: int) -> list[int]:
+    """Processes started by any thread of `pid` (the engine spawns its ranks off the main one)."""
+    tasks = Path(f"/proc/{pid}/task").glob("*/children")
+    return [int(child) for task in tasks for child in task.read_text().split()]
+
+
+def wait_until_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
+    """The pids still alive after `timeout` (they are not our children: no wait() to await)."""
+    deadline = time.monotonic() + timeout
+    while (
+        alive := [p for p in pids if Path(f"/proc/{p}").exists()]
+    ) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
 @pytest.mark.slow
-def test_server_with_two_ranks_answers_like_one_rank(tmp_path):
+def test_server_with_two_ranks_answers_like_one_rank_and_stops_cleanly(tmp_path):
     target_dir = save_tiny_qwen3(tmp_path / "target", seed=5)
     draft_dir = save_tiny_dflash(tmp_path / "draft", target_dir)
     tokenizer = load_tokenizer(target_dir)
@@ -122,9 +141,16 @@ def test_server_with_two_ranks_answers_like_one_rank(tmp_path):
     cfg = GenerationConfig(max_new_tokens=12, budget=6, stop_token_ids=tokenizer.eos_token_ids)
     drafter = load_drafter(draft_dir)
     expected = generate(load_target(target_dir), drafter, tokenizer.encode(prompt), cfg)
-    with engine_server(target_dir, draft_dir, extra_args=["--tp", "2", "--budget", "6"]) as server:
+    server = start_engine_server(target_dir, draft_dir, extra_args=["--tp", "2", "--budget", "6"])
+    try:
         body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
         response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        ranks = children_of(server.pid)
+    finally:
+        exit_code = server.stop()
     assert response.status_code == 200
     ids = [t for t in expected.output_ids if t not in tokenizer.eos_token_ids]
     assert response.json()["choices"][0]["text"] == tokenizer.decode(ids)
+    assert exit_code == -signal.SIGTERM  # uvicorn re-raises SIGTERM after a graceful stop
+    assert ranks and not wait_until_gone(ranks)  # the spawned rank ended with rank 0
+    assert "Traceback" not in server.log_text()
