@@ -26,20 +26,28 @@ from click.testing import CliRunner
 
 from ops.ansible import (
     PlaybookRun,
+    bench_args,
     connection_vars,
     run_playbook,
     site_inventory,
     with_local_connections,
 )
+from ops.bench.matrix import AgenticShape, BenchConfig, parse_methods
 from ops.checks import Policy, chain_for
 from ops.cli import cli
+from ops.deploy import SUPERVISED_UNIT
 from ops.host_setup import boot_specs
 from ops.inventory import parse_site
 from ops.recover import contexts
 from ops.sim.host import destroy_host, init_host
 from ops.sim.hub import LocalHub
 from ops.site import open_site
-from tests.helpers.site import inventory_document, make_tiny_hub_root, without_host_ca_env
+from tests.helpers.site import (
+    inventory_document,
+    make_tiny_hub_root,
+    sim_site,
+    without_host_ca_env,
+)
 from tests.helpers.sshd import running_sshd
 
 pytestmark = pytest.mark.ansible
@@ -86,6 +94,37 @@ def test_user_inventory_gets_local_connections_for_sim_hosts_only_and_keeps_its_
     }
     assert changed["all"]["hosts"]["real"] == {"ansible_host": "192.0.2.8"}
     assert "ansible_connection" not in document["all"]["hosts"]["sim"]  # the input is not edited
+
+
+def test_bench_args_give_each_host_the_same_matrix():
+    from ops.commands.bench import bench_command
+
+    config = BenchConfig(
+        methods=parse_methods("ar,ddtree:7,linear"),
+        lengths=(16, 32),
+        scenarios=("decode", "long"),
+        repeats=2,
+        warmup=0,
+        agentic=AgenticShape(context=64, turns=2),
+    )
+    params = bench_command.make_context("bench", [*bench_args(config), "--ct", "200"]).params
+    assert (
+        BenchConfig(
+            methods=params["methods"],
+            lengths=params["lengths"],
+            scenarios=params["scenarios"],
+            repeats=params["repeats"],
+            warmup=params["warmup"],
+            agentic=AgenticShape(params["agentic_context"], params["agentic_turns"]),
+        )
+        == config
+    )
+
+
+def test_bench_via_ansible_is_for_the_sites_cts_not_a_url():
+    result = CliRunner().invoke(cli, ["bench", "--url", "http://127.0.0.1:9", "--via", "ansible"])
+    assert result.exit_code == 2
+    assert "--via ansible benches the site's CTs (--ct), not a --url" in result.output
 
 
 def _event(kind: str, host: str, task: str, action: str, res: dict) -> dict:
@@ -184,13 +223,14 @@ class Fleet:
         self.inventory.write_text(yaml.safe_dump(document))
 
     def file_state(self) -> dict[str, str]:
-        """{path: sha256} of every file in the hosts' /etc, /var/lib/lxc and /var/lib/ddops."""
+        """{path: sha256} of every file in the hosts' /etc, /var/lib/lxc and /var/lib/ddops, logs
+        aside (a probe in a CT appends to its lxc.log)."""
         return {
             str(p): hashlib.sha256(p.read_bytes()).hexdigest()
             for root in self.roots.values()
             for base in ("etc", "var/lib/lxc", "var/lib/ddops")
             for p in sorted((root / base).rglob("*"))
-            if p.is_file() and not p.is_symlink()
+            if p.is_file() and not p.is_symlink() and p.suffix != ".log"
         }
 
     def playbook(self, name: str, *, check: bool = False) -> PlaybookRun:
@@ -288,7 +328,7 @@ def cli_path_up_to_ct_config(fleet: Fleet, host: str, twin: Path) -> None:
         (c,) = contexts(opened, policy)
         c = dataclasses.replace(c, inventory_path=str(fleet.inventory))
         for check in chain_for(policy):
-            if check.key not in ("host", "capacity") and not check.probe(c).ok:
+            if not check.probe(c).ok:
                 check.remedy(c, False)
             if check.key == "ct-config":
                 return
@@ -297,7 +337,7 @@ def cli_path_up_to_ct_config(fleet: Fleet, host: str, twin: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.lxc
 @pytest.mark.ssh
-def test_dry_run_via_ansible_plans_on_both_hosts_and_changes_nothing(fleet):
+def test_check_then_apply_then_apply_again_and_the_files_equal_the_cli_paths(fleet, tmp_path):
     before = fleet.file_state()
     code, document = fleet.ddops("provision", "--via", "ansible", "--dry-run")
     assert fleet.file_state() == before
@@ -312,11 +352,6 @@ def test_dry_run_via_ansible_plans_on_both_hosts_and_changes_nothing(fleet):
         assert checks["ct-config"] == "skipped" and checks["model"] == "skipped"
         assert checks["modules"] == checks["nodes"] == "unchanged"
 
-
-@pytest.mark.slow
-@pytest.mark.lxc
-@pytest.mark.ssh
-def test_apply_then_apply_again_and_the_files_equal_the_cli_paths(fleet, tmp_path):
     applied = fleet.playbook("provision")
     assert {h: o.status for h, o in applied.hosts.items()} == {LOCAL: "changed", REMOTE: "changed"}
     for vmid, checks in statuses(applied).items():
@@ -356,3 +391,31 @@ def test_a_host_that_fails_is_named_and_the_other_goes_on(fleet):
     assert by_ct[VMIDS[REMOTE]]["capacity"] == "failed"
     assert by_ct[VMIDS[REMOTE]]["modules"] == "skipped"  # after a failure the CT's chain stops
     assert by_ct[VMIDS[LOCAL]]["ct-exists"] == "would change"  # the other host went on
+
+
+@pytest.mark.slow  # the engine steps import torch in the CT and load the model: minutes here
+@pytest.mark.lxc
+def test_the_whole_chain_via_ansible_then_recover_changes_nothing(tmp_path, hub_root):
+    """provision --via ansible from nothing to an engine that answers; recover --via ansible
+    then finds nothing to do; the engine unit equals the one the CLI path writes."""
+    with sim_site(tmp_path / "ansible", hub_root) as site:
+        code, document = site.ddops("provision", "--via", "ansible")
+        assert code == 0, document
+        (ct,) = document["cts"]
+        assert {c["key"] for c in ct["checks"]} == {check.key for check in chain_for(Policy(True))}
+        assert {c["status"] for c in ct["checks"]} <= {"changed", "unchanged"}
+        assert {c["key"]: c["status"] for c in ct["checks"]}["engine"] in ("changed", "unchanged")
+
+        code, again = site.ddops("recover", "--via", "ansible")
+        assert code == 0, again
+        assert {c["status"] for ct in again["cts"] for c in ct["checks"]} == {"unchanged"}
+        unit = site.ct_sh(f"cat {SUPERVISED_UNIT}")
+        site.t.run(["pct", "stop", str(site.vmid)]).check("stop")  # frees the engine's port
+
+        with sim_site(tmp_path / "cli", hub_root) as twin:
+            twin.inventory.write_text(
+                site.inventory.read_text().replace(str(site.root), str(twin.root))
+            )
+            code, direct = twin.ddops("provision")
+            assert code == 0, direct
+            assert twin.ct_sh(f"cat {SUPERVISED_UNIT}") == unit

@@ -22,6 +22,7 @@ when any CT failed, after every CT has gone as far as it could.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.ddops_host import host_sysroot
@@ -93,9 +94,8 @@ def blocked_by(check, statuses: dict[str, str]) -> str | None:
 
 
 def run_check(check, c, statuses: dict[str, str], dry_run: bool):
-    """The chain's probe -> remedy -> re-probe for one CT, as ops.recover.run_chain does it."""
-    import time
-
+    """The chain's probe -> remedy -> re-probe for one CT, as ops.recover.run_chain does it (its
+    per-check helpers are private there; they are used, not copied, to keep one logic)."""
     from ops.recover import CheckResult, _probe, _repair, _with_probe_time, host_lock
 
     if (why := blocked_by(check, statuses)) is not None:
