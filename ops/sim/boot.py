@@ -4,12 +4,14 @@ Modules: every non-comment line of PATH/etc/modules-load.d/*.conf names a module
 
 Units: a unit PATH/etc/systemd/system/<name>.service runs at boot when it is enabled (a link or
 file named <name>.service in some PATH/etc/systemd/system/*.wants/ directory). Of the unit, the
-sim honours only `ExecStart=` lines (in order; a leading `-` ignores the command's failure) and
-runs them after the modules load and before the `onboot: 1` CTs start (as
+sim honours `ExecStart=` lines (in order; a leading `-` ignores the command's failure) and its
+order against the guests: a unit with `After=pve-guests.service` runs after the `onboot: 1` CTs
+have started, every other unit after the modules load and before the CTs start (as
 `Before=pve-guests.service` orders it on a real host). Only commands the simulated host can run
 are executed: its own tools (nvidia-modprobe, modprobe, ...), run from PATH/usr/{s,}bin, and
-`ddops`, run as `ddops --host sim:PATH ...`. Any other command is logged as skipped: the sim runs
-on a real machine and never executes arbitrary boot commands on it.
+`ddops`, whose `--host` (e.g. `local`: the PVE host itself) becomes `--host sim:PATH`. Any other
+command is logged as skipped: the sim runs on a real machine and never executes arbitrary boot
+commands on it.
 """
 
 from __future__ import annotations
@@ -56,11 +58,19 @@ def exec_starts(unit: Path) -> list[str]:
     return lines
 
 
-def run_boot_units(root: Path) -> list[str]:
-    """Run the enabled units' ExecStart commands; the names of the units that ran any."""
+def after_guests(unit: Path) -> bool:
+    """Whether the unit is ordered after pve-guests.service (runs once the onboot CTs are up)."""
+    return any(
+        line.strip().startswith("After=") and "pve-guests.service" in line
+        for line in unit.read_text().splitlines()
+    )
+
+
+def run_boot_units(root: Path, *, after_guests_started: bool) -> list[str]:
+    """Run the enabled units of one phase (before or after the guests start); those that ran."""
     ran = []
     for unit in enabled_units(root):
-        if _run_unit(root, unit):
+        if after_guests(unit) == after_guests_started and _run_unit(root, unit):
             ran.append(unit.stem)
     return ran
 
@@ -89,8 +99,21 @@ def _sim_argv(root: Path, argv: list[str]) -> list[str] | None:
     if program == "ddops":
         ddops = shutil.which("ddops") or sys.executable
         prefix = [ddops] if ddops != sys.executable else [ddops, "-m", "ops.cli"]
-        return [*prefix, "--host", f"sim:{root}", *argv[1:]]
+        return [*prefix, "--host", f"sim:{root}", *_without_host_option(argv[1:])]
     return None
+
+
+def _without_host_option(args: list[str]) -> list[str]:
+    """args less any `--host X` / `--host=X`: on the sim host, the host is the sim."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--host":
+            skip = True
+        elif not arg.startswith("--host="):
+            kept.append(arg)
+    return kept
 
 
 def _boot_env(root: Path) -> dict[str, str]:

@@ -7,7 +7,8 @@
 A reboot stops every CT (their /dev/shm empties), unloads the modules and removes every
 /dev/nvidia* node, may change the uvm major, loads `nvidia` (udev does, for the PCI device)
 plus the modules named in PATH/etc/modules-load.d/*.conf, runs the boot units the sim
-honours (ops/sim/boot.py), then starts the CTs with `onboot: 1`.
+honours before the guests (ops/sim/boot.py), starts the CTs with `onboot: 1`, then runs
+the units ordered after pve-guests.service (ddops recover).
 """
 
 from __future__ import annotations
@@ -155,8 +156,9 @@ def reboot_host(root: Path, *, uvm_major: int | None = None) -> BootReport:
         save_state(root, state)
         report.modules = list(state.modules)
     log(root, f"boot {state.boots}: uvm major {report.uvm_major_before} -> {report.uvm_major}")
-    report.units = boot.run_boot_units(root)
+    report.units = boot.run_boot_units(root, after_guests_started=False)
     _start_onboot(root, report)
+    report.units += boot.run_boot_units(root, after_guests_started=True)
     return report
 
 
