@@ -216,8 +216,8 @@ def _task_status(status: str, res: dict) -> str:
 def _record_check(
     run: PlaybookRun, host: str, item: dict, mode: str, check: bool, on_progress: Progress | None
 ) -> None:
-    vmid = int(item.pop("vmid"))
-    result = CheckResult(**item)
+    vmid = int(item["vmid"])
+    result = CheckResult(**{name: value for name, value in item.items() if name != "vmid"})
     report = run.reports.setdefault((host, vmid), ChainReport(host, vmid, mode, check))
     report.results.append(result)
     report.seconds += result.seconds

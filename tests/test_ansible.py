@@ -46,7 +46,6 @@ from tests.helpers.site import (
     inventory_document,
     make_tiny_hub_root,
     sim_site,
-    without_host_ca_env,
 )
 from tests.helpers.sshd import running_sshd
 
@@ -293,11 +292,7 @@ def two_sim_hosts(tmp_path: Path, hub_url: str, server) -> Iterator[Fleet]:
 
 @pytest.fixture
 def fleet(tmp_path, hub_root, sshd_server):
-    with (
-        without_host_ca_env(),
-        LocalHub(hub_root) as hub,
-        two_sim_hosts(tmp_path, hub.url, sshd_server) as fleet,
-    ):
+    with LocalHub(hub_root) as hub, two_sim_hosts(tmp_path, hub.url, sshd_server) as fleet:
         yield fleet
 
 
