@@ -11,8 +11,12 @@ Run: python -m pytest -q tests/test_parallel.py [--slow]
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,16 +92,38 @@ def oracle_for(pair: Pair, seed: int) -> OracleDrafter:
     return OracleDrafter(sequence, pair.vocab, block_size=5, ranks=ranks)
 
 
-@pytest.mark.parametrize(("method", "budget"), [("ar", 1), ("ddtree", 6)])
-def test_greedy_output_equals_one_rank_token_for_token(pair, method, budget):
+@pytest.mark.parametrize(
+    ("method", "budget", "temperature"), [("ar", 1, 0.0), ("ddtree", 6, 0.0), ("ddtree", 6, 1.0)]
+)
+def test_output_equals_one_rank_token_for_token(pair, method, budget, temperature):
     drafter = oracle_for(pair, seed=budget)
-    cfg = GenerationConfig(method=method, budget=budget, max_new_tokens=24, trace=True)
+    cfg = GenerationConfig(
+        method=method, budget=budget, max_new_tokens=24, temperature=temperature, seed=7, trace=True
+    )
     expected = generate(pair.whole, drafter, PROMPT, cfg)
     got = generate(pair.sharded, drafter, PROMPT, cfg)
     assert got.output_ids == expected.output_ids
     assert got.rounds == expected.rounds  # same trees, same accepted paths
-    if method == "ddtree":
+    if method == "ddtree" and temperature == 0:
         assert max(got.acceptance_lengths) >= 3
+
+
+@pytest.mark.slow
+def test_generate_command_with_two_ranks_prints_what_one_rank_does(tmp_path):
+    target_dir = save_tiny_qwen3(tmp_path / "target", seed=5, tokenizer=False)
+    draft_dir = save_tiny_dflash(tmp_path / "draft", target_dir)
+    argv = [sys.executable, "-m", "engine", "generate", "--model", str(target_dir)]
+    argv += ["--draft", str(draft_dir), "--method", "ddtree", "--budget", "6", "--device", "cpu"]
+    argv += ["--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "12", "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    documents = [
+        json.loads(
+            subprocess.run(argv + ["--tp", tp], env=env, capture_output=True, check=True).stdout
+        )
+        for tp in ("1", "2")
+    ]
+    assert documents[0]["output_ids"] == documents[1]["output_ids"]
+    assert documents[0]["acceptance_lengths"] == documents[1]["acceptance_lengths"]
 
 
 def test_refused_steps_leave_the_ranks_in_step(pair):
