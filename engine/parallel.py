@@ -103,11 +103,15 @@ def head_rows(heads: range, width: int, offset: int = 0) -> torch.Tensor:
     return (starts[:, None] + torch.arange(width)).flatten()
 
 
+def rows_of(tensor: torch.Tensor, rows: torch.Tensor) -> nn.Parameter:
+    """A frozen parameter holding rows `rows` (dim 0) of `tensor`."""
+    return nn.Parameter(tensor.data[rows.to(tensor.device)], requires_grad=False)
+
+
 def keep_rows(linear: nn.Linear, rows: torch.Tensor) -> None:
     """Column-parallel: this rank computes only output features `rows`."""
-    weight = linear.weight.data[rows.to(linear.weight.device)]
-    linear.weight = nn.Parameter(weight, requires_grad=False)
-    linear.out_features = weight.shape[0]
+    linear.weight = rows_of(linear.weight, rows)
+    linear.out_features = len(rows)
 
 
 class RowParallelLinear(nn.Linear):
@@ -160,16 +164,12 @@ def shard_gated_deltanet(gdn: nn.Module, rank: int, world: int) -> None:
         ]
     )
     keep_rows(gdn.in_proj_qkv, channels)
-    conv_weight = gdn.conv1d.weight.data[channels.to(gdn.conv1d.weight.device)]  # [C', 1, K]
-    gdn.conv1d.weight = nn.Parameter(conv_weight, requires_grad=False)
+    gdn.conv1d.weight = rows_of(gdn.conv1d.weight, channels)  # [C', 1, K] depthwise
     keep_rows(gdn.in_proj_z, head_rows(value_heads, s.value_dim))
     per_head = torch.tensor(value_heads)
     keep_rows(gdn.in_proj_a, per_head)
     keep_rows(gdn.in_proj_b, per_head)
-    gdn.A_log = nn.Parameter(gdn.A_log.data[per_head.to(gdn.A_log.device)], requires_grad=False)
-    gdn.dt_bias = nn.Parameter(
-        gdn.dt_bias.data[per_head.to(gdn.dt_bias.device)], requires_grad=False
-    )
+    gdn.A_log, gdn.dt_bias = rows_of(gdn.A_log, per_head), rows_of(gdn.dt_bias, per_head)
     gdn.out_proj = row_parallel(gdn.out_proj, head_rows(value_heads, s.value_dim))
     gdn.shape = replace(s, key_heads=len(key_heads), value_heads=len(value_heads))
 
@@ -182,8 +182,7 @@ class VocabParallelHead(nn.Module):
         self.vocab = head.out_features
         size = -(-self.vocab // world)  # ceil: every rank the same size, the last one padded
         rows = torch.arange(rank * size, (rank + 1) * size)
-        weight = head.weight.data[rows.clamp(max=self.vocab - 1).to(head.weight.device)]
-        self.weight = nn.Parameter(weight, requires_grad=False)  # [V/tp, H]
+        self.weight = rows_of(head.weight, rows.clamp(max=self.vocab - 1))  # [V/tp, H]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, V] on rank 0
         local = F.linear(x, self.weight)  # [T, V/tp]
@@ -296,11 +295,17 @@ class TensorParallelTarget:
     """
 
     def __init__(
-        self, shard: nn.Module, config, lm_head: nn.Module, followers: Sequence[mp.Process] = ()
+        self,
+        shard: nn.Module,
+        config,
+        lm_head: nn.Module,
+        followers: Sequence[mp.Process] = (),
+        rendezvous: tempfile.TemporaryDirectory | None = None,
     ) -> None:
         self.shard, self.config, self.lm_head = shard, config, lm_head
         self.embed_tokens = shard.embed_tokens
         self._followers = list(followers)
+        self._rendezvous = rendezvous  # the spawned ranks' file store, removed on close
         self._cache = None
 
     def new_cache(self, max_len: int):
@@ -332,6 +337,8 @@ class TensorParallelTarget:
         for process in self._followers:
             process.join()
         dist.destroy_process_group()
+        if self._rendezvous is not None:
+            self._rendezvous.cleanup()
 
     def _check_live(self, cache) -> None:
         if cache is not self._cache:
@@ -374,9 +381,10 @@ def launch_target(
         if rank != LEADER:
             _serve_as_follower(model_dir, dtype, local, rank, world, lm_head)
             return None
-        followers = []
+        followers, rendezvous = [], None
     else:
-        init_method = "file://" + os.path.join(tempfile.mkdtemp(prefix="ddops-tp-"), "store")
+        rendezvous = tempfile.TemporaryDirectory(prefix="ddops-tp-")
+        init_method = "file://" + os.path.join(rendezvous.name, "store")
         followers = _spawn_followers(model_dir, dtype, device, tp, lm_head, init_method)
         local = rank_device(device, LEADER)
         init_group(LEADER, tp, local, init_method)
@@ -385,7 +393,7 @@ def launch_target(
     except BaseException:  # the followers fail alike; leave the group so a retry can join one
         dist.destroy_process_group()
         raise
-    return TensorParallelTarget(shard, whole_config, whole_head, followers)
+    return TensorParallelTarget(shard, whole_config, whole_head, followers, rendezvous)
 
 
 def _spawn_followers(

@@ -90,18 +90,20 @@ def measure_verify(model_dir: Path, tp: int, rounds: int, device: str) -> dict[s
 def measure_rank_group(model_dir: Path, draft_dir: Path, tp: int, rounds: int, device: str):
     """Seconds per draft on rank 0 (others idle vs every rank drafting), per command broadcast."""
     figures = {}
+    context = mp.get_context("spawn")
     for every_rank in (False, True):
-        init_method = "file://" + os.path.join(tempfile.mkdtemp(prefix="ddops-tp-"), "store")
-        results = mp.get_context("spawn").SimpleQueue()
-        args = (tp, init_method, str(model_dir), str(draft_dir), rounds, device, every_rank)
-        processes = [
-            mp.get_context("spawn").Process(target=_draft_rank, args=(rank, *args, results))
-            for rank in range(tp)
-        ]
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join()
+        results = context.SimpleQueue()
+        with tempfile.TemporaryDirectory(prefix="ddops-tp-") as rendezvous:
+            init_method = "file://" + os.path.join(rendezvous, "store")
+            args = (tp, init_method, str(model_dir), str(draft_dir), rounds, device, every_rank)
+            processes = [
+                context.Process(target=_draft_rank, args=(rank, *args, results))
+                for rank in range(tp)
+            ]
+            for process in processes:
+                process.start()
+            for process in processes:
+                process.join()
         draft, command = results.get()
         figures["draft_every_rank" if every_rank else "draft_rank0_only"] = draft
         figures["command_broadcast"] = command
