@@ -85,21 +85,23 @@ def main() -> None:
     cli(prog_name="ddops")
 
 
-from ops.commands.sim import sim  # noqa: E402
-
-cli.add_command(sim)
-
+# The commands register last: their modules import from this one.
+from ops.commands.bench import bench_command  # noqa: E402
+from ops.commands.demo import demo_command  # noqa: E402
 from ops.commands.health import health_command  # noqa: E402
 from ops.commands.provision import provision_command  # noqa: E402
 from ops.commands.recover import recover_command  # noqa: E402
+from ops.commands.sim import sim  # noqa: E402
 
-cli.add_command(provision_command)
-cli.add_command(health_command)
-cli.add_command(recover_command)
-
-from ops.commands.bench import bench_command  # noqa: E402
-
-cli.add_command(bench_command)
+for _command in (
+    provision_command,
+    health_command,
+    recover_command,
+    bench_command,
+    demo_command,
+    sim,
+):
+    cli.add_command(_command)
 
 if __name__ == "__main__":
     main()
