@@ -1,7 +1,8 @@
 """Train the tiny demo pair: a hybrid Qwen3.5-style target and its DFlash drafter, on CPU.
 
-Run: `python -m engine train-demo --out DIR` (about 30 minutes on 2 cores; `--mini` for a
-seconds-long smoke version). The shipped pair in engine/demo_model/ was made by this module.
+Run: `python -m engine train-demo --out DIR` (`--mini`: a seconds-long smoke version). The
+shipped pair in engine/demo_model/ was made by this module: 25 minutes on one core of a busy
+2-core machine (`--threads 1`), far less on an idle one.
 
 Steps, each deterministic (fixed seeds, sorted files, fixed data order):
 1. corpus: the running interpreter's own standard library, Lib/*.py; every tenth file (sorted
@@ -25,9 +26,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from engine.models.dflash import DFlashDrafter
 
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
@@ -107,7 +115,7 @@ def read_texts(files: list[Path]) -> list[str]:
     return [f.read_text(encoding="utf-8", errors="replace") for f in files]
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
+def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     """A byte-level BPE tokenizer (tokenizers.Tokenizer) with the special tokens first."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -124,7 +132,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return tokenizer
 
 
-def save_tokenizer(tokenizer, out_dir: Path, max_length: int) -> None:
+def save_tokenizer(tokenizer: Tokenizer, out_dir: Path, max_length: int) -> None:
     """tokenizer.json + tokenizer_config.json (chat template, eos) readable by AutoTokenizer."""
     from transformers import PreTrainedTokenizerFast
 
@@ -138,7 +146,7 @@ def save_tokenizer(tokenizer, out_dir: Path, max_length: int) -> None:
     fast.save_pretrained(out_dir)
 
 
-def encode_texts(tokenizer, texts: list[str]) -> torch.Tensor:
+def encode_texts(tokenizer: Tokenizer, texts: list[str]) -> torch.Tensor:
     """All texts as one stream of ids [N], each text followed by eos."""
     eos = tokenizer.token_to_id(EOS_TOKEN)
     ids: list[int] = []
@@ -148,10 +156,29 @@ def encode_texts(tokenizer, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def held_out_prompts(count: int, chars: int = 400) -> list[str]:
+    """`count` Python prompts from held-out files: the code before a `def` line, that line included.
+
+    Each prompt ends right after the signature of the first function defined past the middle
+    of its file, so the continuation is a function body the model never trained on.
+    """
+    prompts = []
+    for text in read_texts(stdlib_files()[1]):
+        middle = len(text) // 2
+        found = re.search(r"^ *def [^\n]*:\n", text[middle:], flags=re.MULTILINE)
+        if found:
+            end = middle + found.end()
+            start = text.find("\n", max(0, end - chars), end) + 1  # a whole first line
+            prompts.append(text[start:end])
+        if len(prompts) == count:
+            break
+    return prompts
+
+
 # ---- target ----------------------------------------------------------------------------------
 
 
-def target_config(recipe: Recipe, tokenizer):
+def target_config(recipe: Recipe, tokenizer: Tokenizer) -> Qwen3_5TextConfig:
     """A tiny `qwen3_5_text` config: Gated DeltaNet and gated-attention layers alternating."""
     from transformers import Qwen3_5TextConfig
 
@@ -229,7 +256,9 @@ def optimise(
     return running
 
 
-def train_target(recipe: Recipe, tokenizer, train_ids: torch.Tensor, log: Log):
+def train_target(
+    recipe: Recipe, tokenizer: Tokenizer, train_ids: torch.Tensor, log: Log
+) -> tuple[Qwen3_5ForCausalLM, float]:
     """(Qwen3_5ForCausalLM trained on random windows of the training stream, final loss)."""
     from transformers import Qwen3_5ForCausalLM
 
@@ -249,7 +278,7 @@ def train_target(recipe: Recipe, tokenizer, train_ids: torch.Tensor, log: Log):
 
 
 @torch.no_grad()
-def next_token_accuracy(model, ids: torch.Tensor, seq_len: int) -> float:
+def next_token_accuracy(model: Qwen3_5ForCausalLM, ids: torch.Tensor, seq_len: int) -> float:
     """Greedy next-token accuracy over consecutive windows of the stream `ids`."""
     usable = (ids.numel() - 1) // seq_len * seq_len
     windows = ids[:usable].view(-1, seq_len)  # [W, L]
@@ -265,7 +294,9 @@ def next_token_accuracy(model, ids: torch.Tensor, seq_len: int) -> float:
 
 
 @torch.no_grad()
-def greedy_continuations(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def greedy_continuations(
+    model: Qwen3_5ForCausalLM, prompts: torch.Tensor, new_tokens: int
+) -> torch.Tensor:
     """prompts [N, P] -> prompts followed by the target's greedy continuation [N, P + new]."""
     outputs = [
         model.generate(
@@ -281,7 +312,9 @@ def greedy_continuations(model, prompts: torch.Tensor, new_tokens: int) -> torch
 
 
 @torch.no_grad()
-def context_features(model, sequences: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+def context_features(
+    model: Qwen3_5ForCausalLM, sequences: torch.Tensor, layer_ids: list[int]
+) -> torch.Tensor:
     """Target hidden states after `layer_ids`, concatenated: [N, L, len(layer_ids) * H] (fp16)."""
     chunks = []
     for chunk in sequences.split(32):
@@ -305,39 +338,20 @@ def round_to_fp16(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def save_hf(model, out_dir: Path) -> None:
+def save_hf(model: Qwen3_5ForCausalLM, out_dir: Path) -> None:
     """config.json + model.safetensors in fp16 (the fp32 model in memory is left as it is)."""
     model.to(torch.float16).save_pretrained(out_dir, safe_serialization=True)
     model.to(torch.float32)
 
 
-def held_out_prompts(count: int, chars: int = 400) -> list[str]:
-    """`count` Python prompts from held-out files: the code before a `def` line, that line included.
-
-    Each prompt ends right after the signature of the first function defined past the middle
-    of its file, so the continuation is a function body the model never trained on.
-    """
-    prompts = []
-    for text in read_texts(stdlib_files()[1]):
-        middle = len(text) // 2
-        found = re.search(r"^ *def [^\n]*:\n", text[middle:], flags=re.MULTILINE)
-        if found:
-            end = middle + found.end()
-            start = text.find("\n", max(0, end - chars), end) + 1  # a whole first line
-            prompts.append(text[start:end])
-        if len(prompts) == count:
-            break
-    return prompts
-
-
 @dataclass
 class Corpus:
-    tokenizer: object  # tokenizers.Tokenizer
+    tokenizer: Tokenizer
     train_ids: torch.Tensor  # [N]
     held_out_ids: torch.Tensor  # [M]
 
 
-def build_corpus(recipe: Recipe, log: Log, tokenizer=None) -> Corpus:
+def build_corpus(recipe: Recipe, log: Log, tokenizer: Tokenizer | None = None) -> Corpus:
     """The tokenized corpus; a tokenizer is trained on the training files unless given."""
     train_files, held_out_files = stdlib_files(recipe.max_files)
     train_texts = read_texts(train_files)
@@ -355,7 +369,9 @@ def build_corpus(recipe: Recipe, log: Log, tokenizer=None) -> Corpus:
     return corpus
 
 
-def make_target(recipe: Recipe, corpus: Corpus, out_dir: Path, log: Log):
+def make_target(
+    recipe: Recipe, corpus: Corpus, out_dir: Path, log: Log
+) -> tuple[Qwen3_5ForCausalLM, float]:
     """(target trained, rounded to fp16 and saved with the tokenizer into out_dir, final loss)."""
     model, loss = train_target(recipe, corpus.tokenizer, corpus.train_ids, log)
     save_hf(round_to_fp16(model), out_dir)
@@ -363,7 +379,7 @@ def make_target(recipe: Recipe, corpus: Corpus, out_dir: Path, log: Log):
     return model, loss
 
 
-def load_target_for_training(target_dir: Path):
+def load_target_for_training(target_dir: Path) -> tuple[Qwen3_5ForCausalLM, Tokenizer]:
     """(HF target in float32, its tokenizers.Tokenizer) from a directory make_target wrote."""
     from tokenizers import Tokenizer
     from transformers import Qwen3_5ForCausalLM
@@ -379,7 +395,7 @@ def write_json(path: Path, data: dict) -> None:
 # ---- drafter ---------------------------------------------------------------------------------
 
 
-def drafter_config(recipe: Recipe, target_cfg, mask_token_id: int) -> dict:
+def drafter_config(recipe: Recipe, target_cfg: Qwen3_5TextConfig, mask_token_id: int) -> dict:
     """A z-lab-layout DFlash config.json for a drafter of the given target."""
     layer_ids = spread_layer_ids(target_cfg.num_hidden_layers, recipe.num_target_features)
     return {
@@ -412,8 +428,14 @@ class DraftData:
 
 
 def draft_data(
-    recipe: Recipe, target, ids: torch.Tensor, count: int, layer_ids: list[int], seed: int
+    recipe: Recipe,
+    target: Qwen3_5ForCausalLM,
+    ids: torch.Tensor,
+    count: int,
+    layer_ids: list[int],
+    seed: int,
 ) -> DraftData:
+    """`count` random prompts of the stream `ids`, continued greedily by the target."""
     generator = torch.Generator().manual_seed(seed)
     prompts = random_windows(ids, recipe.prompt_len, count, generator)
     sequences = greedy_continuations(target, prompts, recipe.continuation_len)
@@ -456,7 +478,7 @@ def accepted_prefix(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return hits.cumprod(-1).sum(-1)
 
 
-def borrowed_head(target) -> SimpleNamespace:
+def borrowed_head(target: Qwen3_5ForCausalLM) -> SimpleNamespace:
     """What the drafter borrows from an HF target: embed_tokens and lm_head."""
     return SimpleNamespace(
         embed_tokens=target.get_input_embeddings(), lm_head=target.get_output_embeddings()
@@ -464,7 +486,12 @@ def borrowed_head(target) -> SimpleNamespace:
 
 
 def drafter_loss_and_prefix(
-    drafter, head, data: DraftData, rows: torch.Tensor, starts: torch.Tensor, weights: torch.Tensor
+    drafter: DFlashDrafter,
+    head: SimpleNamespace,
+    data: DraftData,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+    weights: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Position-weighted cross-entropy of a batch of blocks, and each block's accepted prefix."""
     blocks, labels = block_inputs(data, rows, starts, drafter.block_size, drafter.mask_token_id)
@@ -475,7 +502,9 @@ def drafter_loss_and_prefix(
     return loss, accepted_prefix(logits.detach(), labels)
 
 
-def train_drafter(recipe: Recipe, target, config: dict, data: DraftData, log: Log):
+def train_drafter(
+    recipe: Recipe, target: Qwen3_5ForCausalLM, config: dict, data: DraftData, log: Log
+) -> tuple[DFlashDrafter, float]:
     """(DFlash drafter trained on the target's greedy continuations, final loss); target frozen."""
     from engine.models.dflash import DFlashConfig, DFlashDrafter
 
@@ -501,7 +530,9 @@ def train_drafter(recipe: Recipe, target, config: dict, data: DraftData, log: Lo
 
 
 @torch.no_grad()
-def estimated_linear_tau(drafter, target, data: DraftData, recipe: Recipe) -> float:
+def estimated_linear_tau(
+    drafter: DFlashDrafter, target: Qwen3_5ForCausalLM, data: DraftData, recipe: Recipe
+) -> float:
     """Mean tokens per round a DFlash chain would commit (accepted drafts + bonus) on `data`."""
     head = borrowed_head(target)
     generator = torch.Generator().manual_seed(recipe.seed + 3)
@@ -514,7 +545,8 @@ def estimated_linear_tau(drafter, target, data: DraftData, recipe: Recipe) -> fl
     return 1.0 + torch.cat([p.flatten() for p in prefixes]).float().mean().item()
 
 
-def save_drafter(drafter, config: dict, out_dir: Path) -> None:
+def save_drafter(drafter: DFlashDrafter, config: dict, out_dir: Path) -> None:
+    """config.json + model.safetensors (fp16, z-lab names) into out_dir."""
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -524,7 +556,7 @@ def save_drafter(drafter, config: dict, out_dir: Path) -> None:
 
 
 @torch.no_grad()
-def greedy_sample(target, tokenizer, new_tokens: int = 120) -> str:
+def greedy_sample(target: Qwen3_5ForCausalLM, tokenizer: Tokenizer, new_tokens: int = 120) -> str:
     """The target's greedy continuation of the first held-out prompt (does it read like Python?)."""
     prompt = torch.tensor([tokenizer.encode(held_out_prompts(1)[0]).ids])
     return tokenizer.decode(
