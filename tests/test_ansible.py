@@ -392,7 +392,8 @@ def test_a_host_that_fails_is_named_and_the_other_goes_on(fleet):
 @pytest.mark.lxc
 def test_the_whole_chain_via_ansible_then_recover_changes_nothing(tmp_path, hub_root):
     """provision --via ansible from nothing to an engine that answers; recover --via ansible
-    then finds nothing to do; the engine unit equals the one the CLI path writes."""
+    then finds nothing to do; bench --via ansible measures and fetches the report files; the
+    engine unit equals the one the CLI path writes."""
     with sim_site(tmp_path / "ansible", hub_root) as site:
         code, document = site.ddops("provision", "--via", "ansible")
         assert code == 0, document
@@ -405,6 +406,27 @@ def test_the_whole_chain_via_ansible_then_recover_changes_nothing(tmp_path, hub_
         code, again = site.ddops("recover", "--via", "ansible")
         assert code == 0, again
         assert {c["status"] for ct in again["cts"] for c in ct["checks"]} == {"unchanged"}
+        code, benched = site.ddops(
+            "bench",
+            "--via",
+            "ansible",
+            "--methods",
+            "ar,ddtree:4",
+            "--lengths",
+            "8",
+            "--warmup",
+            "0",
+        )
+        assert code == 0, benched
+        (bench,) = benched["benches"]
+        assert (bench["host"], bench["vmid"], bench["rc"]) == ("pve", site.vmid, 0)
+        assert {row["method"] for row in bench["document"]["rows"]} == {"ar", "ddtree:4"}
+        run_name = Path(bench["document"]["run_dir"]).name
+        fetched = Path(benched["fetched_to"]) / "pve" / run_name
+        assert sorted(p.name for p in fetched.iterdir()) == sorted(
+            Path(path).name for path in bench["report_files"]
+        )
+
         unit = site.ct_sh(f"cat {SUPERVISED_UNIT}")
         site.t.run(["pct", "stop", str(site.vmid)]).check("stop")  # frees the engine's port
 
