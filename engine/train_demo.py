@@ -315,11 +315,29 @@ def greedy_continuations(
 def context_features(
     model: Qwen3_5ForCausalLM, sequences: torch.Tensor, layer_ids: list[int]
 ) -> torch.Tensor:
-    """Target hidden states after `layer_ids`, concatenated: [N, L, len(layer_ids) * H] (fp16)."""
-    chunks = []
-    for chunk in sequences.split(32):
-        hidden = model(input_ids=chunk, output_hidden_states=True).hidden_states
-        chunks.append(torch.cat([hidden[i + 1] for i in layer_ids], dim=-1).half())
+    """Outputs of the target's layers `layer_ids`, concatenated: [N, L, len(layer_ids) * H] (fp16).
+
+    Read with forward hooks, not `output_hidden_states`: transformers' last hidden state has
+    the final norm applied, while the engine (and z-lab) feed the drafter raw layer outputs.
+    """
+    captured: dict[int, torch.Tensor] = {}
+
+    def capture(layer_id: int):
+        def hook(_module, _inputs, output) -> None:
+            captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    layers = model.model.layers
+    hooks = [layers[i].register_forward_hook(capture(i)) for i in layer_ids]
+    try:
+        chunks = []
+        for chunk in sequences.split(32):
+            model.model(input_ids=chunk)
+            chunks.append(torch.cat([captured[i] for i in layer_ids], dim=-1).half())
+    finally:
+        for handle in hooks:
+            handle.remove()
     return torch.cat(chunks)
 
 

@@ -110,6 +110,19 @@ def test_mini_dirs_load_in_transformers_and_in_our_engine_alike(mini):
     assert list(drafter.target_layer_ids) == td.spread_layer_ids(td.MINI.num_layers, 3)
 
 
+def test_drafter_features_are_the_engine_targets_layer_outputs(mini):
+    from engine.models import load_target
+
+    out, _, _ = mini
+    hf, _ = td.load_target_for_training(out / "target")
+    ours = load_target(out / "target")
+    ids = torch.tensor([5, 17, 3, 9, 44, 2])
+    layers = list(range(td.MINI.num_layers))  # the last one too: raw output, no final norm
+    features = td.context_features(hf, ids[None], layers)[0].float()  # fp16-rounded
+    _, hidden = ours.forward(ids, ours.new_cache(16), hidden_layers=layers)
+    torch.testing.assert_close(features, hidden, atol=2e-3, rtol=2e-3)
+
+
 def test_mini_dirs_are_fp16_with_a_tokenizer_whose_mask_token_the_drafter_uses(mini):
     from engine.tokenizer import load_tokenizer
 
