@@ -15,13 +15,10 @@ The chain (ops/checks.py) wraps these into its provision-only checks.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
-from ops.errors import DdopsError
 from ops.inventory import ContainerSpec, ModelRef
 from ops.lxcconf import unified_diff
 from ops.render import GpuNodesUnit, NvidiaModules, RecoverUnit, TemplateSpec, render
+from ops.staging import hub_errors
 from ops.steps import Outcome
 from ops.transport import Transport
 
@@ -105,34 +102,12 @@ def _enable(t: Transport, unit: str) -> None:
 
 
 # -- capacity ----------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _hub_errors(ref: ModelRef) -> Iterator[None]:
-    from huggingface_hub.errors import (
-        HfHubHTTPError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    try:
-        yield
-    except RepositoryNotFoundError as exc:
-        raise DdopsError(
-            f"model {ref.repo}", "repository not found on the hub (or no access: check HF_TOKEN)"
-        ) from exc
-    except RevisionNotFoundError as exc:
-        raise DdopsError(
-            f"model {ref.repo}", f"revision {ref.revision!r} not found on the hub"
-        ) from exc
-    except HfHubHTTPError as exc:
-        raise DdopsError(f"model {ref.repo}", f"hub error: {exc}") from exc
-
-
 def model_bytes(ref: ModelRef, endpoint: str | None, token: str | None) -> int:
     """The size of a repo's files at the revision, from the hub's file list (nothing downloaded)."""
     from huggingface_hub import HfApi
     from huggingface_hub.hf_api import RepoFile
 
-    with _hub_errors(ref):
+    with hub_errors(ref):
         tree = HfApi(endpoint=endpoint, token=token).list_repo_tree(
             ref.repo, revision=ref.revision, recursive=True
         )

@@ -17,12 +17,14 @@ Two halves, one module:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -109,6 +111,28 @@ def _manifest_path(cache: Path, ref: ModelRef) -> Path:
     )
 
 
+@contextlib.contextmanager
+def hub_errors(ref: ModelRef) -> Iterator[None]:
+    """Turn the hub client's typed errors into one clear DdopsError naming the repo."""
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    obj = f"model {ref.repo}"
+    try:
+        yield
+    except RepositoryNotFoundError as exc:
+        raise DdopsError(
+            obj, "repository not found on the hub (or no access: check HF_TOKEN)"
+        ) from exc
+    except RevisionNotFoundError as exc:
+        raise DdopsError(obj, f"revision {ref.revision!r} not found on the hub") from exc
+    except HfHubHTTPError as exc:
+        raise DdopsError(obj, f"hub error: {exc}") from exc
+
+
 def _download(
     ref: ModelRef,
     cache: Path,
@@ -118,38 +142,12 @@ def _download(
 ) -> Path:
     """snapshot_download (only missing files travel); `force` re-fetches damaged files."""
     from huggingface_hub import hf_hub_download, snapshot_download
-    from huggingface_hub.errors import (
-        HfHubHTTPError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
 
-    try:
+    where = {"revision": ref.revision, "cache_dir": cache, "endpoint": endpoint, "token": token}
+    with hub_errors(ref):
         for path in force or []:
-            hf_hub_download(
-                ref.repo,
-                path,
-                revision=ref.revision,
-                cache_dir=cache,
-                endpoint=endpoint,
-                token=token,
-                force_download=True,
-            )
-        return Path(
-            snapshot_download(
-                ref.repo, revision=ref.revision, cache_dir=cache, endpoint=endpoint, token=token
-            )
-        )
-    except RepositoryNotFoundError as exc:
-        raise DdopsError(
-            f"model {ref.repo}", "repository not found on the hub (or no access: check HF_TOKEN)"
-        ) from exc
-    except RevisionNotFoundError as exc:
-        raise DdopsError(
-            f"model {ref.repo}", f"revision {ref.revision!r} not found on the hub"
-        ) from exc
-    except HfHubHTTPError as exc:
-        raise DdopsError(f"model {ref.repo}", f"hub error: {exc}") from exc
+            hf_hub_download(ref.repo, path, force_download=True, **where)
+        return Path(snapshot_download(ref.repo, **where))
 
 
 def _verified_manifest(

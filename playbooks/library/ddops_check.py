@@ -22,7 +22,6 @@ when any CT failed, after every CT has gone as far as it could.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.ddops_host import host_sysroot
@@ -94,24 +93,17 @@ def blocked_by(check, statuses: dict[str, str]) -> str | None:
 
 
 def run_check(check, c, statuses: dict[str, str], dry_run: bool):
-    """The chain's probe -> remedy -> re-probe for one CT, as ops.recover.run_chain does it (its
-    per-check helpers are private there; they are used, not copied, to keep one logic)."""
-    from ops.recover import CheckResult, _probe, _repair, _with_probe_time, host_lock
+    """The chain's probe -> remedy -> re-probe for one CT: ops.recover.run_check, under the
+    host lock when it may change something (as ops.recover.run_chain runs it)."""
+    from ops.recover import CheckResult, host_lock
+    from ops.recover import run_check as run_one
 
     if (why := blocked_by(check, statuses)) is not None:
         return CheckResult(check.key, check.title, "skipped", 0.0, why)
-    start = time.monotonic()
-    finding = _probe(check, c)
-    if finding.ok:
-        return CheckResult(
-            check.key, check.title, "unchanged", time.monotonic() - start, finding.evidence
-        )
     if dry_run:
-        result = _repair(check, c, finding, dry_run=True)
-    else:
-        with host_lock(c.t):
-            result = _repair(check, c, finding, dry_run=False)
-    return _with_probe_time(result, time.monotonic() - start)
+        return run_one(check, c, repair=True, dry_run=True)
+    with host_lock(c.t):
+        return run_one(check, c, repair=True)
 
 
 def _ct_state(earlier: dict) -> dict:
