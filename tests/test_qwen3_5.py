@@ -242,3 +242,16 @@ def test_forward_past_max_len_and_bad_commits_raise(hybrid_dir):
     model.forward(torch.tensor([4, 5]), cache, torch.tensor([-1, -1]))
     with pytest.raises(ValueError, match="not a root-to-node path"):
         model.commit(cache, torch.tensor([0, 1]))  # siblings, not parent and child
+
+
+def test_auto_strategy_snapshots_small_rounds_and_replays_big_ones(hybrid_dir):
+    from engine.models.gated_deltanet import choose_strategy, qwen36_27b_shape
+
+    assert choose_strategy(qwen36_27b_shape(), 16, torch.float32) == "replay"  # 48 MiB a layer
+    tiny = load_qwen3_5(hybrid_dir).config.gdn_shape()
+    assert choose_strategy(tiny, 16, torch.float32) == "snapshot"
+    assert choose_strategy(tiny, 1_000_000, torch.float32) == "replay"
+    model = load_qwen3_5(hybrid_dir)  # auto by default: a verify round keeps its node states
+    cache, _ = prefill(model, [1, 2, 3])
+    model.forward(torch.arange(4), cache, torch.tensor([-1, 0, 0, 1]))
+    assert all(p.node_states is not None for p in cache.pending)

@@ -14,15 +14,17 @@ the last accepted node. Two strategies, selectable per model:
 - "snapshot": the pass keeps every node's recurrent state; commit picks one. Extra memory per
   node is Hv*Dk*Dv floats per layer (3 MiB per layer at 27B shapes), so a long prefill under
   this strategy holds T such states: use it for small models or short chains only.
+- "auto": snapshot when the pass's states fit in SNAPSHOT_LIMIT_BYTES per layer, else replay
+  (`choose_strategy`): the tiny demo model snapshots its rounds, a 27B model replays.
 
 `pending_bytes` gives the extra memory per round of either strategy for any config; for
 Qwen3.6-27B (48 GDN layers, bf16, 16-token verify; `python -m engine.models.gated_deltanet`):
 replay 30.2 MiB, snapshot 2319 MiB, and snapshot's per-node states are also written every round
 (~2.3 GiB of memory traffic). Measured on the tiny CPU model (`python -m tests.helpers.tiny_hybrid`,
 reference kernels, one thread, busy 2-core machine): a 16-token round takes ~60 ms verify +
-~17 ms commit with replay vs ~50 + ~1.5 ms with snapshot. Replay is the default: at real sizes
-its commit re-runs at most the accepted path's few tokens, while snapshot's memory scales with
-the whole tree.
+~17 ms commit with replay vs ~50 + ~1.5 ms with snapshot. Auto is the default: at real sizes
+replay's commit re-runs at most the accepted path's few tokens, while snapshot's memory scales
+with the whole tree; for small rounds snapshot saves the replay.
 Parameter names and the maths follow transformers' Qwen3_5GatedDeltaNet, so HF checkpoints load
 as they are.
 """
@@ -39,8 +41,11 @@ from torch import nn
 from engine.kernels import tree_causal_conv1d, tree_gated_delta_rule
 from engine.models.common import compute_dtype
 
-StateStrategy = Literal["replay", "snapshot"]
-STATE_STRATEGIES: tuple[str, ...] = ("replay", "snapshot")
+StateStrategy = Literal["auto", "replay", "snapshot"]
+STATE_STRATEGIES: tuple[str, ...] = ("auto", "replay", "snapshot")
+# "auto" snapshots a pass whose per-node states stay under this, per layer (a tiny model's
+# verify round), and replays anything bigger (a 27B round: 48 MiB per layer; a long prefill).
+SNAPSHOT_LIMIT_BYTES = 16 << 20
 REPLAY_PIECE = 64  # tokens re-run per kernel call when replaying an accepted path
 
 
@@ -145,6 +150,8 @@ class GatedDeltaNet(nn.Module):
         """Mix the pending tokens; returns the output [T, hidden] and what commit needs."""
         T = x.shape[0]
         s = self.shape
+        if strategy == "auto":
+            strategy = choose_strategy(s, T, state.recurrent.dtype)
         conv_inputs = self.in_proj_qkv(x)  # [T, C]
         conv_outputs = tree_causal_conv1d(
             conv_inputs, parents, state.conv, self.conv1d.weight[:, 0], None, "silu"
@@ -213,6 +220,12 @@ class GatedDeltaNet(nn.Module):
         )
 
 
+def choose_strategy(shape: GDNShape, tokens: int, state_dtype: torch.dtype) -> StateStrategy:
+    """ "snapshot" when `tokens` per-node states fit in SNAPSHOT_LIMIT_BYTES, else "replay"."""
+    state_bytes = shape.value_heads * shape.key_dim * shape.value_dim * state_dtype.itemsize
+    return "snapshot" if tokens * state_bytes <= SNAPSHOT_LIMIT_BYTES else "replay"
+
+
 def pending_bytes(
     shape: GDNShape, layers: int, tokens: int, strategy: StateStrategy, dtype: torch.dtype
 ) -> int:
@@ -242,7 +255,7 @@ def qwen36_27b_shape() -> GDNShape:
 
 
 if __name__ == "__main__":  # python -m engine.models.gated_deltanet: memory per round at 27B
-    for strategy in STATE_STRATEGIES:
+    for strategy in ("replay", "snapshot"):
         for dtype in (torch.bfloat16, torch.float32):
             size = pending_bytes(qwen36_27b_shape(), 48, 16, strategy, dtype)
             print(

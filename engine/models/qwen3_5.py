@@ -226,7 +226,7 @@ class HybridDecoderLayer(nn.Module):
 class Qwen3_5Model(nn.Module):
     """The hybrid causal LM (batch 1, no batch dimension) with the engine's target interface."""
 
-    def __init__(self, config: Qwen3_5Config, state_strategy: StateStrategy = "replay") -> None:
+    def __init__(self, config: Qwen3_5Config, state_strategy: StateStrategy = "auto") -> None:
         super().__init__()
         if state_strategy not in STATE_STRATEGIES:
             raise ValueError(f"state_strategy must be one of {STATE_STRATEGIES}")
@@ -333,7 +333,7 @@ def load_qwen3_5(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
-    state_strategy: StateStrategy = "replay",
+    state_strategy: StateStrategy = "auto",
 ) -> Qwen3_5Model:
     """Load a `qwen3_5_text` checkpoint or the text part of a `qwen3_5` (multimodal) one."""
     hf_config = read_config(path)
