@@ -97,6 +97,39 @@ class Rotary(nn.Module):
         return torch.cat([rot * cos + rotated_half * sin, rest], dim=-1)
 
 
+class QKNormProjections(nn.Module):
+    """q/k/v/o projections with per-head q/k RMSNorm before RoPE: Qwen3 attention and the
+    DFlash drafter's layers share them (the attention itself is the caller's kernel).
+
+    `cfg` needs hidden_size, num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps.
+    """
+
+    def __init__(self, cfg, rotary: Rotary) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = rotary
+
+    def queries(self, x: torch.Tensor, rope) -> torch.Tensor:  # [..., T, Hq, D]
+        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.heads, self.head_dim)))
+        return self.rotary.apply(q, *rope)
+
+    def key_values(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [..., T, Hkv, D] of x [..., T, H]."""
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)))
+        v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+        return self.rotary.apply(k, *rope), v
+
+
 class KVCache:
     """Preallocated keys/values [L, max_len, Hkv, D] plus `length`, the committed token count.
 

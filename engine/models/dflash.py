@@ -31,6 +31,7 @@ from torch import nn
 from engine.kernels import tree_attention
 from engine.models.common import (
     KVCache,
+    QKNormProjections,
     RMSNorm,
     Rotary,
     SwiGLU,
@@ -86,40 +87,11 @@ class DFlashConfig:
         return causal, (self.sliding_window if sliding else None)
 
 
-class DraftAttention(nn.Module):
-    """Projections of one draft layer; the attention itself is done by the caller's kernel."""
-
-    def __init__(self, cfg: DFlashConfig, rotary: Rotary) -> None:
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
-        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.rotary = rotary
-
-    def key_values(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [..., T, Hkv, D] of x [..., T, H] (context features or the normed block)."""
-        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)))
-        v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
-        return self.rotary.apply(k, *rope), v
-
-    def queries(self, x: torch.Tensor, rope) -> torch.Tensor:  # [..., T, Hq, D]
-        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.heads, self.head_dim)))
-        return self.rotary.apply(q, *rope)
-
-
 class DraftLayer(nn.Module):
     def __init__(self, cfg: DFlashConfig, rotary: Rotary) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DraftAttention(cfg, rotary)
+        self.self_attn = QKNormProjections(cfg, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 

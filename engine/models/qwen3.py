@@ -24,6 +24,7 @@ from torch import nn
 from engine.kernels import tree_attention
 from engine.models.common import (
     KVCache,
+    QKNormProjections,
     RMSNorm,
     Rotary,
     SwiGLU,
@@ -62,23 +63,8 @@ class Qwen3Config:
         return cls(**values)
 
 
-class Attention(nn.Module):
+class Attention(QKNormProjections):
     """Grouped-query attention with per-head q/k RMSNorm before RoPE, through tree_attention."""
-
-    def __init__(self, cfg: Qwen3Config, rotary: Rotary) -> None:
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
-        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.rotary = rotary
 
     def forward(
         self,
@@ -88,14 +74,11 @@ class Attention(nn.Module):
         layer: int,
         visible: torch.Tensor | None,  # [T, T] bool, None = causal
     ) -> torch.Tensor:  # [T, H]
-        T = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(T, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(T, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(T, self.kv_heads, self.head_dim)
-        q, k = self.rotary.apply(q, *rope), self.rotary.apply(k, *rope)
+        q = self.queries(x, rope)  # [T, Hq, D]
+        k, v = self.key_values(x, rope)  # [T, Hkv, D]
         keys, values = cache.write(layer, cache.length, k, v)  # [S, Hkv, D]
         out = tree_attention(q, keys, values, cache.length, visible, self.head_dim**-0.5)
-        return self.o_proj(out.reshape(T, self.heads * self.head_dim))
+        return self.o_proj(out.flatten(-2))
 
 
 class DecoderLayer(nn.Module):
