@@ -208,10 +208,17 @@ def _read_ct_file(t: Transport, vmid: int | str, path: str) -> str | None:
 
 # -- the unit ----------------------------------------------------------------------------------
 def engine_unit(
-    t: Transport, engine: EngineSpec, model_dir: str, draft_dir: str | None, env_file: str | None
+    t: Transport,
+    engine: EngineSpec,
+    model_dir: str,
+    draft_dir: str | None,
+    env_file: str | None,
+    gpu_count: int = 0,
 ) -> EngineUnit:
     """The engine's unit for this host: EngineSpec's "auto" dtype/device become CUDA + bfloat16
-    on a real host, CPU + float32 on a simulated one (it has no GPU behind its device nodes)."""
+    on a real host, CPU + float32 on a simulated one (it has no GPU behind its device nodes).
+    On CUDA the engine sees the CT's `gpu_count` GPUs as 0..gpu_count-1 (CUDA_VISIBLE_DEVICES);
+    TP rank r uses GPU r."""
     device = engine.device if engine.device != "auto" else ("cpu" if t.sysroot else "cuda")
     dtype = (
         engine.dtype if engine.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
@@ -229,6 +236,9 @@ def engine_unit(
         dtype=dtype,
         device=device,
         env_file=env_file,
+        cuda_visible_devices=(
+            ",".join(map(str, range(gpu_count))) if device == "cuda" and gpu_count else None
+        ),
     )
 
 
@@ -389,12 +399,14 @@ def ensure_service(
     model_dir: str,
     draft_dir: str | None,
     dry_run: bool,
+    gpu_count: int = 0,
 ) -> Outcome:
     """The rendered unit installed (its diff shown) and the service running; the API key file
     in step with the operator's DDOPS_API_KEY. A changed unit or key restarts a running service."""
     manager = service_manager(t, vmid)
     api_key = os.environ.get(API_KEY_ENV) or None
-    unit_text = render(engine_unit(t, engine, model_dir, draft_dir, ENV_FILE if api_key else None))
+    env_file = ENV_FILE if api_key else None
+    unit_text = render(engine_unit(t, engine, model_dir, draft_dir, env_file, gpu_count))
     current = _read_ct_file(t, manager.vmid, manager.unit_path)
     diff = _diff(current, unit_text, f"CT {manager.vmid}:{manager.unit_path}")
     key_change = _api_key_change(t, manager.vmid, api_key)

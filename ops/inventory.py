@@ -197,6 +197,12 @@ def parse_site(data: Any, source: str = "inventory") -> Site:
             _build(ContainerSpec, ct, f"{source}: host {name} container #{i}")
             for i, ct in enumerate(hostvars.get("ddops_containers") or [])
         )
+        for ct in cts:
+            if engine.tp > len(ct.gpus):
+                raise DdopsError(
+                    f"CT {ct.vmid}",
+                    f"engine tp {engine.tp} needs {engine.tp} GPUs, the CT has {len(ct.gpus)}",
+                )
         hosts.append(HostSpec(name, _host_target(name, hostvars), cts))
     if not hosts:
         raise DdopsError(source, "no hosts under all.hosts")

@@ -581,3 +581,15 @@ def test_engine_problem_names_a_missing_engine_and_a_version_mismatch(monkeypatc
         f"engine python {python} in CT {CT}: has ddops {importlib.metadata.version('ddops')}, "
         "this is ddops 9.9.9"
     )
+
+
+def test_the_unit_on_a_gpu_host_sees_the_cts_gpus_and_tp():
+    from ops.render import render
+    from ops.transport import LocalTransport
+
+    engine = EngineSpec(tp=2, python="/opt/ddops/venv/bin/python")
+    unit = render(deploy.engine_unit(LocalTransport(), engine, "/dev/shm/models/t", "/d", None, 2))
+    assert "Environment=CUDA_VISIBLE_DEVICES=0,1" in unit
+    assert " --tp 2 " in unit and "--device cuda" in unit and "--dtype bfloat16" in unit
+    sim = render(deploy.engine_unit(LocalTransport(sysroot="/tmp/x"), engine, "/m", "/d", None, 2))
+    assert "CUDA_VISIBLE_DEVICES" not in sim and "--device cpu" in sim

@@ -76,3 +76,11 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_site(write(tmp_path, "all: [unclosed"))
     with pytest.raises(DdopsError, match="CT 999: not in the inventory"):
         load_site(write(tmp_path, SITE)).find_container(999)
+
+
+def test_tp_needs_as_many_gpus_in_the_ct(tmp_path):
+    text = SITE.replace("max_model_len: 32768}", "max_model_len: 32768, tp: 2}")
+    two = text.replace("[{vmid: 300}]", "[{vmid: 300, gpus: [0, 1]}]")
+    assert load_site(write(tmp_path, two)).engine.tp == 2  # both CTs have two GPUs
+    with pytest.raises(DdopsError, match="CT 300: engine tp 2 needs 2 GPUs, the CT has 1"):
+        load_site(write(tmp_path, text))
