@@ -5,7 +5,7 @@
 Float32 with default init: prefill, cached decode steps and tree verify (each node's logits equal
 those of its root-to-node path run alone) match transformers within 2e-4. transformers runs the
 gated delta rule in float32 whatever the model dtype, so in float64 our own prefill, cached decode
-and tree verify are checked against each other (1e-10). Both state strategies commit the same
+and tree verify are checked against each other (1e-10). All three state strategies commit the same
 state; `pending_bytes` is the memory the pending round really holds.
 """
 
@@ -117,7 +117,7 @@ def test_cached_decode_matches_transformers(hybrid_dir, reference):
     assert max_diff(step_logits, expected[len(prompt) :]) <= TOL_VS_TRANSFORMERS
 
 
-@pytest.mark.parametrize("strategy", ["replay", "snapshot"])
+@pytest.mark.parametrize("strategy", ["replay", "snapshot", "factored"])
 def test_tree_verify_matches_each_path_run_alone(hybrid_dir, reference, strategy):
     model = load_qwen3_5(hybrid_dir, state_strategy=strategy)
     generator = torch.Generator().manual_seed(1)
@@ -157,7 +157,7 @@ def test_committing_part_of_a_chain_keeps_only_that_part(hybrid_dir, reference):
     assert max_diff(next_logits[0], expected) <= TOL_VS_TRANSFORMERS
 
 
-@pytest.mark.parametrize("strategy", ["replay", "snapshot"])
+@pytest.mark.parametrize("strategy", ["replay", "snapshot", "factored"])
 def test_float64_prefill_decode_and_tree_agree(hybrid_dir, strategy):
     model = load_qwen3_5(hybrid_dir, dtype=torch.float64, state_strategy=strategy)
     generator = torch.Generator().manual_seed(2)
@@ -190,7 +190,7 @@ def test_strategies_commit_identical_state_and_pending_bytes_is_exact(hybrid_dir
     tokens = torch.randint(0, VOCAB, (10,), generator=generator)
     accepted = torch.tensor(path_to(parents, 9))
     states = {}
-    for strategy in ("replay", "snapshot"):
+    for strategy in ("replay", "snapshot", "factored"):
         model = load_qwen3_5(hybrid_dir, dtype=torch.float64, state_strategy=strategy)
         cache, _ = prefill(model, prompt.tolist())
         model.forward(tokens, cache, parents)
@@ -199,9 +199,11 @@ def test_strategies_commit_identical_state_and_pending_bytes_is_exact(hybrid_dir
         assert held == pending_bytes(shape, len(cache.recurrent), 10, strategy, torch.float64)
         model.commit(cache, accepted)
         states[strategy] = cache.recurrent
-    for replayed, snapshot in zip(states["replay"], states["snapshot"], strict=True):
+    for replayed, snapshot, factored in zip(*states.values(), strict=True):
         assert torch.equal(replayed.conv, snapshot.conv)
+        assert torch.equal(replayed.conv, factored.conv)
         assert max_diff(replayed.recurrent, snapshot.recurrent) <= 1e-12
+        assert max_diff(replayed.recurrent, factored.recurrent) <= 1e-12
 
 
 def test_bfloat16_model_keeps_float32_state_and_stays_close(hybrid_dir):
@@ -244,14 +246,15 @@ def test_forward_past_max_len_and_bad_commits_raise(hybrid_dir):
         model.commit(cache, torch.tensor([0, 1]))  # siblings, not parent and child
 
 
-def test_auto_strategy_snapshots_small_rounds_and_replays_big_ones(hybrid_dir):
+def test_auto_strategy_factors_on_cpu_and_sizes_snapshots_for_triton(hybrid_dir):
     from engine.models.gated_deltanet import choose_strategy, qwen36_27b_shape
 
     assert choose_strategy(qwen36_27b_shape(), 16, torch.float32) == "replay"  # 48 MiB a layer
     tiny = load_qwen3_5(hybrid_dir).config.gdn_shape()
     assert choose_strategy(tiny, 16, torch.float32) == "snapshot"
     assert choose_strategy(tiny, 1_000_000, torch.float32) == "replay"
-    model = load_qwen3_5(hybrid_dir)  # auto by default: a verify round keeps its node states
+    assert choose_strategy(qwen36_27b_shape(), 16, torch.float32, "batched") == "factored"
+    model = load_qwen3_5(hybrid_dir)  # auto by default: on CPU a round keeps the solve's factors
     cache, _ = prefill(model, [1, 2, 3])
     model.forward(torch.arange(4), cache, torch.tensor([-1, 0, 0, 1]))
-    assert all(p.node_states is not None for p in cache.pending)
+    assert all(p.tree_states is not None and p.node_states is None for p in cache.pending)

@@ -1,11 +1,13 @@
-"""Tree kernels: Triton on CUDA tensors, the plain-torch references (the specification) elsewhere.
+"""Tree kernels: Triton on CUDA, batched plain torch on CPU, the references (the spec) on request.
 
 Import the dispatching names from here: `from engine.kernels import tree_attention`. Each call
 picks its backend from its first tensor argument:
 
 - a CUDA tensor, triton importable and DDOPS_KERNELS unset or "auto": the Triton kernel
   (engine/kernels/triton_*.py, imported on first use);
-- anything else (CPU tensors always), or DDOPS_KERNELS=reference: engine/kernels/reference.py.
+- any other tensor under "auto" (CPU tensors always): engine/kernels/batched.py, plain torch
+  that handles a whole tree in a fixed number of calls (the reference loops over tokens);
+- DDOPS_KERNELS=reference: engine/kernels/reference.py, the specification, everywhere.
 
 The Triton modules are imported lazily so that a process can set TRITON_INTERPRET=1 before
 they are defined (the CPU tests do) and CPU-only processes never import triton at all.
@@ -20,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from engine.kernels import reference
+from engine.kernels import batched, reference
 
 BACKEND_ENV = "DDOPS_KERNELS"
 _BACKEND_CHOICES = ("auto", "reference")
@@ -36,19 +38,22 @@ def _triton_importable() -> bool:
 
 
 def backend_for(tensor: torch.Tensor) -> str:
-    """The backend ("triton" or "reference") that calls with `tensor` as first argument use."""
+    """The backend ("triton", "batched" or "reference") that calls with `tensor` first use."""
     choice = os.environ.get(BACKEND_ENV, "auto")
     if choice not in _BACKEND_CHOICES:
         raise ValueError(f"{BACKEND_ENV}={choice!r}: expected one of {', '.join(_BACKEND_CHOICES)}")
-    if choice == "auto" and tensor.is_cuda and _triton_importable():
+    if choice == "reference":
+        return "reference"
+    if tensor.is_cuda and _triton_importable():
         return "triton"
-    return "reference"
+    return "batched"
 
 
 def _implementation(triton_module: str, tensor: torch.Tensor) -> ModuleType:
-    if backend_for(tensor) == "triton":
+    backend = backend_for(tensor)
+    if backend == "triton":
         return importlib.import_module(f"engine.kernels.{triton_module}")
-    return reference
+    return batched if backend == "batched" else reference
 
 
 def tree_attention(

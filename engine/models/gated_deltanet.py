@@ -6,25 +6,29 @@ inputs of its depthwise conv, `conv` [C, K-1]) and the delta-rule matrix (`recur
 pending tokens each node's conv window is gathered along its ancestors and its recurrent state
 starts from its parent's (engine.kernels tree_causal_conv1d / tree_gated_delta_rule). Nothing
 is written to the committed state during the pass; `commit` then installs exactly the state of
-the last accepted node. Two strategies, selectable per model:
+the last accepted node. Three strategies, selectable per model, and "auto":
 
-- "replay" (default): the pass keeps each node's delta-rule inputs (its conv output and g,
+- "replay": the pass keeps each node's delta-rule inputs (its conv output and g,
   beta); commit re-runs the recurrence along the accepted path only. Extra memory per node
   is O(conv_dim), a few tens of KiB per layer at 27B shapes.
 - "snapshot": the pass keeps every node's recurrent state; commit picks one. Extra memory per
   node is Hv*Dk*Dv floats per layer (3 MiB per layer at 27B shapes), so a long prefill under
   this strategy holds T such states: use it for small models or short chains only.
-- "auto": snapshot when the pass's states fit in SNAPSHOT_LIMIT_BYTES per layer, else replay
-  (`choose_strategy`): the tiny demo model snapshots its rounds, a 27B model replays.
+- "factored": the pass solves the whole tree at once (engine/kernels/batched.py) and keeps
+  the solve's factors (per node: its key, its write and its row of path decays); commit builds
+  the one state it installs from them. Extra memory per node is O(Hv * (Dk + Dv + T)), and
+  commit costs a couple of matrix products. Plain torch, so any device, but it is what CPUs want:
+  a tree in a fixed number of torch calls instead of a loop over tokens.
+- "auto": factored where the kernels are the batched torch ones (CPU); elsewhere (Triton on
+  CUDA) snapshot when the pass's states fit in SNAPSHOT_LIMIT_BYTES per layer, else replay
+  (`choose_strategy`).
 
-`pending_bytes` gives the extra memory per round of either strategy for any config; for
+`pending_bytes` gives the extra memory per round of each strategy for any config; for
 Qwen3.6-27B (48 GDN layers, bf16, 16-token verify; `python -m engine.models.gated_deltanet`):
-replay 30.2 MiB, snapshot 2319 MiB, and snapshot's per-node states are also written every round
-(~2.3 GiB of memory traffic). Measured on the tiny CPU model (`python -m tests.helpers.tiny_hybrid`,
-reference kernels, one thread, busy 2-core machine): a 16-token round takes ~60 ms verify +
-~17 ms commit with replay vs ~50 + ~1.5 ms with snapshot. Auto is the default: at real sizes
-replay's commit re-runs at most the accepted path's few tokens, while snapshot's memory scales
-with the whole tree; for small rounds snapshot saves the replay.
+replay 30.2 MiB, factored 53.4 MiB, snapshot 2319 MiB, and snapshot's per-node states are also
+written every round (~2.3 GiB of memory traffic). On the demo model (engine/demo_model, 2 CPU
+threads, ddtree budget 15) the batched solve with factored commits cut a round from ~16 ms
+(reference loop, snapshot) to ~11 ms and the prefill of a 167-token prompt from ~90 to ~25 ms.
 Parameter names and the maths follow transformers' Qwen3_5GatedDeltaNet, so HF checkpoints load
 as they are.
 """
@@ -38,11 +42,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import tree_causal_conv1d, tree_gated_delta_rule
+from engine.kernels import backend_for, tree_causal_conv1d, tree_gated_delta_rule
+from engine.kernels.batched import TreeStates, solve_tree
 from engine.models.common import compute_dtype
 
-StateStrategy = Literal["auto", "replay", "snapshot"]
-STATE_STRATEGIES: tuple[str, ...] = ("auto", "replay", "snapshot")
+StateStrategy = Literal["auto", "replay", "snapshot", "factored"]
+STATE_STRATEGIES: tuple[str, ...] = ("auto", "replay", "snapshot", "factored")
 # "auto" snapshots a pass whose per-node states stay under this, per layer (a tiny model's
 # verify round), and replays anything bigger (a 27B round: 48 MiB per layer; a long prefill).
 SNAPSHOT_LIMIT_BYTES = 16 << 20
@@ -84,10 +89,12 @@ class PendingRecurrence:
     g: torch.Tensor | None = None  # [T, Hv]
     beta: torch.Tensor | None = None  # [T, Hv]
     node_states: torch.Tensor | None = None  # [T, Hv, Dk, Dv]  snapshot: the state after each node
+    tree_states: TreeStates | None = None  # factored: any node's state on demand
 
     def nbytes(self) -> int:
         tensors = (self.conv_inputs, self.conv_outputs, self.g, self.beta, self.node_states)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        factors = self.tree_states.nbytes() if self.tree_states is not None else 0
+        return factors + sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -151,7 +158,7 @@ class GatedDeltaNet(nn.Module):
         T = x.shape[0]
         s = self.shape
         if strategy == "auto":
-            strategy = choose_strategy(s, T, state.recurrent.dtype)
+            strategy = choose_strategy(s, T, state.recurrent.dtype, backend_for(state.recurrent))
         conv_inputs = self.in_proj_qkv(x)  # [T, C]
         conv_outputs = tree_causal_conv1d(
             conv_inputs, parents, state.conv, self.conv1d.weight[:, 0], None, "silu"
@@ -160,16 +167,22 @@ class GatedDeltaNet(nn.Module):
         dt = compute_dtype(x.dtype)
         # g = log of the per-step decay: -exp(A_log) * softplus(a + dt_bias) <= 0
         g = -self.A_log.to(dt).exp() * F.softplus(self.in_proj_a(x).to(dt) + self.dt_bias)
-        out, node_states = self._delta_rule(
-            conv_outputs, g, beta, parents, state.recurrent, strategy == "snapshot"
-        )  # [T, Hv, Dv]
-        z = self.in_proj_z(x).view(T, s.value_heads, s.value_dim)
-        out = self.norm(out, z).reshape(T, -1)
         pending = PendingRecurrence(parents=parents, conv_inputs=conv_inputs)
+        q, k, v = self._heads(conv_outputs)
+        if strategy == "factored":
+            out, pending.tree_states = solve_tree(
+                q, k, v, g, beta, parents, state.recurrent, s.key_dim**-0.5
+            )
+        else:
+            out, node_states = tree_gated_delta_rule(
+                q, k, v, g, beta, parents, state.recurrent, s.key_dim**-0.5, strategy == "snapshot"
+            )  # [T, Hv, Dv]
         if strategy == "snapshot":
             pending.node_states = node_states
-        else:
+        elif strategy == "replay":
             pending.conv_outputs, pending.g, pending.beta = conv_outputs, g, beta
+        z = self.in_proj_z(x).view(T, s.value_heads, s.value_dim)
+        out = self.norm(out, z).reshape(T, -1)
         return self.out_proj(out), pending
 
     def commit(
@@ -182,30 +195,32 @@ class GatedDeltaNet(nn.Module):
         if pending.node_states is not None:
             state.recurrent = pending.node_states[accepted[-1]].clone()  # frees the rest
             return
+        if pending.tree_states is not None:
+            state.recurrent = pending.tree_states.state_after(int(accepted[-1]))
+            return
         for piece in accepted.split(REPLAY_PIECE):
             # The kernel hands back every node's state: re-running a long path (a prefill) in
             # pieces keeps that to REPLAY_PIECE states at a time.
             chain = torch.arange(-1, piece.shape[0] - 1, device=piece.device)
-            _, piece_states = self._delta_rule(
-                pending.conv_outputs[piece],
+            q, k, v = self._heads(pending.conv_outputs[piece])
+            _, piece_states = tree_gated_delta_rule(
+                q,
+                k,
+                v,
                 pending.g[piece],
                 pending.beta[piece],
                 chain,
                 state.recurrent,
+                self.shape.key_dim**-0.5,
                 return_states=True,
             )
             state.recurrent = piece_states[-1].clone()
 
-    def _delta_rule(
+    def _heads(
         self,
         conv_outputs: torch.Tensor,  # [T, C]
-        g: torch.Tensor,  # [T, Hv]
-        beta: torch.Tensor,  # [T, Hv]
-        parents: torch.Tensor,  # [T]
-        initial_state: torch.Tensor,  # [Hv, Dk, Dv]
-        return_states: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Split the conv output into heads, L2-normalise q/k and run the tree recurrence."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split the conv output into per-value-head q, k (L2-normalised) and v."""
         T = conv_outputs.shape[0]
         s = self.shape
         qk_dim = s.key_heads * s.key_dim
@@ -214,14 +229,19 @@ class GatedDeltaNet(nn.Module):
         repeat = s.value_heads // s.key_heads  # key head h serves value heads h*repeat ..
         q = l2norm(q.reshape(T, s.key_heads, s.key_dim).to(dt)).repeat_interleave(repeat, dim=1)
         k = l2norm(k.reshape(T, s.key_heads, s.key_dim).to(dt)).repeat_interleave(repeat, dim=1)
-        v = v.reshape(T, s.value_heads, s.value_dim)
-        return tree_gated_delta_rule(
-            q, k, v, g, beta, parents, initial_state, s.key_dim**-0.5, return_states
-        )
+        return q, k, v.reshape(T, s.value_heads, s.value_dim)
 
 
-def choose_strategy(shape: GDNShape, tokens: int, state_dtype: torch.dtype) -> StateStrategy:
-    """ "snapshot" when `tokens` per-node states fit in SNAPSHOT_LIMIT_BYTES, else "replay"."""
+def choose_strategy(
+    shape: GDNShape, tokens: int, state_dtype: torch.dtype, backend: str = "triton"
+) -> StateStrategy:
+    """What "auto" means for a pass of `tokens` tokens whose kernels come from `backend`.
+
+    "factored" with the batched torch kernels; otherwise "snapshot" when `tokens` per-node
+    states fit in SNAPSHOT_LIMIT_BYTES, else "replay".
+    """
+    if backend == "batched":
+        return "factored"
     state_bytes = shape.value_heads * shape.key_dim * shape.value_dim * state_dtype.itemsize
     return "snapshot" if tokens * state_bytes <= SNAPSHOT_LIMIT_BYTES else "replay"
 
@@ -235,6 +255,8 @@ def pending_bytes(
     per_node = shape.conv_dim * model_bytes  # conv inputs: both strategies
     if strategy == "snapshot":
         per_node += shape.value_heads * shape.key_dim * shape.value_dim * state_bytes
+    elif strategy == "factored":  # a tree solved whole: its key, write, decay row, start decay
+        per_node += shape.value_heads * (shape.key_dim + shape.value_dim + tokens + 1) * state_bytes
     else:  # conv outputs, beta (model dtype) and g (compute dtype)
         per_node += (shape.conv_dim + shape.value_heads) * model_bytes
         per_node += shape.value_heads * state_bytes
@@ -255,7 +277,7 @@ def qwen36_27b_shape() -> GDNShape:
 
 
 if __name__ == "__main__":  # python -m engine.models.gated_deltanet: memory per round at 27B
-    for strategy in ("replay", "snapshot"):
+    for strategy in ("replay", "snapshot", "factored"):
         for dtype in (torch.bfloat16, torch.float32):
             size = pending_bytes(qwen36_27b_shape(), 48, 16, strategy, dtype)
             print(

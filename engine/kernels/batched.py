@@ -1,0 +1,166 @@
+"""Plain-torch tree kernels for CPU that handle all nodes at once, with no per-token loop.
+
+On CPU the engine's cost is in the number of small torch calls, not in flops. The reference
+gated delta rule (engine/kernels/reference.py, the specification) runs ~8 calls per token;
+this one solves a whole tree in a fixed number of calls, whatever its size.
+
+The closed form, per value head, for nodes ordered so that parents come first. Let A[i, j]
+mean "j is i or an ancestor of i", G_i the sum of g along i's path (root first, i included),
+W[i, j] = A[i, j] exp(G_i - G_j) and u_j = beta_j (v_j - S_j'^T k_j), the write of node j
+(S_j' its parent's state after j's decay). Unrolling S along a path gives
+
+    S_i = exp(G_i) S_0 + sum_j W[i, j] k_j u_j^T
+    u_i + beta_i sum_{j strict ancestor} W[i, j] (k_i . k_j) u_j = beta_i (v_i - exp(G_i) S_0^T k_i)
+
+a unit lower-triangular system in u (one solve), after which outputs o_i = S_i^T q_i and any
+node's state are matrix products. `solve_tree` keeps those factors (W, k, u, exp(G)), so the
+engine can build the one state it commits instead of storing every node's (TreeStates). A long chain (a prefill) is solved in CHAIN_PIECE-token
+pieces, each starting from the state the previous one left, which bounds the [T, T] matrices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.kernels.reference import compute_dtype, tree_attention, tree_causal_conv1d
+
+CHAIN_PIECE = 64
+
+
+def is_chain(parents: torch.Tensor) -> bool:
+    """True for parents = [-1, 0, 1, ..., T-2] (a prefill, a DFlash chain, a replay)."""
+    return np.array_equal(parents.cpu().numpy(), np.arange(-1, parents.shape[0] - 1))
+
+
+def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
+    """[T, T] bool: entry (i, j) is True when j is i or one of i's ancestors."""
+    T = parents.shape[0]
+    if is_chain(parents):  # everything before i
+        return torch.ones(T, T, dtype=torch.bool, device=parents.device).tril()
+    links = parents.cpu().numpy()
+    visible = np.eye(T, dtype=bool)
+    for i, parent in enumerate(links):
+        if parent >= 0:
+            visible[i] |= visible[parent]
+    return torch.from_numpy(visible).to(parents.device)
+
+
+@dataclass
+class SolvedPiece:
+    """The factors of one solved tree (or chain piece), heads first; see the module docstring."""
+
+    weights: torch.Tensor  # [H, T, T] W
+    keys: torch.Tensor  # [H, T, Dk]
+    writes: torch.Tensor  # [H, T, Dv] u
+    start_decay: torch.Tensor  # [H, T] exp(G): how much of the initial state each node keeps
+    initial: torch.Tensor  # [H, Dk, Dv] the state before the piece (not owned: not counted)
+
+    def state_after(self, node: int) -> torch.Tensor:  # [H, Dk, Dv]
+        weighted_keys = self.keys * self.weights[:, node, :, None]  # [H, T, Dk]
+        written = weighted_keys.transpose(1, 2) @ self.writes
+        return written + self.start_decay[:, node, None, None] * self.initial
+
+    def all_states(self) -> torch.Tensor:  # [T, H, Dk, Dv]
+        H, T, Dk = self.keys.shape
+        outer = (self.keys[:, :, :, None] * self.writes[:, :, None, :]).reshape(H, T, -1)
+        states = (self.weights @ outer).reshape(H, T, Dk, -1)
+        states = states + self.start_decay[:, :, None, None] * self.initial[:, None]
+        return states.transpose(0, 1)
+
+    def nbytes(self) -> int:
+        tensors = (self.weights, self.keys, self.writes, self.start_decay)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class TreeStates:
+    """The state after any node of a solved tree, built on demand (no per-node copies kept)."""
+
+    pieces: list[SolvedPiece]
+    piece_len: int
+
+    def state_after(self, node: int) -> torch.Tensor:  # [H, Dk, Dv]
+        return self.pieces[node // self.piece_len].state_after(node % self.piece_len)
+
+    def all_states(self) -> torch.Tensor:  # [T, H, Dk, Dv]
+        return torch.cat([piece.all_states() for piece in self.pieces])
+
+    def nbytes(self) -> int:
+        return sum(piece.nbytes() for piece in self.pieces)
+
+
+def _solve_piece(
+    q: torch.Tensor,  # [H, T, Dk] scaled
+    k: torch.Tensor,  # [H, T, Dk]
+    v: torch.Tensor,  # [H, T, Dv]
+    g: torch.Tensor,  # [H, T]
+    beta: torch.Tensor,  # [H, T]
+    visible: torch.Tensor,  # [T, T] bool, see ancestor_matrix
+    state: torch.Tensor,  # [H, Dk, Dv]
+) -> tuple[torch.Tensor, SolvedPiece]:  # outputs [H, T, Dv]
+    G = g @ visible.to(g.dtype).T  # [H, T]: path sums of the log decay
+    gaps = (G[:, :, None] - G[:, None, :]).masked_fill(~visible, float("-inf"))
+    weights = gaps.exp()  # [H, T, T] W: lower triangular, zero off the paths
+    # The solve reads only the strict lower triangle (unitriangular): the diagonal stays as is.
+    system = beta[:, :, None] * weights * (k @ k.transpose(1, 2))
+    start_decay = G.exp()
+    rhs = beta[:, :, None] * (v - start_decay[:, :, None] * (k @ state))
+    writes = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    out = start_decay[:, :, None] * (q @ state) + (weights * (q @ k.transpose(1, 2))) @ writes
+    return out, SolvedPiece(weights, k, writes, start_decay, state)
+
+
+def solve_tree(
+    q: torch.Tensor,  # [T, H, Dk]
+    k: torch.Tensor,  # [T, H, Dk]
+    v: torch.Tensor,  # [T, H, Dv]
+    g: torch.Tensor,  # [T, H]
+    beta: torch.Tensor,  # [T, H]
+    parents: torch.Tensor,  # [T] int64
+    initial_state: torch.Tensor,  # [H, Dk, Dv]
+    scale: float,
+) -> tuple[torch.Tensor, TreeStates]:
+    """(outputs [T, H, Dv] in v's dtype, the states of every node on demand); T >= 1.
+
+    Same maths as `reference.tree_gated_delta_rule`, computed in `compute_dtype`.
+    """
+    T = q.shape[0]
+    dt = compute_dtype(v.dtype)
+    heads_first = [t.to(dt).transpose(0, 1) for t in (q * scale, k, v, g, beta)]
+    visible = ancestor_matrix(parents)
+    piece_len = CHAIN_PIECE if is_chain(parents) else T  # a tree is solved whole
+    state, outs, pieces = initial_state.to(dt), [], []
+    for start in range(0, T, piece_len):
+        end = min(T, start + piece_len)
+        qp, kp, vp, gp, bp = (t[:, start:end] for t in heads_first)
+        out, piece = _solve_piece(qp, kp, vp, gp, bp, visible[start:end, start:end], state)
+        outs.append(out)
+        pieces.append(piece)
+        if end < T:
+            state = piece.state_after(end - start - 1)
+    return torch.cat(outs, dim=1).transpose(0, 1).to(v.dtype), TreeStates(pieces, piece_len)
+
+
+def tree_gated_delta_rule(
+    q: torch.Tensor,  # [T, H, Dk]
+    k: torch.Tensor,  # [T, H, Dk]
+    v: torch.Tensor,  # [T, H, Dv]
+    g: torch.Tensor,  # [T, H]
+    beta: torch.Tensor,  # [T, H]
+    parents: torch.Tensor,  # [T] int64
+    initial_state: torch.Tensor,  # [H, Dk, Dv]
+    scale: float,
+    return_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Same contract and results as `reference.tree_gated_delta_rule`, in a fixed number of calls."""
+    if q.shape[0] == 0:
+        states = initial_state.new_empty(0, *initial_state.shape, dtype=compute_dtype(v.dtype))
+        return v.new_empty(v.shape), (states if return_states else None)
+    out, states = solve_tree(q, k, v, g, beta, parents, initial_state, scale)
+    return out, (states.all_states() if return_states else None)
+
+
+__all__ = ["solve_tree", "tree_attention", "tree_causal_conv1d", "tree_gated_delta_rule"]

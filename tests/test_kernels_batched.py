@@ -1,0 +1,127 @@
+"""The batched CPU gated delta rule (engine/kernels/batched.py) matches the per-token reference.
+
+Tolerances: float64 1e-12, float32 1e-5 (the same maths in another order), bf16 inputs 1.6e-2
+on the bf16 output (the state is float32 either way).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import batched, reference
+
+TOLERANCE = {
+    torch.float64: {"atol": 1e-12, "rtol": 1e-12},
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2},
+}
+TREES = {
+    "single": [-1],
+    "all_roots": [-1, -1, -1, -1, -1],
+    "chain": [-1, 0, 1, 2, 3, 4],
+    "wide": [-1, 0, 0, 0, 0, 0, 0],
+    "two_level": [-1, 0, 0, 1, 1, 2, 2],
+    "forest": [-1, 0, -1, 2, 1, -1, 3],
+    "ddtree_like": [-1, 0, 0, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+}
+
+
+def _inputs(T: int, H: int, Dk: int, Dv: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q = F.normalize(randn(T, H, Dk), dim=-1).to(dtype)
+    k = F.normalize(randn(T, H, Dk), dim=-1).to(dtype)
+    v = randn(T, H, Dv).to(dtype)
+    g = -torch.rand(T, H, generator=gen, dtype=torch.float64).to(dtype)
+    beta = torch.rand(T, H, generator=gen, dtype=torch.float64).to(dtype)
+    state = randn(H, Dk, Dv).to(reference.compute_dtype(dtype))
+    return q, k, v, g, beta, state
+
+
+def _random_tree(T: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(T)]
+
+
+def _both(parents: list[int], dtype: torch.dtype, H: int = 2, Dk: int = 16, Dv: int = 8):
+    q, k, v, g, beta, state = _inputs(len(parents), H, Dk, Dv, dtype)
+    args = (q, k, v, g, beta, torch.tensor(parents), state, Dk**-0.5)
+    return (
+        batched.tree_gated_delta_rule(*args, return_states=True),
+        reference.tree_gated_delta_rule(*args, return_states=True),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tree", sorted(TREES))
+def test_every_tree_shape_matches_the_reference(tree: str, dtype: torch.dtype) -> None:
+    (out, states), (expected_out, expected_states) = _both(TREES[tree], dtype)
+    assert out.dtype == expected_out.dtype and states.dtype == expected_states.dtype
+    torch.testing.assert_close(out, expected_out, **TOLERANCE[dtype])
+    state_tolerance = TOLERANCE[torch.float64 if dtype == torch.float64 else torch.float32]
+    torch.testing.assert_close(states, expected_states, **state_tolerance)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_trees_and_head_shapes(seed: int) -> None:
+    parents = _random_tree(20, seed)
+    (out, states), (expected_out, expected_states) = _both(parents, torch.float64, 3, 24, 20)
+    torch.testing.assert_close(out, expected_out, **TOLERANCE[torch.float64])
+    torch.testing.assert_close(states, expected_states, **TOLERANCE[torch.float64])
+
+
+def test_long_chains_are_solved_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batched, "CHAIN_PIECE", 8)
+    chain = list(range(-1, 29))  # 30 tokens: pieces of 8, 8, 8, 6
+    q, k, v, g, beta, state = _inputs(len(chain), 2, 16, 8, torch.float64, seed=5)
+    args = (q, k, v, g, beta, torch.tensor(chain), state, 0.25)
+    out, tree_states = batched.solve_tree(*args)
+    expected_out, expected_states = reference.tree_gated_delta_rule(*args, return_states=True)
+    assert len(tree_states.pieces) == 4
+    torch.testing.assert_close(out, expected_out, **TOLERANCE[torch.float64])
+    for node in (0, 7, 8, 20, 29):
+        torch.testing.assert_close(
+            tree_states.state_after(node), expected_states[node], **TOLERANCE[torch.float64]
+        )
+
+
+def test_a_tree_longer_than_a_piece_is_solved_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batched, "CHAIN_PIECE", 4)
+    parents = _random_tree(12, seed=9)
+    q, k, v, g, beta, state = _inputs(12, 2, 16, 8, torch.float64)
+    _, tree_states = batched.solve_tree(q, k, v, g, beta, torch.tensor(parents), state, 0.25)
+    assert len(tree_states.pieces) == 1
+
+
+def test_state_after_any_node_is_that_nodes_state() -> None:
+    parents = TREES["forest"]
+    q, k, v, g, beta, state = _inputs(len(parents), 2, 16, 8, torch.float64)
+    args = (q, k, v, g, beta, torch.tensor(parents), state, 0.25)
+    _, tree_states = batched.solve_tree(*args)
+    _, expected = reference.tree_gated_delta_rule(*args, return_states=True)
+    for node in range(len(parents)):
+        torch.testing.assert_close(
+            tree_states.state_after(node), expected[node], **TOLERANCE[torch.float64]
+        )
+
+
+def test_empty_tree_and_the_ancestor_matrix() -> None:
+    q, k, v, g, beta, state = _inputs(0, 2, 16, 8, torch.float32)
+    no_parents = torch.zeros(0, dtype=torch.int64)
+    out, states = batched.tree_gated_delta_rule(q, k, v, g, beta, no_parents, state, 0.25, True)
+    assert out.shape == (0, 2, 8) and states.shape == (0, 2, 16, 8)
+    visible = batched.ancestor_matrix(torch.tensor([-1, 0, -1, 1]))
+    assert visible.tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+        [False, False, True, False],
+        [True, True, False, True],
+    ]
+    assert batched.is_chain(torch.tensor([-1, 0, 1])) and not batched.is_chain(
+        torch.tensor([-1, -1])
+    )
