@@ -19,9 +19,9 @@ the last accepted node. Three strategies, selectable per model, and "auto":
   the one state it installs from them. Extra memory per node is O(Hv * (Dk + Dv + T)), and
   commit costs a couple of matrix products. Plain torch, so any device, but it is what CPUs want:
   a tree in a fixed number of torch calls instead of a loop over tokens.
-- "auto": factored where the kernels are the batched torch ones (CPU); elsewhere (Triton on
-  CUDA) snapshot when the pass's states fit in SNAPSHOT_LIMIT_BYTES per layer, else replay
-  (`choose_strategy`).
+- "auto": factored for a verify round where the kernels are the batched torch ones (CPU);
+  otherwise (Triton on CUDA, a long prefill) snapshot when the pass's states fit in
+  SNAPSHOT_LIMIT_BYTES per layer, else replay (`choose_strategy`).
 
 `pending_bytes` gives the extra memory per round of each strategy for any config; for
 Qwen3.6-27B (48 GDN layers, bf16, 16-token verify; `python -m engine.models.gated_deltanet`):
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import backend_for, tree_causal_conv1d, tree_gated_delta_rule
-from engine.kernels.batched import TreeStates, solve_tree
+from engine.kernels.batched import CHAIN_PIECE, TreeStates, solve_tree
 from engine.models.common import compute_dtype
 
 StateStrategy = Literal["auto", "replay", "snapshot", "factored"]
@@ -237,10 +237,11 @@ def choose_strategy(
 ) -> StateStrategy:
     """What "auto" means for a pass of `tokens` tokens whose kernels come from `backend`.
 
-    "factored" with the batched torch kernels; otherwise "snapshot" when `tokens` per-node
-    states fit in SNAPSHOT_LIMIT_BYTES, else "replay".
+    "factored" with the batched torch kernels for a pass they solve in one piece (a verify
+    round); otherwise "snapshot" when `tokens` per-node states fit in SNAPSHOT_LIMIT_BYTES, else
+    "replay". A long prefill never holds factors: those of every piece would stay alive.
     """
-    if backend == "batched":
+    if backend == "batched" and tokens <= CHAIN_PIECE:
         return "factored"
     state_bytes = shape.value_heads * shape.key_dim * shape.value_dim * state_dtype.itemsize
     return "snapshot" if tokens * state_bytes <= SNAPSHOT_LIMIT_BYTES else "replay"
