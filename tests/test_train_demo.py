@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,16 @@ def test_shipped_demo_pair_is_small_and_complete():
     assert (DEMO_MODEL / "target" / "tokenizer.json").exists()
     report = json.loads((DEMO_MODEL / "training.json").read_text())
     assert report["recipe"] == json.loads(json.dumps(td.asdict(td.Recipe())))
+
+
+def test_reusing_the_saved_target_trains_the_same_drafter(mini, tmp_path):
+    """The saved target is exactly the one a full run drafts from (RoPE buffers included)."""
+    out, report, _ = mini
+    shutil.copytree(out / "target", tmp_path / "target")
+    with torch_threads(1):
+        again = td.train_demo(tmp_path, td.MINI, log=lambda _: None, reuse_target=True)
+    first = load_file(out / "draft" / "model.safetensors")
+    second = load_file(tmp_path / "draft" / "model.safetensors")
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    assert again["drafter_final_loss"] == report["drafter_final_loss"]
