@@ -254,7 +254,8 @@ def test_auto_strategy_factors_on_cpu_and_sizes_snapshots_for_triton(hybrid_dir)
     assert choose_strategy(tiny, 16, torch.float32) == "snapshot"
     assert choose_strategy(tiny, 1_000_000, torch.float32) == "replay"
     assert choose_strategy(qwen36_27b_shape(), 16, torch.float32, "batched") == "factored"
-    assert choose_strategy(tiny, 200, torch.float32, "batched") == "snapshot"  # a prefill
+    assert choose_strategy(tiny, 200, torch.float32, "batched") == "factored"  # a short prefill
+    assert choose_strategy(tiny, 100_000, torch.float32, "batched") == "replay"
     assert choose_strategy(qwen36_27b_shape(), 200, torch.float32, "batched") == "replay"
     model = load_qwen3_5(hybrid_dir)  # auto by default: on CPU a round keeps the solve's factors
     cache, _ = prefill(model, [1, 2, 3])

@@ -19,16 +19,17 @@ the last accepted node. Three strategies, selectable per model, and "auto":
   the one state it installs from them. Extra memory per node is O(Hv * (Dk + Dv + T)), and
   commit costs a couple of matrix products. Plain torch, so any device, but it is what CPUs want:
   a tree in a fixed number of torch calls instead of a loop over tokens.
-- "auto": factored for a verify round where the kernels are the batched torch ones (CPU);
-  otherwise (Triton on CUDA, a long prefill) snapshot when the pass's states fit in
-  SNAPSHOT_LIMIT_BYTES per layer, else replay (`choose_strategy`).
+- "auto": with the batched torch kernels (CPU) factored while its factors fit in
+  SNAPSHOT_LIMIT_BYTES per layer (verify rounds, short prefills); otherwise (Triton on CUDA, a
+  long prefill) snapshot when the pass's states fit there, else replay (`choose_strategy`).
 
 `pending_bytes` gives the extra memory per round of each strategy for any config; for
 Qwen3.6-27B (48 GDN layers, bf16, 16-token verify; `python -m engine.models.gated_deltanet`):
 replay 30.2 MiB, factored 53.4 MiB, snapshot 2319 MiB, and snapshot's per-node states are also
 written every round (~2.3 GiB of memory traffic). On the demo model (engine/demo_model, 2 CPU
-threads, ddtree budget 15) the batched solve with factored commits cut a round from ~16 ms
-(reference loop, snapshot) to ~11 ms and the prefill of a 167-token prompt from ~90 to ~25 ms.
+threads, ddtree budget 15, back to back; DDOPS_KERNELS=reference for the loop) the batched
+solve with factored commits took a round's verify from ~10-14 ms to ~7.5-8.5 ms and the
+prefill of a 167-token prompt from ~60-90 ms to ~22 ms.
 Parameter names and the maths follow transformers' Qwen3_5GatedDeltaNet, so HF checkpoints load
 as they are.
 """
@@ -237,14 +238,26 @@ def choose_strategy(
 ) -> StateStrategy:
     """What "auto" means for a pass of `tokens` tokens whose kernels come from `backend`.
 
-    "factored" with the batched torch kernels for a pass they solve in one piece (a verify
-    round); otherwise "snapshot" when `tokens` per-node states fit in SNAPSHOT_LIMIT_BYTES, else
-    "replay". A long prefill never holds factors: those of every piece would stay alive.
+    With the batched torch kernels "factored" while its factors fit in SNAPSHOT_LIMIT_BYTES (a
+    verify round; a short prefill); otherwise "snapshot" when `tokens` per-node states fit
+    there, else "replay".
     """
-    if backend == "batched" and tokens <= CHAIN_PIECE:
+    if backend == "batched" and factored_bytes(shape, tokens, state_dtype) <= SNAPSHOT_LIMIT_BYTES:
         return "factored"
     state_bytes = shape.value_heads * shape.key_dim * shape.value_dim * state_dtype.itemsize
     return "snapshot" if tokens * state_bytes <= SNAPSHOT_LIMIT_BYTES else "replay"
+
+
+def factored_bytes(shape: GDNShape, tokens: int, state_dtype: torch.dtype) -> int:
+    """Bytes one layer's factors of a `tokens`-token pass hold (a chain in CHAIN_PIECE pieces).
+
+    Per node: its key, write, row of path decays and start decay; per piece after the first:
+    the state it starts from.
+    """
+    piece = max(1, min(tokens, CHAIN_PIECE))
+    per_node = shape.value_heads * (shape.key_dim + shape.value_dim + piece + 1)
+    starts = shape.value_heads * shape.key_dim * shape.value_dim * max(0, -(-tokens // piece) - 1)
+    return (tokens * per_node + starts) * state_dtype.itemsize
 
 
 def pending_bytes(
@@ -252,16 +265,18 @@ def pending_bytes(
 ) -> int:
     """Extra memory one verify round of `tokens` keeps for commit in `layers` GDN layers."""
     model_bytes = torch.empty(0, dtype=dtype).element_size()
-    state_bytes = torch.empty(0, dtype=compute_dtype(dtype)).element_size()
-    per_node = shape.conv_dim * model_bytes  # conv inputs: both strategies
+    state_dtype = compute_dtype(dtype)
+    state_bytes = torch.empty(0, dtype=state_dtype).element_size()
+    per_layer = shape.conv_dim * model_bytes * tokens  # conv inputs: every strategy
     if strategy == "snapshot":
-        per_node += shape.value_heads * shape.key_dim * shape.value_dim * state_bytes
-    elif strategy == "factored":  # a tree solved whole: its key, write, decay row, start decay
-        per_node += shape.value_heads * (shape.key_dim + shape.value_dim + tokens + 1) * state_bytes
+        per_layer += shape.value_heads * shape.key_dim * shape.value_dim * state_bytes * tokens
+    elif strategy == "factored":
+        per_layer += factored_bytes(shape, tokens, state_dtype)
     else:  # conv outputs, beta (model dtype) and g (compute dtype)
-        per_node += (shape.conv_dim + shape.value_heads) * model_bytes
-        per_node += shape.value_heads * state_bytes
-    return per_node * tokens * layers
+        per_layer += (
+            (shape.conv_dim + shape.value_heads) * model_bytes + shape.value_heads * state_bytes
+        ) * tokens
+    return per_layer * layers
 
 
 def qwen36_27b_shape() -> GDNShape:
