@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 import engine.kernels as kernels
 from engine.kernels import reference
+from tests.helpers.kernel_cases import TOLERANCE, TREE_SHAPES
 
 KERNEL_MODULES = (
     "engine.kernels.triton_attention",
@@ -65,21 +66,7 @@ def _interpreter_for_this_module() -> Iterator[None]:
         sys.modules.pop(name, None)
 
 
-TOLERANCE = {
-    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
-    torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2},
-    torch.float64: {"atol": 1e-12, "rtol": 1e-12},
-}
-
-TREES = {
-    "single": [-1],
-    "all_roots": [-1, -1, -1, -1, -1],
-    "chain": [-1, 0, 1, 2, 3, 4],
-    "wide": [-1, 0, 0, 0, 0, 0, 0],
-    "two_level": [-1, 0, 0, 1, 1, 2, 2],
-    "forest": [-1, 0, -1, 2, 1, -1, 3],
-    "random": None,  # drawn from a seed in _parents
-}
+TREES = {**TREE_SHAPES, "random": None}  # "random" is drawn from a seed in _parents
 # Every tree in float32; bf16 (slower to check, same code path) on a depth-1 tree, a chain, a
 # wide tree and a random one.
 TREE_CASES = [(tree, torch.float32) for tree in TREES] + [

@@ -1,7 +1,7 @@
 """The batched CPU gated delta rule (engine/kernels/batched.py) matches the per-token reference.
 
-Tolerances: float64 1e-12, float32 1e-5 (the same maths in another order), bf16 inputs 1.6e-2
-on the bf16 output (the state is float32 either way).
+Tolerances (tests/helpers/kernel_cases.py) as for the Triton kernels; the state is float32 for
+bf16 inputs, so it is compared at the float32 tolerance.
 """
 
 from __future__ import annotations
@@ -11,21 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import batched, reference
+from tests.helpers.kernel_cases import TOLERANCE, TREE_SHAPES
 
-TOLERANCE = {
-    torch.float64: {"atol": 1e-12, "rtol": 1e-12},
-    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
-    torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2},
-}
-TREES = {
-    "single": [-1],
-    "all_roots": [-1, -1, -1, -1, -1],
-    "chain": [-1, 0, 1, 2, 3, 4],
-    "wide": [-1, 0, 0, 0, 0, 0, 0],
-    "two_level": [-1, 0, 0, 1, 1, 2, 2],
-    "forest": [-1, 0, -1, 2, 1, -1, 3],
-    "ddtree_like": [-1, 0, 0, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
-}
+TREES = {**TREE_SHAPES, "ddtree_like": [-1, 0, 0, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]}
 
 
 def _inputs(T: int, H: int, Dk: int, Dv: int, dtype: torch.dtype, seed: int = 0):
