@@ -113,3 +113,15 @@ def test_empty_tree_and_the_ancestor_matrix() -> None:
     assert batched.is_chain(torch.tensor([-1, 0, 1])) and not batched.is_chain(
         torch.tensor([-1, -1])
     )
+
+
+def test_held_bytes_are_what_the_gdn_layer_budgets_for() -> None:
+    from engine.models.gated_deltanet import GDNShape, factored_bytes
+
+    shape = GDNShape(
+        hidden_size=64, key_heads=2, value_heads=2, key_dim=16, value_dim=8, conv_kernel=4, eps=1e-6
+    )
+    for parents in (list(range(-1, 149)), _random_tree(12, seed=3)):  # 3 chain pieces; a tree
+        q, k, v, g, beta, state = _inputs(len(parents), 2, 16, 8, torch.float64)
+        _, tree_states = batched.solve_tree(q, k, v, g, beta, torch.tensor(parents), state, 0.25)
+        assert tree_states.nbytes() == factored_bytes(shape, len(parents), torch.float64)

@@ -14,8 +14,9 @@ W[i, j] = A[i, j] exp(G_i - G_j) and u_j = beta_j (v_j - S_j'^T k_j), the write 
 
 a unit lower-triangular system in u (one solve), after which outputs o_i = S_i^T q_i and any
 node's state are matrix products. `solve_tree` keeps those factors (W, k, u, exp(G)), so the
-engine can build the one state it commits instead of storing every node's (TreeStates). A long chain (a prefill) is solved in CHAIN_PIECE-token
-pieces, each starting from the state the previous one left, which bounds the [T, T] matrices.
+engine can build the one state it commits instead of storing every node's (TreeStates). A long
+chain (a prefill) is solved in CHAIN_PIECE-token pieces, each starting from the state the
+previous one left, which bounds the [T, T] matrices.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class SolvedPiece:
     keys: torch.Tensor  # [H, T, Dk]
     writes: torch.Tensor  # [H, T, Dv] u
     start_decay: torch.Tensor  # [H, T] exp(G): how much of the initial state each node keeps
-    initial: torch.Tensor  # [H, Dk, Dv] the state before the piece (not owned: not counted)
+    initial: torch.Tensor  # [H, Dk, Dv] the state before the piece
 
     def state_after(self, node: int) -> torch.Tensor:  # [H, Dk, Dv]
         weighted_keys = self.keys * self.weights[:, node, :, None]  # [H, T, Dk]
@@ -89,7 +90,10 @@ class TreeStates:
         return torch.cat([piece.all_states() for piece in self.pieces])
 
     def nbytes(self) -> int:
-        return sum(piece.nbytes() for piece in self.pieces)
+        """The factors, and the start states of the pieces after the first (the first one's is
+        the committed state, not held here)."""
+        starts = sum(p.initial.numel() * p.initial.element_size() for p in self.pieces[1:])
+        return starts + sum(piece.nbytes() for piece in self.pieces)
 
 
 def _solve_piece(

@@ -255,9 +255,11 @@ def factored_bytes(shape: GDNShape, tokens: int, state_dtype: torch.dtype) -> in
     the state it starts from.
     """
     piece = max(1, min(tokens, CHAIN_PIECE))
-    per_node = shape.value_heads * (shape.key_dim + shape.value_dim + piece + 1)
-    starts = shape.value_heads * shape.key_dim * shape.value_dim * max(0, -(-tokens // piece) - 1)
-    return (tokens * per_node + starts) * state_dtype.itemsize
+    pieces, rest = divmod(tokens, piece)
+    decay_rows = pieces * piece * piece + rest * rest  # each piece's [piece, piece] W
+    per_node = shape.key_dim + shape.value_dim + 1
+    starts = shape.key_dim * shape.value_dim * max(0, pieces + (rest > 0) - 1)
+    return shape.value_heads * (tokens * per_node + decay_rows + starts) * state_dtype.itemsize
 
 
 def pending_bytes(
