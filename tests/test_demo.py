@@ -12,18 +12,29 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ops.bench.report import load_rows
+from ops.sim.host import destroy_host
+from ops.sim.state import is_sim_root
 
 pytestmark = [pytest.mark.slow, pytest.mark.lxc]
 
 
-def test_demo_runs_the_lifecycle_and_ddtree_wins(tmp_path):
+@pytest.fixture
+def demo_dir(tmp_path: Path) -> Iterator[Path]:
+    """The demo's workdir; the simulated host it leaves up (by design) is destroyed after."""
+    yield tmp_path / "demo"
+    if is_sim_root(tmp_path / "demo" / "host"):
+        destroy_host(tmp_path / "demo" / "host")
+
+
+def test_demo_runs_the_lifecycle_and_ddtree_wins(demo_dir):
     proc = subprocess.run(
-        [sys.executable, "-m", "ops.cli", "--json", "demo", "--workdir", str(tmp_path / "demo")],
+        [sys.executable, "-m", "ops.cli", "--json", "demo", "--workdir", str(demo_dir)],
         capture_output=True,
         text=True,
         timeout=1500,
