@@ -124,6 +124,41 @@ def test_drafter_features_are_the_engine_targets_layer_outputs(mini):
     torch.testing.assert_close(features, hidden, atol=2e-3, rtol=2e-3)
 
 
+def test_warm_started_drafter_reads_the_context_as_the_targets_last_attention_layer(mini):
+    from engine.models.dflash import DFlashConfig, DFlashDrafter
+
+    out, _, _ = mini
+    hf, tokenizer = td.load_target_for_training(out / "target")
+    config = td.drafter_config(td.MINI, hf.config, tokenizer.token_to_id(td.MASK_TOKEN))
+    layer_ids = config["dflash_config"]["target_layer_ids"]
+    drafter = DFlashDrafter(DFlashConfig.from_dict(config))
+    td.warm_start(drafter, hf, layer_ids)
+    ids = torch.tensor([[5, 17, 3, 9, 44, 2]])
+    captured = {}
+    hooks = [
+        hf.model.layers[i].register_forward_hook(
+            lambda _m, _i, output, i=i: captured.__setitem__(i, output)
+        )
+        for i in range(td.MINI.num_layers)
+    ]
+    with torch.no_grad():
+        last_hidden = hf.model(input_ids=ids).last_hidden_state
+        for hook in hooks:
+            hook.remove()
+        features = torch.cat([captured[i] for i in layer_ids], dim=-1)
+        source = hf.model.layers[-1]  # the last layer is a full-attention one in MINI
+        fed = source.input_layernorm(captured[td.MINI.num_layers - 2])
+        layer = drafter.layers[0]
+        context = drafter.hidden_norm(drafter.fc(features))
+        torch.testing.assert_close(layer.self_attn.v_proj(context), source.self_attn.v_proj(fed))
+        x = captured[td.MINI.num_layers - 1]
+        torch.testing.assert_close(
+            layer.mlp(layer.post_attention_layernorm(x)),
+            source.mlp(source.post_attention_layernorm(x)),
+        )
+        torch.testing.assert_close(drafter.norm(x), last_hidden)
+
+
 def test_mini_dirs_are_fp16_with_a_tokenizer_whose_mask_token_the_drafter_uses(mini):
     from engine.tokenizer import load_tokenizer
 
