@@ -151,6 +151,11 @@ def test_warm_started_drafter_reads_the_context_as_the_targets_last_attention_la
         layer = drafter.layers[0]
         context = drafter.hidden_norm(drafter.fc(features))
         torch.testing.assert_close(layer.self_attn.v_proj(context), source.self_attn.v_proj(fed))
+        query_and_gate = source.self_attn.q_proj(fed).unflatten(
+            -1, (drafter.config.num_attention_heads, -1)
+        )
+        query = query_and_gate[..., : drafter.config.head_dim].flatten(-2)  # each head: query, gate
+        torch.testing.assert_close(layer.self_attn.q_proj(fed), query)
         x = captured[td.MINI.num_layers - 1]
         torch.testing.assert_close(
             layer.mlp(layer.post_attention_layernorm(x)),
