@@ -147,7 +147,7 @@ def test_from_nothing_to_healthy_then_a_second_run_changes_nothing(private_site)
         json={"prompt": "w1 w2 w3", "max_tokens": 4},
         timeout=60,
     ).json()
-    assert answer["usage"]["completion_tokens"] >= 1 and answer["choices"][0]["text"]
+    assert answer["usage"]["completion_tokens"] >= 1 and answer["choices"][0]["text"], answer
 
     files, served = site.file_state(), site.hub.bytes_served
     code, again = site.ddops("provision", "--ct", "200")
