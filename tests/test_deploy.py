@@ -117,7 +117,7 @@ def ct_file(t, path: str, vmid: int = CT) -> str | None:
 
 def completion(engine, headers=None) -> httpx.Response:
     """The engine from outside the CT: the sim's CTs share the host's network namespace."""
-    body = {"prompt": "hello", "max_tokens": 2}
+    body = {"prompt": "hello", "max_tokens": 2, "temperature": 0}  # greedy: sampling may draw eos
     url = f"http://127.0.0.1:{engine.port}/v1/completions"
     return httpx.post(url, json=body, headers=headers or {}, timeout=60)
 
