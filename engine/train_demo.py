@@ -528,7 +528,7 @@ def drafter_loss_and_prefix(
 
 
 @torch.no_grad()
-def warm_start(drafter: DFlashDrafter, target: Qwen3_5ForCausalLM, layer_ids: list[int]) -> None:
+def warm_start(drafter: DFlashDrafter, target: Qwen3_5ForCausalLM) -> None:
     """Start the drafter as a copy of the target's last attention layer reading that layer's input.
 
     Each drafter layer gets the attention (the query half of the gated q_proj) and MLP of the
@@ -536,7 +536,7 @@ def warm_start(drafter: DFlashDrafter, target: Qwen3_5ForCausalLM, layer_ids: li
     they are among the context features) and the output norm is the target's final norm. The
     target's RMSNorms scale by (1 + w), the drafter's by w.
     """
-    layers = target.model.layers
+    layers, layer_ids = target.model.layers, list(drafter.target_layer_ids)
     last = max(i for i, layer in enumerate(layers) if hasattr(layer, "self_attn"))
     source = layers[last]
     attention, heads = source.self_attn, drafter.config.num_attention_heads
@@ -574,7 +574,7 @@ def train_drafter(
 
     torch.manual_seed(recipe.seed + 1)
     drafter = DFlashDrafter(DFlashConfig.from_dict(config)).train()
-    warm_start(drafter, target, list(config["dflash_config"]["target_layer_ids"]))
+    warm_start(drafter, target)
     head = borrowed_head(target.requires_grad_(False))
     weights = position_weights(recipe.block_size, recipe.loss_decay)
     generator = torch.Generator().manual_seed(recipe.seed + 2)

@@ -132,7 +132,7 @@ def test_warm_started_drafter_reads_the_context_as_the_targets_last_attention_la
     config = td.drafter_config(td.MINI, hf.config, tokenizer.token_to_id(td.MASK_TOKEN))
     layer_ids = config["dflash_config"]["target_layer_ids"]
     drafter = DFlashDrafter(DFlashConfig.from_dict(config))
-    td.warm_start(drafter, hf, layer_ids)
+    td.warm_start(drafter, hf)
     ids = torch.tensor([[5, 17, 3, 9, 44, 2]])
     captured = {}
     hooks = [
