@@ -3,7 +3,7 @@
     python -m engine train-demo --out DIR [--reuse-target] [--mini] [--threads 2]
 
 Writes DIR/target (hybrid Qwen3.5-style target + tokenizer), DIR/draft (DFlash drafter) and
-DIR/training.json (held-out next-token accuracy, estimated tau, a greedy sample). The shipped
+DIR/training.json (held-out next-token accuracy, held-out linear tau, a greedy sample). The shipped
 engine/demo_model/ is `--out engine/demo_model`; `--mini` is the seconds-long smoke recipe.
 """
 
