@@ -2,8 +2,8 @@
 
 Run: `python -m engine train-demo --out DIR` (`--mini`: a seconds-long smoke version). The
 shipped pair in engine/demo_model/ is this module's output with the default Recipe: 1570 s on
-a 2-core CPU (the target ~19.5 min; the drafter's data ~1.5 min, its training ~5 min). `--reuse-target`
-trains only the drafter and gives the same drafter as a full run, bit for bit.
+a 2-core CPU (the target ~19.5 min; the drafter's data ~1.5 min, its training ~5 min).
+`--reuse-target` trains only the drafter and gives the same drafter as a full run, bit for bit.
 
 Steps, each deterministic (fixed seeds, sorted files, fixed data order):
 1. corpus: the running interpreter's own standard library, Lib/*.py; every tenth file (sorted
