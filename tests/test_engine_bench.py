@@ -36,16 +36,22 @@ def test_tally_weights_speed_by_time_and_tau_by_rounds():
 
 def test_summary_speedup_is_relative_to_ar_and_the_table_lists_every_method():
     ar, tree = Tally(), Tally()
-    ar.add([1] * 10, decode_tokens_per_s=10.0)
-    tree.add([5, 5], decode_tokens_per_s=30.0)
+    ar.add([1] * 10, decode_tokens_per_s=10.0, stage_seconds={"verify": 0.8, "commit": 0.1})
+    tree.add([5, 5], decode_tokens_per_s=30.0, stage_seconds={"draft": 0.1, "verify": 0.2})
     rows = summarise({Method("ar"): ar, Method("ddtree", 15): tree})
     assert [(r["method"], r["budget"], r["tau"], r["speedup"]) for r in rows] == [
         ("ar", None, 1.0, 1.0),
         ("ddtree", 15, 5.0, 3.0),
     ]
+    # 10 tokens in 1/3 s over 2 rounds: a round costs 1/6 s, 5/3 of ar's 1/10 s step
+    assert rows[1]["round_ms"] == pytest.approx(1000 / 6, abs=1e-3)
+    assert rows[1]["cost"] == pytest.approx(5 / 3, abs=1e-3)
+    assert rows[1]["speedup"] == pytest.approx(rows[1]["tau"] / rows[1]["cost"], abs=1e-3)
+    assert rows[1]["stage_ms"] == {"draft": 50.0, "tree": 0.0, "verify": 100.0, "commit": 0.0}
     lines = format_table(rows).splitlines()
-    assert lines[1].split() == ["ar", "1.00", "10.0", "1.00x"]
-    assert lines[2].split() == ["ddtree", "15", "5.00", "30.0", "3.00x"]
+    assert lines[0].split()[-4:] == ["draft", "ms", "verify", "ms"]
+    assert lines[1].split() == ["ar", "1.00", "10.0", "1.00x", "1.00", "0.00", "80.00"]
+    assert lines[2].split() == ["ddtree", "15", "5.00", "30.0", "3.00x", "1.67", "50.00", "100.00"]
 
 
 def test_bench_runs_every_method_and_ends_with_one_json_document(tmp_path, capsys):
@@ -69,4 +75,6 @@ def test_bench_runs_every_method_and_ends_with_one_json_document(tmp_path, capsy
     assert {r["tokens"] for r in rows} == {2 * 5}
     assert rows[0]["tau"] == 1.0 and rows[0]["speedup"] == 1.0
     assert all(r["decode_tokens_per_s"] > 0 and r["tau"] >= 1.0 for r in rows)
+    assert rows[0]["cost"] == 1.0 and rows[0]["stage_ms"]["draft"] == 0.0  # ar drafts nothing
+    assert all(r["stage_ms"]["draft"] > 0 and r["stage_ms"]["verify"] > 0 for r in rows[1:])
     assert any(line.split()[:2] == ["ddtree", "6"] for line in out[:-1])  # the table

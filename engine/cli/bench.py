@@ -7,18 +7,22 @@ Prompts are Python code from the standard-library files the demo model never tra
 (engine.train_demo.held_out_prompts). Every method runs in this one process, prompt by prompt
 (all methods on prompt 1, then on prompt 2, ...) so a change in machine load hits them alike;
 each method first decodes one untimed warm-up. Prints a table (tau = tokens committed per
-round, bonus included; decode tokens/s; speedup over ar) and, as the last stdout line, one
-JSON document with the same figures.
+round, bonus included; decode tokens/s; speedup over ar; what a round costs) and, as the last
+stdout line, one JSON document with the same figures.
+
+The round costs explain the speedups: `cost` is a round's time in ar steps, so speedup =
+tau / cost, and the draft and verify columns (ms per round) show where a round's time goes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 WARMUP_TOKENS = 16
+ROUND_STAGES = ("draft", "tree", "verify", "commit")
 
 
 @dataclass(frozen=True)
@@ -38,12 +42,22 @@ class Tally:
     tokens: int = 0
     rounds: int = 0
     decode_seconds: float = 0.0
+    stage_seconds: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(ROUND_STAGES, 0.0)
+    )
 
-    def add(self, acceptance_lengths: list[int], decode_tokens_per_s: float) -> None:
+    def add(
+        self,
+        acceptance_lengths: list[int],
+        decode_tokens_per_s: float,
+        stage_seconds: dict[str, float] | None = None,
+    ) -> None:
         tokens = sum(acceptance_lengths)
         self.tokens += tokens
         self.rounds += len(acceptance_lengths)
         self.decode_seconds += tokens / decode_tokens_per_s if decode_tokens_per_s else 0.0
+        for stage in ROUND_STAGES:
+            self.stage_seconds[stage] += (stage_seconds or {}).get(stage, 0.0)
 
     @property
     def tau(self) -> float:
@@ -52,6 +66,14 @@ class Tally:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def round_ms(self) -> float:
+        """Decode time per round (for ar: per token), everything between rounds included."""
+        return 1000 * self.decode_seconds / max(1, self.rounds)
+
+    def stage_ms(self, stage: str) -> float:
+        return 1000 * self.stage_seconds[stage] / max(1, self.rounds)
 
 
 def parse_budgets(text: str) -> list[int]:
@@ -80,15 +102,19 @@ def methods_for(budgets: list[int]) -> list[Method]:
 
 
 def summarise(tallies: dict[Method, Tally]) -> list[dict]:
-    """One row per method: tau, decode tokens/s and speedup over the first (ar) row."""
-    ar_speed = next(iter(tallies.values())).tokens_per_s
+    """One row per method: tau, decode tokens/s and speedup over the first (ar) row, and the
+    round's cost in ar steps with the ms per round of each stage."""
+    ar = next(iter(tallies.values()))
     return [
         {
             "method": method.name,
             "budget": method.budget,
             "tau": round(tally.tau, 3),
             "decode_tokens_per_s": round(tally.tokens_per_s, 2),
-            "speedup": round(tally.tokens_per_s / ar_speed, 3) if ar_speed else None,
+            "speedup": _ratio(tally.tokens_per_s, ar.tokens_per_s),
+            "cost": _ratio(tally.round_ms, ar.round_ms),
+            "round_ms": round(tally.round_ms, 3),
+            "stage_ms": {stage: round(tally.stage_ms(stage), 3) for stage in ROUND_STAGES},
             "tokens": tally.tokens,
             "rounds": tally.rounds,
         }
@@ -96,13 +122,23 @@ def summarise(tallies: dict[Method, Tally]) -> list[dict]:
     ]
 
 
+def _ratio(value: float, base: float) -> float | None:
+    return round(value / base, 3) if base else None
+
+
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'method':<12}{'tau':>8}{'tok/s':>10}{'speedup':>9}"]
+    header = ("method", "tau", "tok/s", "speedup", "cost", "draft ms", "verify ms")
+    lines = [
+        f"{header[0]:<12}{header[1]:>8}{header[2]:>10}" + "".join(f"{h:>11}" for h in header[3:])
+    ]
     for row in rows:
         label = f"{row['method']} {row['budget']}" if row["budget"] is not None else row["method"]
         speedup = f"{row['speedup']:.2f}x" if row["speedup"] is not None else "-"
+        cost = f"{row['cost']:.2f}" if row["cost"] is not None else "-"
+        stages = row["stage_ms"]
         lines.append(
-            f"{label:<12}{row['tau']:>8.2f}{row['decode_tokens_per_s']:>10.1f}{speedup:>9}"
+            f"{label:<12}{row['tau']:>8.2f}{row['decode_tokens_per_s']:>10.1f}{speedup:>11}"
+            f"{cost:>11}{stages['draft']:>11.2f}{stages['verify']:>11.2f}"
         )
     return "\n".join(lines)
 
@@ -139,7 +175,9 @@ def run(args: argparse.Namespace) -> int:
     for index, prompt in enumerate(prompts):
         for method in methods:
             result = decode(method, prompt, args.max_new_tokens)
-            tallies[method].add(result.acceptance_lengths, result.decode_tokens_per_s)
+            tallies[method].add(
+                result.acceptance_lengths, result.decode_tokens_per_s, result.stage_seconds
+            )
         print(f"prompt {index + 1}/{len(prompts)} done ({len(prompt)} prompt tokens)", flush=True)
     close_target(target)
     rows = summarise(tallies)
