@@ -157,3 +157,17 @@ def test_tied_model_shares_embedding_and_lm_head(tmp_path):
     )
     assert isinstance(model, Qwen3Model)
     assert model.lm_head.weight is model.embed_tokens.weight
+
+
+def test_cpu_loading_lays_linear_weights_out_input_major_with_values_and_ties_kept(tmp_path):
+    from safetensors.torch import load_file
+
+    model_dir = save_tiny_qwen3(tmp_path, seed=6, tie_word_embeddings=True, tokenizer=False)
+    saved = load_file(model_dir / "model.safetensors")
+    model = load_target(model_dir)
+    up = model.layers[0].mlp.up_proj.weight
+    assert up.stride() == (1, up.shape[0])  # [out, in] viewed over a contiguous [in, out]
+    assert torch.equal(up, saved["model.layers.0.mlp.up_proj.weight"])
+    assert model.lm_head.weight is model.embed_tokens.weight  # still one tied parameter
+    assert model.lm_head.weight.stride() == (1, model.lm_head.weight.shape[0])
+    assert torch.equal(model.embed_tokens.weight, saved["model.embed_tokens.weight"])

@@ -36,6 +36,7 @@ from engine.models.common import (
     Rotary,
     SwiGLU,
     compute_dtype,
+    inference_ready,
     load_state_dict,
     load_weights,
     materialize,
@@ -286,4 +287,4 @@ def load_dflash(
         drafter = DFlashDrafter(cfg)
     drafter = materialize(drafter, dtype, device)
     load_weights(drafter, load_state_dict(model_dir, device))
-    return drafter.eval()
+    return inference_ready(drafter)

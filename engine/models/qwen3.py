@@ -28,6 +28,7 @@ from engine.models.common import (
     RMSNorm,
     Rotary,
     SwiGLU,
+    inference_ready,
     load_state_dict,
     load_weights,
     materialize,
@@ -166,4 +167,4 @@ def load_qwen3(
         name.removeprefix("model."): t for name, t in load_state_dict(model_dir, device).items()
     }
     load_weights(model, tensors, skip=("lm_head.",) if cfg.tie_word_embeddings else ())
-    return model.eval()
+    return inference_ready(model)

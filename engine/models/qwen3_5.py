@@ -33,6 +33,7 @@ from engine.models.common import (
     Rotary,
     SwiGLU,
     compute_dtype,
+    inference_ready,
     load_state_dict,
     load_weights,
     read_config,
@@ -348,4 +349,4 @@ def load_qwen3_5(
     if "lm_head.weight" in tensors and not config.tie_word_embeddings:
         text["lm_head.weight"] = tensors["lm_head.weight"]
     load_weights(model, text)
-    return model.eval()
+    return inference_ready(model)
