@@ -356,10 +356,12 @@ def load_shard(
 ) -> tuple[nn.Module, nn.Module, object]:
     """This rank's shard on `device`, the whole lm_head (rank 0's drafter) and whole config."""
     from engine.models import load_target
+    from engine.models.common import inference_ready
 
     model = load_target(model_dir, dtype, "cpu")  # cut on the CPU: only the shard moves
     whole_head, whole_config = model.lm_head, model.config
-    shard = shard_model(model, rank, world, lm_head).to(device)
+    # Sharding copies weights row-major: re-lay them (on the CPU) for the shard's matmuls.
+    shard = inference_ready(shard_model(model, rank, world, lm_head).to(device))
     return shard, whole_head.to(device), whole_config
 
 
