@@ -261,3 +261,10 @@ def test_auto_strategy_factors_on_cpu_and_sizes_snapshots_for_triton(hybrid_dir)
     cache, _ = prefill(model, [1, 2, 3])
     model.forward(torch.arange(4), cache, torch.tensor([-1, 0, 0, 1]))
     assert all(p.tree_states is not None and p.node_states is None for p in cache.pending)
+
+
+def test_serving_defaults_to_the_configs_context_limit(hybrid_dir):
+    from engine.server import load_engine
+
+    assert load_engine(hybrid_dir).max_model_len == 512  # tests/helpers/tiny_hybrid.py
+    assert load_engine(hybrid_dir, max_model_len=100).max_model_len == 100

@@ -75,6 +75,7 @@ class Qwen3_5Config:
     rope_theta: float = 10000.0
     partial_rotary_factor: float = 0.25
     tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768  # the served context limit by default
 
     @classmethod
     def from_hf(cls, config: dict) -> Qwen3_5Config:
