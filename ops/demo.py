@@ -178,4 +178,10 @@ def summary_lines(result: DemoResult) -> list[str]:
     lines += [f"  {s.name:<20} exit {s.exit_code}  {s.seconds:6.1f}s" for s in result.stages]
     if result.report:
         lines.append(f"report: {result.report} (CSV, JSON and plots beside it)")
+    if result.stages:
+        host = result.workdir / "host"
+        lines.append(
+            f"the simulated host stays up (CT {DEMO_VMID} and its engine): "
+            f"`ddops sim destroy {host}` removes it"
+        )
     return lines

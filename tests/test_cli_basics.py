@@ -40,3 +40,13 @@ def test_usage_error_exits_2():
     result = CliRunner().invoke(cli, ["no-such-command"])
     assert result.exit_code == 2
     assert isinstance(click.UsageError("x"), click.ClickException)
+
+
+def test_demo_summary_lists_stages_and_says_how_to_remove_the_host_it_leaves_up(tmp_path):
+    from ops.demo import DemoResult, Stage, summary_lines
+
+    result = DemoResult(tmp_path, [Stage("sim init", ["sim", "init"], seconds=0.5)])
+    lines = summary_lines(result)
+    assert any(line.split()[:4] == ["sim", "init", "exit", "0"] for line in lines)
+    assert lines[-1].endswith(f"`ddops sim destroy {tmp_path / 'host'}` removes it")
+    assert not any("destroy" in line for line in summary_lines(DemoResult(tmp_path)))
