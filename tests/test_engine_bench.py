@@ -7,11 +7,21 @@ from __future__ import annotations
 
 import argparse
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from engine.__main__ import main
-from engine.cli.bench import Method, Tally, format_table, methods_for, parse_budgets, summarise
+from engine.cli.bench import (
+    Method,
+    Tally,
+    format_table,
+    median_speed,
+    methods_for,
+    parse_budgets,
+    positive_int,
+    summarise,
+)
 from tests.helpers.tiny_hybrid import save_tiny_hybrid, save_tiny_hybrid_drafter, torch_threads
 
 
@@ -20,6 +30,17 @@ def test_budgets_parse_and_reject_bad_input():
     for bad in ("", "4,x", "0,4"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_budgets(bad)
+
+
+def test_repeats_must_be_positive_and_the_median_speed_decode_counts():
+    assert positive_int("3") == 3
+    for bad in ("0", "-1", "x", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            positive_int(bad)
+    runs = [SimpleNamespace(decode_tokens_per_s=speed) for speed in (9.0, 1.0, 5.0)]
+    assert median_speed(runs) is runs[2]
+    assert median_speed(runs[:2]) is runs[1]  # even count: the slower middle one
+    assert median_speed(runs[:1]) is runs[0]
 
 
 def test_methods_are_ar_first_then_linear_then_each_budget():
@@ -59,11 +80,11 @@ def test_bench_runs_every_method_and_ends_with_one_json_document(tmp_path, capsy
     draft = save_tiny_hybrid_drafter(tmp_path / "draft", target, seed=1)
     argv = ["bench", "--model", str(target), "--draft", str(draft), "--budgets", "3,6"]
     with torch_threads(1):
-        rc = main([*argv, "--max-new-tokens", "6", "--prompts", "2"])
+        rc = main([*argv, "--max-new-tokens", "6", "--prompts", "2", "--repeats", "2"])
     assert rc == 0
     out = capsys.readouterr().out.strip().splitlines()
     report = json.loads(out[-1])
-    assert report["prompts"] == 2 and report["max_new_tokens"] == 6
+    assert report["prompts"] == 2 and report["max_new_tokens"] == 6 and report["repeats"] == 2
     rows = report["results"]
     assert [(r["method"], r["budget"]) for r in rows] == [
         ("ar", None),

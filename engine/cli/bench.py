@@ -1,14 +1,17 @@
 """`python -m engine bench`: ar, linear (DFlash chain) and ddtree side by side on held-out prompts.
 
     python -m engine bench --model DIR --draft DIR [--budgets 4,8,15,32,64] \\
-        [--max-new-tokens 256] [--prompts 8] [--dtype float32] [--device cpu] [--tp 1]
+        [--max-new-tokens 256] [--prompts 8] [--repeats 1] [--dtype float32] [--device cpu] \\
+        [--tp 1]
 
 Prompts are Python code from the standard-library files the demo model never trained on
 (engine.train_demo.held_out_prompts). Every method runs in this one process, prompt by prompt
 (all methods on prompt 1, then on prompt 2, ...) so a change in machine load hits them alike;
-each method first decodes one untimed warm-up. Prints a table (tau = tokens committed per
-round, bonus included; decode tokens/s; speedup over ar; what a round costs) and, as the last
-stdout line, one JSON document with the same figures.
+each method first decodes one untimed warm-up. With --repeats N each method decodes each prompt
+N times (methods still interleaved) and the decode of median speed counts: that damps a noisy
+machine without favouring any method (decoding is greedy, so the tokens never change). Prints
+a table (tau = tokens committed per round, bonus included; decode tokens/s; speedup over ar;
+what a round costs) and, as the last stdout line, one JSON document with the same figures.
 
 The round costs explain the speedups: `cost` is a round's time in ar steps, so speedup =
 tau / cost, and the draft and verify columns (ms per round) show where a round's time goes.
@@ -86,12 +89,29 @@ def parse_budgets(text: str) -> list[int]:
     return budgets
 
 
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def median_speed(results: list):
+    """The result of median decode speed (the lower middle one of an even count)."""
+    return sorted(results, key=lambda r: r.decode_tokens_per_s)[(len(results) - 1) // 2]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, type=Path, help="target model directory (HF)")
     parser.add_argument("--draft", required=True, type=Path, help="DFlash drafter directory")
     parser.add_argument("--budgets", type=parse_budgets, default=[4, 8, 15, 32, 64])
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts to run")
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=1,
+        help="decodes of each prompt per method; the one of median speed counts",
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks for the target")
@@ -173,8 +193,12 @@ def run(args: argparse.Namespace) -> int:
         decode(method, prompts[0], WARMUP_TOKENS)
     tallies = {method: Tally() for method in methods}
     for index, prompt in enumerate(prompts):
-        for method in methods:
-            result = decode(method, prompt, args.max_new_tokens)
+        runs: dict[Method, list] = {method: [] for method in methods}
+        for _ in range(args.repeats):
+            for method in methods:
+                runs[method].append(decode(method, prompt, args.max_new_tokens))
+        for method, results in runs.items():
+            result = median_speed(results)
             tallies[method].add(
                 result.acceptance_lengths, result.decode_tokens_per_s, result.stage_seconds
             )
@@ -188,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
                 "model": str(args.model),
                 "draft": str(args.draft),
                 "prompts": len(prompts),
+                "repeats": args.repeats,
                 "max_new_tokens": args.max_new_tokens,
                 "dtype": args.dtype,
                 "device": args.device,
