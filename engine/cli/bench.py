@@ -23,6 +23,10 @@ import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.decode import GenerationResult
 
 WARMUP_TOKENS = 16
 ROUND_STAGES = ("draft", "tree", "verify", "commit")
@@ -90,12 +94,13 @@ def parse_budgets(text: str) -> list[int]:
 
 
 def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return int(text)
 
 
-def median_speed(results: list):
+def median_speed(results: list[GenerationResult]) -> GenerationResult:
     """The result of median decode speed (the lower middle one of an even count)."""
     return sorted(results, key=lambda r: r.decode_tokens_per_s)[(len(results) - 1) // 2]
 
@@ -193,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         decode(method, prompts[0], WARMUP_TOKENS)
     tallies = {method: Tally() for method in methods}
     for index, prompt in enumerate(prompts):
-        runs: dict[Method, list] = {method: [] for method in methods}
+        runs: dict[Method, list[GenerationResult]] = {method: [] for method in methods}
         for _ in range(args.repeats):
             for method in methods:
                 runs[method].append(decode(method, prompt, args.max_new_tokens))
