@@ -171,3 +171,6 @@ def test_cpu_loading_lays_linear_weights_out_input_major_with_values_and_ties_ke
     assert model.lm_head.weight is model.embed_tokens.weight  # still one tied parameter
     assert model.lm_head.weight.stride() == (1, model.lm_head.weight.shape[0])
     assert torch.equal(model.embed_tokens.weight, saved["model.embed_tokens.weight"])
+    # bfloat16 gains nothing from the layout (measured), so it keeps the row-major one
+    bf16 = load_target(model_dir, dtype=torch.bfloat16)
+    assert bf16.layers[0].mlp.up_proj.weight.is_contiguous()

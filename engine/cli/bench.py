@@ -109,8 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, type=Path, help="target model directory (HF)")
     parser.add_argument("--draft", required=True, type=Path, help="DFlash drafter directory")
     parser.add_argument("--budgets", type=parse_budgets, default=[4, 8, 15, 32, 64])
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts to run")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256)
+    parser.add_argument("--prompts", type=positive_int, default=8, help="held-out prompts to run")
     parser.add_argument(
         "--repeats",
         type=positive_int,
