@@ -4,7 +4,8 @@
     ddops --host sim:/tmp/pve1 health --ct 200
 
 Global options come before the command. Domain errors (DdopsError) become one line
-`Error: <object>: <cause>` on stderr and exit code 1; usage errors exit 2 (Click).
+`Error: <object>: <cause>` on stderr and exit code 1; usage errors and bad input (InputError)
+exit 2.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class AppContext:
 
 
 class DdopsGroup(click.Group):
-    """A Click group that turns DdopsError into `Error: ...` and exit 1."""
+    """A Click group that turns DdopsError into `Error: ...` and its exit code (1; 2: bad input)."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -41,7 +42,7 @@ class DdopsGroup(click.Group):
             click.echo(f"Error: {exc}", err=True)
             if exc.detail:
                 click.echo(exc.detail, err=True)
-            ctx.exit(1)
+            ctx.exit(exc.exit_code)
 
 
 @click.group(cls=DdopsGroup, context_settings={"help_option_names": ["-h", "--help"]})
