@@ -5,15 +5,23 @@ The engine itself works on token ids; the CLI and the HTTP server use this to wr
     tok = load_tokenizer(model_dir)
     ids = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     text = tok.decode(ids)
+    prompt = tok.render_chat(messages, tools=tools, enable_thinking=False)
+
+Chat templates render through engine/chat_template.py, as transformers renders them; the special
+tokens named in tokenizer_config.json (bos, eos, unk, pad) are template variables there too.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
+
+from engine.chat_template import render
+
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 def _read_json(path: Path) -> dict:
@@ -25,18 +33,16 @@ def _token_text(token) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
 
 
-def _raise_exception(message: str):
-    raise ValueError(f"chat template: {message}")
-
-
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
         self._tok = _HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
         config = _read_json(model_dir / "tokenizer_config.json")
         self.chat_template = self._find_chat_template(model_dir, config)
-        self.bos_token = _token_text(config.get("bos_token"))
-        self.eos_token = _token_text(config.get("eos_token"))
+        self.special_tokens = {
+            name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(config.get(name)))
+        }
+        self.eos_token = self.special_tokens.get("eos_token")
         self.eos_token_ids = self._find_eos_ids(model_dir)
 
     @staticmethod
@@ -69,23 +75,32 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """The prompt text; a template's refusal raises engine.chat_template.ChatTemplateError."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = lambda value, **kw: json.dumps(value, ensure_ascii=False, **kw)
-        env.globals["raise_exception"] = _raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages,
+        return render(
+            self.chat_template,
+            messages,
+            tools=tools,
+            documents=documents,
             add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
+            special_tokens=self.special_tokens,
+            **template_kwargs,
         )
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True
+        self, messages: list[dict], add_generation_prompt: bool = True, **inputs: Any
     ) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+        return self.encode(self.render_chat(messages, add_generation_prompt, **inputs))
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
