@@ -257,6 +257,7 @@ def run_chain_playbook(
         extravars={
             "ddops_vmids": vmids,
             "ddops_unlock": policy.unlock,
+            "ddops_remove_api_key": policy.remove_api_key,
             "ddops_inventory_path": opened.inventory_path,
         },
         mode=mode,

@@ -7,7 +7,7 @@ when nothing can fix it automatically). A remedy takes `dry_run` and returns an 
 with the plan and any file diff; it raises DdopsError when it cannot act.
 
     host -> modules -> nodes -> ct-exists -> ct-config -> ct-running -> cuda -> model -> service
-    -> engine -> bench                    (+ capacity, boot, engine-installed under provision)
+    -> engine -> bench          (+ capacity, boot, engine-installed, api-key under provision)
 
 The runner that applies them is ops/recover.py. Tests: tests/test_checks.py (one check at a time
 on a sim host) and the provision/recover tests (the whole chain).
@@ -51,10 +51,12 @@ ENGINE_READY_TIMEOUT_S = 300.0
 @dataclass(frozen=True)
 class Policy:
     """What a run may do beyond repairing: `provision` creates the CT, installs boot persistence
-    and the engine; `unlock` clears a CT lock (`pct unlock`) before starting it."""
+    and the engine, and sets the engine's API key; `unlock` clears a CT lock (`pct unlock`)
+    before starting it; `remove_api_key` (provision only) turns authentication off."""
 
     provision: bool = False
     unlock: bool = False
+    remove_api_key: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class ChainContext:
     inventory_path: str | None = None
     results_dir: Path | None = None
     hf_token: str | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)  # the operator's, for provision only
 
     @property
     def vmid(self) -> int:
@@ -372,6 +375,29 @@ def stage_models(c: ChainContext, dry_run: bool) -> Outcome:
     return Outcome(True, "staged " + "; ".join(done))
 
 
+# -- the engine's API key (provision only: recover and the boot units keep what is installed) --
+def probe_api_key(c: ChainContext) -> Finding:
+    change = deploy.api_key_change(c.t, c.vmid, c.api_key, c.policy.remove_api_key)
+    if change is not None:
+        return _bad(f"{c.name}: {change.evidence}")
+    if c.policy.remove_api_key:
+        return _ok(f"{c.name}: no API key, as --no-api-key asks")
+    return _ok(f"{c.name}: API key installed in {deploy.ENV_FILE}")
+
+
+def set_api_key(c: ChainContext, dry_run: bool) -> Outcome:
+    change = deploy.api_key_change(c.t, c.vmid, c.api_key, c.policy.remove_api_key)
+    running = deploy.service_manager(c.t, c.vmid).state().running
+    then = "; restart the engine" if running else ""
+    if dry_run:
+        return Outcome(True, f"would {change.action} the API key in {deploy.ENV_FILE}{then}")
+    done = deploy.apply_api_key(c.t, c.vmid, change, c.api_key)
+    if running:
+        deploy.restart_service(c.t, c.vmid)
+        deploy.wait_ready(c.t, c.vmid, c.engine, ENGINE_READY_TIMEOUT_S)
+    return Outcome(True, done + ("; restarted the engine" if running else ""))
+
+
 # -- 8. engine service running; 9. engine healthy --------------------------------------------
 def probe_service(c: ChainContext) -> Finding:
     problem = deploy.service_problem(c.t, c.vmid)
@@ -389,8 +415,11 @@ def ensure_service(c: ChainContext, dry_run: bool) -> Outcome:
 
 
 def probe_engine(c: ChainContext) -> Finding:
-    problem = deploy.engine_health_problem(c.t, c.vmid, c.engine)
-    return _bad(problem) if problem else _ok(f"{c.name}: /ready ok and a generation answered")
+    health = deploy.engine_health(c.t, c.vmid, c.engine)
+    if health.problem:
+        return _bad(health.problem)
+    auth = "API key required" if health.key_required else "no API key: anyone who reaches it"
+    return _ok(f"{c.name}: /ready ok and a generation answered; {auth}")
 
 
 def restart_engine(c: ChainContext, dry_run: bool) -> Outcome:
@@ -473,6 +502,14 @@ CHAIN: tuple[Check, ...] = (
         provision_only=True,
     ),
     Check("model", "model complete in /dev/shm", probe_model, stage_models, ("ct-running",)),
+    Check(
+        "api-key",
+        "engine API key set",
+        probe_api_key,
+        set_api_key,
+        ("ct-running",),
+        provision_only=True,
+    ),
     Check("service", "engine service running", probe_service, ensure_service, ("model", "cuda")),
     Check("engine", "engine answers a generation", probe_engine, restart_engine, ("service",)),
     Check("bench", "no stale bench runs", probe_bench, quarantine_runs),

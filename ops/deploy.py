@@ -9,8 +9,10 @@ Everything runs inside the CT through `pct exec` / `pct push` over a Transport. 
 ops/render.py's EngineUnit, rendered once: a CT with systemd (/run/systemd/system) gets it as
 /etc/systemd/system/ddops-engine.service; a CT without (busybox, Alpine) gets the same file as
 /etc/ddops/ddops-engine.service, run by the ddops supervisor (ops/supervise.py) started
-detached inside the CT. The optional API key goes from the operator's DDOPS_API_KEY to
-/etc/ddops/engine.env (0600) on stdin: never on a command line, never in a log or a diff.
+detached inside the CT. The API key belongs to the host side: it lives in /etc/ddops/engine.env
+(0600) in the CT, which the unit names as optional. Only `provision` changes it (install or rotate
+the operator's DDOPS_API_KEY, generate one when none is installed, remove it when told); recover
+and the boot units keep it. It travels on stdin: never on a command line, in a log or a diff.
 Tests: tests/test_deploy.py (real LXC containers on a simulated host, a tiny model).
 """
 
@@ -20,7 +22,8 @@ import difflib
 import hashlib
 import importlib.metadata
 import json
-import os
+import re
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -52,9 +55,10 @@ IMPORT_CHECK = (
     "import importlib.metadata, engine, torch; print(importlib.metadata.version('ddops'))"
 )
 
-# Run by the engine's Python in the CT: GET /ready, then a 4-token completion. Arguments: port,
-# env file (its DDOPS_API_KEY, if any, becomes the Bearer token), timeout. Prints one line: the
-# problem (exit 1) or the answer as JSON (exit 0).
+# Run by the engine's Python in the CT: GET /ready, then a 4-token completion, then /v1/models
+# without the key (does the engine require one?). Arguments: port, env file (its DDOPS_API_KEY,
+# if any, becomes the Bearer token), timeout. Prints one line: the problem (exit 1) or the answer
+# as JSON (exit 0), with "key_installed" and "key_required".
 HEALTH_PROBE = r"""
 import json, sys, urllib.error, urllib.request
 port, env_file, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
@@ -66,9 +70,10 @@ try:
 except FileNotFoundError:
     pass
 
-def call(path, body=None):
+def call(path, body=None, auth=True):
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(base + path, data=data, headers=headers)
+    sent = headers if auth else {"Content-Type": "application/json"}
+    request = urllib.request.Request(base + path, data=data, headers=sent)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as answer:
             return answer.status, json.load(answer)
@@ -87,6 +92,7 @@ try:
     if status != 200:
         fail(f"/ready answered {status} ({': '.join(str(ready[k]) for k in ('status', 'error') if ready.get(k)) or 'no reason given'})")
     status, answer = call("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+    open_status, _ = call("/v1/models", auth=False)
 except urllib.error.URLError as error:
     fail(f"nothing answers on {base} ({error.reason})")
 except (OSError, ValueError) as error:
@@ -96,7 +102,10 @@ if status != 200:
 choices, usage = answer.get("choices") or [{}], answer.get("usage") or {}
 if not isinstance(choices[0].get("text"), str) or not usage.get("completion_tokens"):
     fail(f"/v1/completions answered without text or usage: {json.dumps(answer)[:200]}")
-print(json.dumps({"text": choices[0]["text"], "usage": usage}))
+key_installed, key_required = "Authorization" in headers, open_status == 401
+if key_installed and not key_required:
+    fail(f"the engine ignores the installed API key: /v1/models answered {open_status} without it")
+print(json.dumps({"text": choices[0]["text"], "usage": usage, "key_installed": key_installed, "key_required": key_required}))
 """
 
 
@@ -401,30 +410,19 @@ def ensure_service(
     dry_run: bool,
     gpu_count: int = 0,
 ) -> Outcome:
-    """The rendered unit installed (its diff shown) and the service running; the API key file
-    in step with the operator's DDOPS_API_KEY. A changed unit or key restarts a running service."""
+    """The rendered unit installed (its diff shown) and the service running. A changed unit
+    restarts a running service. The API key file is never touched here (see `apply_api_key`)."""
     manager = service_manager(t, vmid)
-    api_key = os.environ.get(API_KEY_ENV) or None
-    env_file = ENV_FILE if api_key else None
-    unit_text = render(engine_unit(t, engine, model_dir, draft_dir, env_file, gpu_count))
+    unit_text = render(engine_unit(t, engine, model_dir, draft_dir, ENV_FILE, gpu_count))
     current = _read_ct_file(t, manager.vmid, manager.unit_path)
     diff = _diff(current, unit_text, f"CT {manager.vmid}:{manager.unit_path}")
-    key_change = _api_key_change(t, manager.vmid, api_key)
     running = manager.state().running
-    restart = (
-        "start the service"
-        if not running
-        else "restart the service"
-        if diff or key_change
-        else None
-    )
-    plan = [step for step in ("write the unit" if diff else None, key_change, restart) if step]
+    restart = "start the service" if not running else "restart the service" if diff else None
+    plan = [step for step in ("write the unit" if diff else None, restart) if step]
     if not plan:
         return Outcome(False, f"running ({manager.kind})")
     if dry_run:
         return Outcome(True, f"would {', '.join(plan)} ({manager.kind})", diff)
-    if key_change:
-        _apply_api_key(t, manager.vmid, api_key)
     if diff:
         manager.install(unit_text)
     if running:
@@ -451,16 +449,74 @@ def _diff(current: str | None, wanted: str, name: str) -> str:
     return "".join(lines)
 
 
-def _api_key_change(t: Transport, vmid: str, api_key: str | None) -> str | None:
-    """What must happen to the API key file: compared by hash inside the CT, never read back."""
+# -- the API key -------------------------------------------------------------------------------
+API_KEY = re.compile(r"[A-Za-z0-9._~+/=:@-]{1,4096}")  # token68 and a few more; no quoting needed
+
+
+def parse_api_key(value: str) -> str:
+    """The operator's DDOPS_API_KEY, checked; ValueError says what is wrong without echoing it."""
+    if not API_KEY.fullmatch(value):
+        raise ValueError(
+            f"{API_KEY_ENV} must be 1-4096 characters of letters, digits and ._~+/=:@- "
+            f"(got {len(value)} characters{', some not allowed' if value else ''})"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class KeyChange:
+    """What provision must do to the CT's API key file: the finding and the plan, in words."""
+
+    evidence: str
+    action: str  # "write" | "generate" | "remove"
+
+
+def api_key_change(
+    t: Transport, vmid: int | str, wanted: str | None, remove: bool
+) -> KeyChange | None:
+    """None when the CT's key file is as provision wants it: the operator's key when one is
+    given (compared by hash inside the CT, never read back), any key when none is given, no key
+    when `remove`."""
+    present = _installed_key_digest(t, validate_vmid(vmid))
+    if remove:
+        return KeyChange(f"an API key is installed in {ENV_FILE}", "remove") if present else None
+    if wanted is not None:
+        if present == hashlib.sha256(_env_file_text(wanted).encode()).hexdigest():
+            return None
+        words = "differs from" if present else "is not yet"
+        return KeyChange(f"the installed API key {words} {API_KEY_ENV}", "write")
+    return None if present else KeyChange(f"no API key in {ENV_FILE}", "generate")
+
+
+def apply_api_key(t: Transport, vmid: int | str, change: KeyChange, wanted: str | None) -> str:
+    """Carry out `change` (the key on stdin, 0600 from its first byte); what was done, in words."""
+    vmid = validate_vmid(vmid)
+    if change.action == "remove":
+        _run(t, vmid, ["rm", "-f", ENV_FILE], f"removing {ENV_FILE}")
+        return f"removed {ENV_FILE}: the engine serves without authentication"
+    key = wanted if change.action == "write" else secrets.token_urlsafe(32)
+    argv = ["sh", "-c", _WRITE_PRIVATE, "sh", ENV_FILE]
+    _run(t, vmid, argv, f"writing {ENV_FILE}", input=_env_file_text(key))
+    if change.action == "write":
+        return f"wrote {API_KEY_ENV} to {ENV_FILE} (0600)"
+    return (
+        f"generated an API key into {ENV_FILE} (0600); read it with "
+        f"`pct exec {vmid} -- cat {ENV_FILE}` on the host"
+    )
+
+
+def installed_api_key(t: Transport, vmid: int | str) -> str | None:
+    """The key the CT's engine requires (for ddops' own clients, e.g. the bench); never logged."""
+    text = _read_ct_file(t, validate_vmid(vmid), ENV_FILE) or ""
+    for line in text.splitlines():
+        if line.startswith(f"{API_KEY_ENV}="):
+            return line.split("=", 1)[1].strip() or None
+    return None
+
+
+def _installed_key_digest(t: Transport, vmid: str) -> str | None:
     r = ct_exec(t, vmid, ["sha256sum", ENV_FILE])
-    present = r.stdout.split()[0] if r.ok and r.stdout.strip() else None
-    if api_key is None:
-        return f"remove {ENV_FILE}" if present else None
-    if "\n" in api_key or "\r" in api_key:
-        raise DdopsError(API_KEY_ENV, "the API key must be one line")
-    wanted = hashlib.sha256(_env_file_text(api_key).encode()).hexdigest()
-    return None if present == wanted else f"write the API key to {ENV_FILE}"
+    return r.stdout.split()[0] if r.ok and r.stdout.strip() else None
 
 
 def _env_file_text(api_key: str) -> str:
@@ -471,24 +527,34 @@ def _env_file_text(api_key: str) -> str:
 _WRITE_PRIVATE = 'umask 077 && mkdir -p "${1%/*}" && cat > "$1.tmp" && mv -f "$1.tmp" "$1"'
 
 
-def _apply_api_key(t: Transport, vmid: str, api_key: str | None) -> None:
-    if api_key is None:
-        argv, stdin = ["rm", "-f", ENV_FILE], None
-    else:
-        argv, stdin = ["sh", "-c", _WRITE_PRIVATE, "sh", ENV_FILE], _env_file_text(api_key)
-    _run(t, vmid, argv, f"writing {ENV_FILE}", input=stdin)
-
-
 # -- health ------------------------------------------------------------------------------------
-def engine_health_problem(
+@dataclass(frozen=True)
+class EngineHealth:
+    """The in-CT health probe's verdict: a problem in one line, or whether a key is required."""
+
+    problem: str | None
+    key_required: bool = False
+
+
+def engine_health(
     t: Transport, vmid: int | str, engine: EngineSpec, timeout: float = 30.0
-) -> str | None:
-    """None when, from inside the CT, /ready answers 200 and a 4-token completion comes back
-    with text and usage; else one line ("engine in CT 200: /ready answered 503 (loading)")."""
+) -> EngineHealth:
+    """From inside the CT: /ready answers 200, a 4-token completion comes back with text and
+    usage, and the engine requires the installed key; else the problem in one line ("engine in
+    CT 200: /ready answered 503 (loading)")."""
     vmid = validate_vmid(vmid)
     argv = [engine.python, "-c", HEALTH_PROBE, str(engine.port), ENV_FILE, f"{timeout:g}"]
     r = ct_exec(t, vmid, argv, timeout=timeout * 2 + 30)
-    return None if r.ok else f"engine in CT {vmid}: {_last_words(r, stdout_first=True)}"
+    if not r.ok:
+        return EngineHealth(f"engine in CT {vmid}: {_last_words(r, stdout_first=True)}")
+    return EngineHealth(None, bool(json.loads(r.stdout).get("key_required")))
+
+
+def engine_health_problem(
+    t: Transport, vmid: int | str, engine: EngineSpec, timeout: float = 30.0
+) -> str | None:
+    """None when the engine is healthy (see `engine_health`), else one line saying why not."""
+    return engine_health(t, vmid, engine, timeout).problem
 
 
 def wait_ready(t: Transport, vmid: int | str, engine: EngineSpec, timeout: float) -> None:

@@ -191,8 +191,9 @@ def _reachable(c: ChainContext) -> bool:
         return False
 
 
-def contexts(opened: OpenedSite, policy: Policy) -> list[ChainContext]:
-    """One ChainContext per selected CT; HF_TOKEN from the environment (never logged)."""
+def contexts(opened: OpenedSite, policy: Policy, api_key: str | None = None) -> list[ChainContext]:
+    """One ChainContext per selected CT; HF_TOKEN from the environment (never logged); `api_key`
+    is the operator's key for provision to install (never logged)."""
     return [
         ChainContext(
             t=target.t,
@@ -204,6 +205,7 @@ def contexts(opened: OpenedSite, policy: Policy) -> list[ChainContext]:
             inventory_path=opened.inventory_path,
             results_dir=results_dir(),
             hf_token=os.environ.get("HF_TOKEN") or None,
+            api_key=api_key,
         )
         for target in opened.targets
     ]

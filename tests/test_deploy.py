@@ -208,25 +208,25 @@ def test_a_killed_engine_is_restarted_by_the_supervisor(host, engine, deployed):
 
 @pytest.mark.lxc
 @pytest.mark.slow
-def test_the_api_key_reaches_the_engine_only_through_its_0600_file(
-    host, engine, deployed, monkeypatch
-):
+def test_the_api_key_reaches_the_engine_only_through_its_0600_file(host, engine, deployed):
     key = "sk-test-9c2e"
-    monkeypatch.setenv(deploy.API_KEY_ENV, key)
-    outcome = deploy.ensure_service(host, CT, engine, MODEL_DIR, None, dry_run=False)
-    assert outcome.detail == (
-        "did write the unit, write the API key to /etc/ddops/engine.env, "
-        "restart the service (ddops supervisor)"
+    change = deploy.api_key_change(host, CT, key, remove=False)
+    assert change == deploy.KeyChange("the installed API key is not yet DDOPS_API_KEY", "write")
+    assert deploy.apply_api_key(host, CT, change, key) == (
+        "wrote DDOPS_API_KEY to /etc/ddops/engine.env (0600)"
     )
-    assert f"+EnvironmentFile={deploy.ENV_FILE}" in outcome.diff and key not in outcome.diff
     mode = ct_exec(host, CT, ["stat", "-c", "%a", deploy.ENV_FILE]).stdout.strip()
     assert mode == "600"
+    deploy.restart_service(host, CT)
     deploy.wait_ready(host, CT, engine, timeout=READY_TIMEOUT_S)  # the probe sends the key
+    assert deploy.engine_health(host, CT, engine) == deploy.EngineHealth(None, key_required=True)
     assert completion(engine).status_code == 401
     assert completion(engine, {"Authorization": f"Bearer {key}"}).status_code == 200
     log = ct_exec(host, CT, ["cat", supervise.LOG_FILE]).stdout
     ps = ct_exec(host, CT, ["ps", "-o", "args"]).stdout
     assert key not in log and key not in ps
+    assert deploy.api_key_change(host, CT, key, remove=False) is None
+    assert deploy.installed_api_key(host, CT) == key
     assert not deploy.ensure_service(host, CT, engine, MODEL_DIR, None, dry_run=False).changed
 
 
@@ -353,7 +353,7 @@ def test_parse_unit_reads_back_the_rendered_engine_unit():
     ]
     assert command.argv[-4:] == ["--dtype", "bfloat16", "--device", "cuda"]
     assert command.environment == {"CUDA_VISIBLE_DEVICES": "0,1"}
-    assert command.environment_files == ["/etc/ddops/engine.env"]
+    assert command.environment_files == ["-/etc/ddops/engine.env"]  # optional, as systemd reads it
     assert command.restart_sec == 5.0
     with pytest.raises(ValueError, match="no ExecStart"):
         supervise.parse_unit("[Unit]\nExecStart=/bin/true\n")
@@ -497,7 +497,7 @@ def test_systemd_ct_gets_the_unit_enabled_and_started_then_nothing_changes():
     unit = t.ct_files[EngineUnit.INSTALL_PATH].decode()
     assert f"+{unit.splitlines()[0]}" in outcome.diff
     assert "--method ddtree --budget 15 --dtype bfloat16 --device cuda" in unit  # "auto", real host
-    assert "EnvironmentFile" not in unit
+    assert "EnvironmentFile=-/etc/ddops/engine.env\n" in unit  # optional: no key, still starts
     assert t.systemctl == [["daemon-reload"], ["enable", "--now", "ddops-engine.service"]]
     assert deploy.service_problem(t, CT) is None
     pushed = len(t.host_files)
@@ -519,21 +519,55 @@ def test_systemd_ct_changed_unit_dry_run_then_daemon_reload_and_restart():
     assert b"--budget 22" in t.ct_files[EngineUnit.INSTALL_PATH]
 
 
-def test_systemd_ct_api_key_travels_on_stdin_and_is_compared_by_hash(monkeypatch):
+def test_the_api_key_travels_on_stdin_and_is_compared_by_hash():
     t = SystemdCtHost()
-    monkeypatch.setenv(deploy.API_KEY_ENV, "sk-live-0b7a")
-    outcome = deploy.ensure_service(t, CT, REAL_ENGINE, TARGET, DRAFT, dry_run=False)
-    assert "write the API key to /etc/ddops/engine.env" in outcome.detail
+    change = deploy.api_key_change(t, CT, "sk-live-0b7a", remove=False)
+    assert change == deploy.KeyChange("the installed API key is not yet DDOPS_API_KEY", "write")
+    done = deploy.apply_api_key(t, CT, change, "sk-live-0b7a")
     assert t.ct_files[deploy.ENV_FILE] == b"DDOPS_API_KEY=sk-live-0b7a\n"
     assert not any("sk-live-0b7a" in word for cmd in t.ct_commands for word in cmd)
-    assert "sk-live-0b7a" not in outcome.diff + outcome.detail
-    assert not deploy.ensure_service(t, CT, REAL_ENGINE, TARGET, DRAFT, dry_run=False).changed
-    monkeypatch.delenv(deploy.API_KEY_ENV)
-    dropped = deploy.ensure_service(t, CT, REAL_ENGINE, TARGET, DRAFT, dry_run=False)
-    assert dropped.detail == (
-        "did write the unit, remove /etc/ddops/engine.env, restart the service (systemd)"
+    assert "sk-live-0b7a" not in done
+    assert deploy.api_key_change(t, CT, "sk-live-0b7a", remove=False) is None
+    assert deploy.api_key_change(t, CT, "sk-other", remove=False) == deploy.KeyChange(
+        "the installed API key differs from DDOPS_API_KEY", "write"
     )
-    assert ["rm", "-f", deploy.ENV_FILE] in t.ct_commands
+
+
+def test_without_a_key_the_installed_one_is_kept_and_only_removal_drops_it():
+    t = SystemdCtHost()
+    t.ct_files[deploy.ENV_FILE] = b"DDOPS_API_KEY=sk-kept\n"
+    assert deploy.api_key_change(t, CT, None, remove=False) is None
+    deploy.ensure_service(t, CT, REAL_ENGINE, TARGET, DRAFT, dry_run=False)  # unit + start
+    assert t.ct_files[deploy.ENV_FILE] == b"DDOPS_API_KEY=sk-kept\n"
+    assert not any(cmd[:1] == ["rm"] for cmd in t.ct_commands)
+    change = deploy.api_key_change(t, CT, None, remove=True)
+    assert change == deploy.KeyChange("an API key is installed in /etc/ddops/engine.env", "remove")
+    assert deploy.apply_api_key(t, CT, change, None).startswith("removed /etc/ddops/engine.env")
+    assert deploy.ENV_FILE not in t.ct_files
+    assert deploy.api_key_change(t, CT, None, remove=True) is None
+
+
+def test_a_ct_without_a_key_gets_a_random_one_and_is_told_how_to_read_it():
+    t = SystemdCtHost()
+    change = deploy.api_key_change(t, CT, None, remove=False)
+    assert change == deploy.KeyChange("no API key in /etc/ddops/engine.env", "generate")
+    done = deploy.apply_api_key(t, CT, change, None)
+    assert done == (
+        "generated an API key into /etc/ddops/engine.env (0600); read it with "
+        f"`pct exec {CT} -- cat /etc/ddops/engine.env` on the host"
+    )
+    key = deploy.installed_api_key(t, CT)
+    assert deploy.API_KEY.fullmatch(key) and len(key) >= 32 and key not in done
+    deploy.apply_api_key(t, CT, change, None)
+    assert deploy.installed_api_key(t, CT) != key  # random each time
+
+
+@pytest.mark.parametrize("bad", ["", "two words", "k\nDDOPS_X=1", 'k"', "x" * 4097])
+def test_a_bad_operator_key_is_refused_without_echoing_it(bad):
+    with pytest.raises(ValueError) as refused:
+        deploy.parse_api_key(bad)
+    assert str(refused.value).startswith("DDOPS_API_KEY must be 1-4096 characters")
+    assert not bad or bad not in str(refused.value)
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from ops.cli import cli
 from ops.provision import provision
 from ops.recover import CheckResult, contexts
 from ops.sim import faults
+from ops.sim.host import reboot_host
 from ops.site import open_site
 from tests.helpers.site import DRAFT_REPO, TARGET_REPO, make_tiny_hub_root, sim_site
 
@@ -43,6 +44,7 @@ CHAIN_KEYS = [
     "cuda",
     "engine-installed",
     "model",
+    "api-key",
     "service",
     "engine",
     "bench",
@@ -105,6 +107,7 @@ def test_dry_run_from_nothing_plans_and_changes_nothing(site):
         "cuda": "skipped",
         "engine-installed": "skipped",
         "model": "skipped",
+        "api-key": "skipped",
         "service": "skipped",
         "engine": "skipped",
         "bench": "unchanged",
@@ -141,13 +144,14 @@ def test_from_nothing_to_healthy_then_a_second_run_changes_nothing(private_site)
     assert "size=1g" in config
     assert site.shm_digests("target") == site.hub_digests(TARGET_REPO)
     assert site.shm_digests("draft") == site.hub_digests(DRAFT_REPO)
-    port = yaml.safe_load(site.inventory.read_text())["all"]["vars"]["ddops_engine"]["port"]
-    answer = httpx.post(
-        f"http://127.0.0.1:{port}/v1/completions",
-        json={"prompt": "w1 w2 w3", "max_tokens": 4, "temperature": 0},  # sampling may draw eos
-        timeout=60,
-    ).json()
+    key = check(document, "api-key")
+    assert key["action"].startswith("generated an API key into /etc/ddops/engine.env (0600)")
+    generated = installed_key(site)
+    assert len(generated) >= 32 and generated not in json.dumps(document)
+    assert completion(site).status_code == 401
+    answer = completion(site, generated).json()
     assert answer["usage"]["completion_tokens"] >= 1 and answer["choices"][0]["text"], answer
+    assert check(document, "engine")["evidence"].endswith("API key required")
 
     files, served = site.file_state(), site.hub.bytes_served
     code, again = site.ddops("provision", "--ct", "200")
@@ -158,6 +162,80 @@ def test_from_nothing_to_healthy_then_a_second_run_changes_nothing(private_site)
     before = host_hashes(site.root)
     code, planned = site.ddops("provision", "--ct", "200", "--dry-run")
     assert code == 0 and set(statuses(planned).values()) == {"unchanged"}
+    assert host_hashes(site.root) == before
+
+
+def installed_key(site) -> str:
+    (line,) = site.ct_sh("cat /etc/ddops/engine.env").splitlines()
+    return line.removeprefix("DDOPS_API_KEY=")
+
+
+def completion(site, key: str | None = None) -> httpx.Response:
+    port = yaml.safe_load(site.inventory.read_text())["all"]["vars"]["ddops_engine"]["port"]
+    return httpx.post(
+        f"http://127.0.0.1:{port}/v1/completions",
+        json={"prompt": "w1 w2 w3", "max_tokens": 4, "temperature": 0},  # sampling may draw eos
+        headers={"Authorization": f"Bearer {key}"} if key else {},
+        timeout=60,
+    )
+
+
+@pytest.mark.slow
+def test_the_api_key_survives_reboot_and_recover_and_provision_rotates_it(site, monkeypatch):
+    monkeypatch.setenv("DDOPS_API_KEY", "sk-first-1a2b")
+    code, document = site.ddops("provision", "--ct", "200")
+    assert code == 0, document
+    assert (
+        check(document, "api-key")["action"]
+        == "wrote DDOPS_API_KEY to /etc/ddops/engine.env (0600)"
+    )
+    monkeypatch.delenv("DDOPS_API_KEY")
+    reboot_host(site.root, uvm_major=509)  # the boot units recover with no key in their env
+    code, document = site.ddops("recover", "--ct", "200")
+    assert code == 0, document
+    assert "api-key" not in statuses(document)  # recover keeps whatever key is installed
+    assert completion(site).status_code == 401
+    assert completion(site, "sk-first-1a2b").status_code == 200
+
+    monkeypatch.setenv("DDOPS_API_KEY", "sk-second-3c4d")
+    code, document = site.ddops("provision", "--ct", "200")
+    assert code == 0, document
+    changed = {k for k, v in statuses(document).items() if v == "changed"}
+    assert changed == {"api-key"}  # rotated although every other check passed
+    assert check(document, "api-key")["action"].endswith("; restarted the engine")
+    assert completion(site, "sk-first-1a2b").status_code == 401
+    assert completion(site, "sk-second-3c4d").status_code == 200
+
+    monkeypatch.delenv("DDOPS_API_KEY")
+    code, document = site.ddops("provision", "--ct", "200")
+    assert code == 0 and set(statuses(document).values()) == {"unchanged"}, document
+    assert installed_key(site) == "sk-second-3c4d"
+    code, document = site.ddops("provision", "--ct", "200", "--no-api-key")
+    assert code == 0, document
+    assert completion(site).status_code == 200
+    assert check(document, "engine")["evidence"].endswith("no API key: anyone who reaches it")
+
+
+@pytest.mark.parametrize(
+    ("env", "flags", "message"),
+    [
+        ("", (), "DDOPS_API_KEY must be 1-4096 characters"),
+        ("two words", (), "(got 9 characters, some not allowed)"),
+        ("sk-1", ("--no-api-key",), "--no-api-key and DDOPS_API_KEY contradict each other"),
+    ],
+    ids=["empty", "not-a-token", "contradiction"],
+)
+def test_a_bad_api_key_is_a_usage_error_before_anything_runs(
+    site, monkeypatch, env, flags, message
+):
+    monkeypatch.setenv("DDOPS_API_KEY", env)
+    before = host_hashes(site.root)
+    result = CliRunner().invoke(
+        cli, ["-i", str(site.inventory), "provision", "--ct", "200", *flags]
+    )
+    assert result.exit_code == 2 and message in result.stderr
+    if env:
+        assert env not in result.stderr  # a secret is never echoed
     assert host_hashes(site.root) == before
 
 

@@ -128,7 +128,7 @@ def test_engine_unit():
         "[Service]\n"
         "Type=simple\n"
         "Environment=CUDA_VISIBLE_DEVICES=0\n"
-        "EnvironmentFile=/etc/ddops/engine.env\n"
+        "EnvironmentFile=-/etc/ddops/engine.env\n"
         "ExecStart=/opt/ddops/bin/python -m engine serve --model /dev/shm/models/Qwen3.6-27B"
         " --draft /dev/shm/models/Qwen3.6-27B-DFlash --host 127.0.0.1 --port 8000"
         " --max-model-len 32768 --method ddtree --budget 15 --dtype bfloat16 --device cuda\n"

@@ -4,6 +4,7 @@
         endpoint.url          # http://127.0.0.1:8000, or a local SSH tunnel's URL
         endpoint.preflight    # the health (and recover) reports, as JSON
     with url_endpoint("http://127.0.0.1:8000", api_key) as endpoint: ...
+    endpoint.api_key      # the key to send: the CT's own (read from the CT), or the one given
 
 The CT preflight is the recover chain (ops/recover.py): health first; when a check fails,
 `recover` (unless recover_first is False, then the failure is the error) and the CT must end
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ops.bench.client import EngineClient
+from ops.deploy import installed_api_key
 from ops.errors import DdopsError
 from ops.ssh import SSHTransport
 
@@ -29,6 +31,7 @@ class Endpoint:
     url: str
     target: str  # what is benched, in words: "CT 200 on sim:/tmp/pve1" or the URL
     preflight: list[dict] = field(default_factory=list)
+    api_key: str | None = field(default=None, repr=False)  # the key the engine requires
 
 
 @contextlib.contextmanager
@@ -37,7 +40,7 @@ def url_endpoint(url: str, api_key: str | None = None) -> Iterator[Endpoint]:
     with EngineClient(url, api_key, timeout=10) as client:
         if not client.ready():
             raise DdopsError(client.label, "not ready: /ready does not answer 200")
-    yield Endpoint(url.rstrip("/"), url.rstrip("/"))
+    yield Endpoint(url.rstrip("/"), url.rstrip("/"), api_key=api_key)
 
 
 @contextlib.contextmanager
@@ -65,8 +68,9 @@ def site_endpoint(
             raise DdopsError(chain.name, f"not healthy: {failed.evidence} ({advice})")
         preflight = [report.to_json() for report in reports]
         target = f"{chain.name} on {chain.t.label}"
+        api_key = installed_api_key(chain.t, vmid)  # the CT's key is the truth, not the caller's
         with _engine_url(chain) as url:
-            yield Endpoint(url, target, preflight)
+            yield Endpoint(url, target, preflight, api_key)
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ Before measuring, the CT goes through the health chain and, if a check fails, `r
 (--no-recover: fail instead). Results go to a new run directory under --out (default
 $DDOPS_RESULTS, else <ddops home>/results); rerunning the same command resumes an unfinished
 (crashed) run. Progress bars go to stderr; the table (or --json: one document) to stdout.
-The engine's API key, if any, comes from DDOPS_API_KEY.
+The engine's API key: a CT's own (read from the CT); for --url, DDOPS_API_KEY.
 """
 
 from __future__ import annotations
@@ -36,9 +36,8 @@ from ops.bench.report import load_rows, markdown_report, render_report, summary_
 from ops.bench.runner import RichProgress, run_bench
 from ops.bench.store import RunStore
 from ops.commands.recover import VIA
+from ops.deploy import API_KEY_ENV
 from ops.errors import DdopsError
-
-API_KEY_ENV = "DDOPS_API_KEY"
 
 
 def _parsed(parse):
@@ -107,12 +106,11 @@ def bench_command(ctx: click.Context, vmid, url, out, no_recover, via, **matrix)
     if (vmid is None) == (url is None):
         raise click.UsageError("name the engine: --ct VMID (with a site) or --url URL")
     results = Path(out) if out else _default_results()
-    api_key = os.environ.get(API_KEY_ENV) or None
     if url:
-        endpoint = url_endpoint(url, api_key)
+        endpoint = url_endpoint(url, os.environ.get(API_KEY_ENV) or None)
     else:
         endpoint = site_endpoint(ctx.obj, vmid=vmid, results=results, recover_first=not no_recover)
-    with endpoint as reached, EngineClient(reached.url, api_key) as client:
+    with endpoint as reached, EngineClient(reached.url, reached.api_key) as client:
         store = RunStore.open(results, _run_config(reached, config), _versions(client))
         result = run_bench(config, client, store, RichProgress())
     files = render_report(result.run_dir)

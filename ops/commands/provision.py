@@ -6,21 +6,49 @@
 
 Each step is reported unchanged / changed / failed with its duration; a second run changes
 nothing. Exit 0 only when the CT ends healthy.
+
+The engine's API key: DDOPS_API_KEY, when set, is installed (or rotated) in the CT; without it
+the installed key is kept, and a CT that has none gets a random one. `--no-api-key` removes it.
 """
 
 from __future__ import annotations
+
+import os
 
 import click
 
 from ops.checks import Policy
 from ops.commands.recover import VIA, VMID, run_chain_command
+from ops.deploy import API_KEY_ENV, parse_api_key
 
 
 @click.command("provision")
 @click.option("--ct", "vmids", type=VMID, multiple=True, help="The CT (repeat; default: all).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and file diffs; change nothing.")
+@click.option(
+    "--no-api-key",
+    is_flag=True,
+    help="Serve without authentication: remove the engine's API key (default: keep or create one).",
+)
 @VIA
 @click.pass_context
-def provision_command(ctx: click.Context, vmids: tuple[int, ...], dry_run: bool, via: str) -> None:
+def provision_command(
+    ctx: click.Context, vmids: tuple[int, ...], dry_run: bool, no_api_key: bool, via: str
+) -> None:
     """Set up GPU containers from the inventory and bring their engines up."""
-    run_chain_command(ctx, "provision", vmids, Policy(provision=True), dry_run, via)
+    api_key = operator_api_key()
+    if api_key is not None and no_api_key:
+        raise click.UsageError(f"--no-api-key and {API_KEY_ENV} contradict each other")
+    policy = Policy(provision=True, remove_api_key=no_api_key)
+    run_chain_command(ctx, "provision", vmids, policy, dry_run, via, api_key)
+
+
+def operator_api_key() -> str | None:
+    """DDOPS_API_KEY from the environment, checked (a bad or empty one is a usage error)."""
+    value = os.environ.get(API_KEY_ENV)
+    if value is None:
+        return None
+    try:
+        return parse_api_key(value)
+    except ValueError as exc:
+        raise click.UsageError(f"{exc}; unset it to keep the installed key") from None

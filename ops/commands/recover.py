@@ -47,9 +47,10 @@ def run_chain_command(
     policy: Policy,
     dry_run: bool = False,
     via: str = "direct",
+    api_key: str | None = None,
 ) -> None:
     """Resolve the site, run the chain per CT, print a table (or --json); when a check failed,
-    its cause as one `Error:` line on stderr and exit 1."""
+    its cause as one `Error:` line on stderr and exit 1. `api_key`: provision's key to install."""
     app = ctx.obj
     with open_site(
         inventory=app.inventory,
@@ -63,7 +64,7 @@ def run_chain_command(
             return chain_via_ansible(ctx, opened, mode, policy, dry_run)
         progress = None if app.json else _progress
         reports = []
-        for c in contexts(opened, policy):
+        for c in contexts(opened, policy, api_key):
             if mode == "health":
                 reports.append(health(c, on_result=progress))
             elif mode == "provision":

@@ -42,6 +42,8 @@ options:
   inventory_path: {description: the site inventory the boot units pass to ddops, type: str}
   state: {description: ddops_chain_state from the earlier steps, default: {}, type: dict}
   hf_token: {description: Hugging Face token for gated models, type: str}
+  api_key: {description: "provision: the engine API key to install (DDOPS_API_KEY); without it the installed key is kept, or one is generated", type: str}
+  remove_api_key: {description: "provision: remove the engine's API key (serve without authentication)", default: false, type: bool}
 """
 
 RETURN = r"""
@@ -55,6 +57,8 @@ PASSED = ("ok", "unchanged", "changed")
 def chain_context(params: dict, vmid_filter: list[int]):
     """One ChainContext per selected container, built through ddops' own inventory validation."""
     from ops.checks import ChainContext, Policy
+    from ops.deploy import parse_api_key
+    from ops.errors import DdopsError
     from ops.inventory import parse_site
     from ops.transport import LocalTransport
 
@@ -67,7 +71,16 @@ def chain_context(params: dict, vmid_filter: list[int]):
     site = parse_site(document, "ansible host vars")
     (host,) = site.hosts
     t = LocalTransport(sysroot=host_sysroot(params["sysroot"], params["target"]))
-    policy = Policy(provision=params["mode"] == "provision", unlock=params["unlock"])
+    provision = params["mode"] == "provision"
+    policy = Policy(
+        provision=provision,
+        unlock=params["unlock"],
+        remove_api_key=provision and params["remove_api_key"],
+    )
+    try:  # recover never touches the key: it keeps what is installed
+        api_key = parse_api_key(params["api_key"]) if provision and params["api_key"] else None
+    except ValueError as exc:
+        raise DdopsError("api_key", str(exc)) from None
     return t, [
         ChainContext(
             t=t,
@@ -78,6 +91,7 @@ def chain_context(params: dict, vmid_filter: list[int]):
             host_vmids=tuple(c.vmid for c in host.containers),
             inventory_path=params["inventory_path"],
             hf_token=params["hf_token"] or None,
+            api_key=api_key,
         )
         for ct in host.containers
         if not vmid_filter or ct.vmid in vmid_filter
@@ -126,6 +140,8 @@ def main() -> None:
             "inventory_path": {"type": "str"},
             "state": {"type": "dict", "default": {}},
             "hf_token": {"type": "str", "no_log": True},
+            "api_key": {"type": "str", "no_log": True},
+            "remove_api_key": {"type": "bool", "default": False},
         },
         supports_check_mode=True,
     )
