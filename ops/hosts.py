@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
-from ops.errors import DdopsError
+from ops.errors import DdopsError, InputError
 from ops.ssh import SSHTransport
 from ops.transport import LocalTransport, Transport, validate_host_path
 
@@ -38,14 +38,33 @@ class Target:
 
 
 def parse_target(target: str) -> Target:
-    """Parse a host target string, or DdopsError naming the accepted forms."""
-    if target == "local":
-        return Target("local")
+    """Parse a host target string, or InputError naming the accepted forms."""
+    parse_target_syntax(target)
     if target.startswith("sim:"):
         return Target("sim", sysroot=_sim_root(target.removeprefix("sim:")))
     if target.startswith("ssh://"):
         return _parse_ssh(target)
-    raise DdopsError(f"host {target!r}", f"unknown target; accepted forms: {ACCEPTED_FORMS}")
+    return Target("local")
+
+
+def parse_target_syntax(target: str) -> str:
+    """The target when it is well formed (a sim:PATH need not exist yet), else InputError; the
+    message never shows a password the string may carry."""
+    if target == "local":
+        return target
+    if target == "sim:":
+        raise InputError("host 'sim:'", "a simulated host needs a path: sim:PATH")
+    if target.startswith("sim:") and target.isprintable():
+        return target
+    if target.startswith("ssh://"):
+        _parse_ssh(target)
+        return target
+    raise InputError(f"host {_shown(target)}", f"unknown target; accepted forms: {ACCEPTED_FORMS}")
+
+
+def _shown(target: str) -> str:
+    """The target for a message: a password in it (ssh://user:secret@host) masked."""
+    return repr(re.sub(r"^(ssh://[^/@:]*):[^/@]*@", r"\1:***@", target))
 
 
 def open_transport(
@@ -73,31 +92,35 @@ def open_transport(
 def _sim_root(path: str) -> str:
     """The absolute root of a simulated host, which must exist and have etc/pve."""
     if not path:
-        raise DdopsError("host 'sim:'", "a simulated host needs a path: sim:PATH")
+        raise InputError("host 'sim:'", "a simulated host needs a path: sim:PATH")
     root = os.path.abspath(path)
     if not os.path.isdir(os.path.join(root, "etc/pve")):
-        raise DdopsError(
+        raise InputError(
             f"host 'sim:{path}'", f"{root} is not a simulated host (no etc/pve); ddops sim init it"
         )
     return root
 
 
 def _parse_ssh(target: str) -> Target:
-    obj = f"host {target!r}"
+    obj = f"host {_shown(target)}"
+    if not target.isprintable():
+        raise InputError(obj, "contains control characters (a newline?)")
     try:
         url = urlsplit(target)
         port = 22 if url.port is None else url.port
     except ValueError as exc:  # a port that is not a number, or above 65535
-        raise DdopsError(obj, f"{exc}; accepted forms: {ACCEPTED_FORMS}") from exc
+        raise InputError(obj, f"{exc}; accepted forms: {ACCEPTED_FORMS}") from exc
     if port == 0:
-        raise DdopsError(obj, "port must be 1..65535")
-    if url.password is not None or url.path not in ("", "/") or url.fragment:
-        raise DdopsError(obj, f"only user, host, port and ?sysroot=; accepted: {ACCEPTED_FORMS}")
-    if not url.hostname or not _valid_hostname(url.hostname):
-        raise DdopsError(obj, f"invalid host name {url.hostname!r}")
+        raise InputError(obj, "port must be 1..65535")
+    if url.password is not None:
+        raise InputError(obj, "a password in the URL is not accepted; ddops logs in with keys")
+    if url.path not in ("", "/") or url.fragment:
+        raise InputError(obj, f"only user, host, port and ?sysroot=; accepted: {ACCEPTED_FORMS}")
+    if not url.hostname or not valid_hostname(url.hostname):
+        raise InputError(obj, f"invalid host name {url.hostname!r}")
     user = url.username if url.username is not None else "root"
     if not _USER.fullmatch(user):
-        raise DdopsError(obj, f"invalid user name {user!r}")
+        raise InputError(obj, f"invalid user name {user!r}")
     return Target("ssh", host=url.hostname, port=port, user=user, sysroot=_sysroot(obj, url.query))
 
 
@@ -107,13 +130,16 @@ def _sysroot(obj: str, query: str) -> str | None:
     try:
         options = parse_qs(query, strict_parsing=True)
     except ValueError as exc:
-        raise DdopsError(obj, f"bad query {query!r}; only ?sysroot=/path") from exc
+        raise InputError(obj, f"bad query {query!r}; only ?sysroot=/path") from exc
     if set(options) != {"sysroot"} or len(options["sysroot"]) != 1:
-        raise DdopsError(obj, f"bad query {query!r}; only ?sysroot=/path")
-    return validate_host_path(options["sysroot"][0])
+        raise InputError(obj, f"bad query {query!r}; only ?sysroot=/path")
+    try:
+        return validate_host_path(options["sysroot"][0])
+    except DdopsError as exc:
+        raise InputError(obj, str(exc)) from exc
 
 
-def _valid_hostname(host: str) -> bool:
+def valid_hostname(host: str) -> bool:
     """An IP address or an RFC 1123 host name."""
     try:
         ipaddress.ip_address(host)

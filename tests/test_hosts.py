@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from ops.errors import DdopsError
+from ops.errors import DdopsError, InputError
 from ops.hosts import Target, open_transport, parse_target
 from ops.ssh import SSHTransport
 from ops.transport import LocalTransport
@@ -46,7 +46,7 @@ def test_ssh_targets_parse(target, expected):
         ("ssh://pve1:70000", "Port out of range"),
         ("ssh://pve1:ssh", "accepted forms"),
         ("ssh://-oProxyCommand=x@pve1", "invalid user name"),
-        ("ssh://root:secret@pve1", "only user, host, port"),
+        ("ssh://root:secret@pve1", "a password in the URL is not accepted"),
         ("ssh://pve1/etc", "only user, host, port"),
         ("ssh://pve1?sysroot=tmp/x", "not an absolute host path"),
         ("ssh://pve1?sysroot=/a&x=1", "only ?sysroot="),
@@ -56,6 +56,24 @@ def test_ssh_targets_parse(target, expected):
 def test_bad_targets_are_refused_clearly(target, complaint):
     with pytest.raises(DdopsError, match=complaint.replace("?", r"\?")):
         parse_target(target)
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "ssh://root:hunter2@pve1",
+        "ssh://root:hunter2@pve1:notaport",
+        "ssh://root:hunter2@-pve1",
+        "ssh://root:hunter2@pve1/etc",
+        "ssh://root:hunter2@pve1\n",
+        "ssh://:hunter2@pve1",
+    ],
+)
+def test_a_password_in_a_target_is_never_shown(target):
+    with pytest.raises(InputError) as caught:
+        parse_target(target)
+    assert "hunter2" not in str(caught.value) + caught.value.detail
+    assert "***" in str(caught.value) or "password" in str(caught.value)
 
 
 def test_sim_target_must_look_like_a_simulated_host(sim_host, tmp_path, monkeypatch):
