@@ -2,9 +2,9 @@
 
 - `RMSNorm`, `SwiGLU`, `Rotary` (RoPE with an optional partial rotary factor);
 - `KVCache`: a preallocated per-layer K/V store with pending tokens and `commit`;
-- HF-directory loading: `read_config`, `load_state_dict` (single file or sharded index),
-  `materialize` (meta-built module -> empty storage) and `load_weights` (strict copy into a
-  module, with a key prefix stripped);
+- HF-directory loading: `read_config`, `materialize` (meta-built module -> empty storage of
+  the target dtype on the target device) and `load_checkpoint` (each tensor copied from its
+  memory-mapped shard into its parameter, one at a time; unused tensors never read);
 - dtype/device helpers for the command line (`resolve_dtype`, `default_device`);
 - `inference_ready`: eval mode, and for float32 on the CPU the weight layout it multiplies
   fastest (`input_major_linears`).
@@ -16,11 +16,12 @@ can train on batches of blocks with the same code that decodes one sequence.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors import safe_open
 from torch import nn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -230,37 +231,50 @@ def rope_theta(config: dict, default: float = 10000.0) -> float:
     return float(params.get("rope_theta", config.get("rope_theta", default)))
 
 
-def load_state_dict(model_dir: str | Path, device: str | torch.device = "cpu") -> dict:
-    """All tensors of an HF directory: model.safetensors, or the shards its index names."""
+def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
+    """Where each tensor of an HF directory lives: the shards its index names, else every
+    *.safetensors file (their headers only are read)."""
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        shards = [p.name for p in sorted(model_dir.glob("*.safetensors"))]
-    if not shards:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files: dict[str, Path] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            files |= dict.fromkeys(f.keys(), file)
+    if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        tensors.update(load_file(model_dir / shard, device=str(device)))
-    return tensors
+    return files
 
 
-def load_weights(module: nn.Module, tensors: dict, prefix: str = "", skip: tuple = ()) -> None:
-    """Copy `prefix + name` tensors into every parameter of `module`; missing ones are an error.
+def load_checkpoint(
+    module: nn.Module, model_dir: str | Path, rename: Callable[[str], str | None]
+) -> None:
+    """Copy every checkpoint tensor that `rename` maps to a parameter name into that parameter.
 
-    Tensors whose names start with an entry of `skip` (after the prefix) are ignored, as is
-    everything outside the prefix (e.g. a vision tower).
+    `rename(tensor_name)` gives the parameter's name, or None for a tensor the model does not
+    use (a vision tower, `mtp.*`, a tied lm_head): those are never read. Each tensor is read
+    from its memory-mapped shard and copied (cast to the parameter's dtype, moved to its device)
+    on its own, and each shard is closed once its tensors are in, so beyond the model at most
+    one tensor and one shard's mapped pages are resident. A parameter without a tensor, or a
+    tensor without a parameter, is an error.
     """
-    own = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-    own = {k: v for k, v in own.items() if not k.startswith(skip)} if skip else own
     params = dict(module.named_parameters())
-    missing = sorted(set(params) - set(own))
-    unexpected = sorted(set(own) - set(params))
+    sources: dict[Path, dict[str, str]] = {}  # shard -> {tensor name: parameter name}
+    for tensor_name, file in checkpoint_files(model_dir).items():
+        if (name := rename(tensor_name)) is not None:
+            sources.setdefault(file, {})[tensor_name] = name
+    named = {name for names in sources.values() for name in names.values()}
+    missing, unexpected = sorted(set(params) - named), sorted(named - set(params))
     if missing or unexpected:
         raise ValueError(
             f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     with torch.no_grad():
-        for name, param in params.items():
-            param.copy_(own[name])
+        for file, names in sources.items():
+            for tensor_name, name in names.items():
+                # One mapping per tensor: a shard kept open would keep every page it had
+                # read resident (they count as this process's memory) until it closed.
+                with safe_open(str(file), "pt") as shard:
+                    params[name].copy_(shard.get_tensor(tensor_name))

@@ -37,8 +37,7 @@ from engine.models.common import (
     SwiGLU,
     compute_dtype,
     inference_ready,
-    load_state_dict,
-    load_weights,
+    load_checkpoint,
     materialize,
     read_config,
     rope_theta,
@@ -286,5 +285,5 @@ def load_dflash(
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg)
     drafter = materialize(drafter, dtype, device)
-    load_weights(drafter, load_state_dict(model_dir, device))
+    load_checkpoint(drafter, model_dir, lambda name: name)
     return inference_ready(drafter)

@@ -29,8 +29,7 @@ from engine.models.common import (
     Rotary,
     SwiGLU,
     inference_ready,
-    load_state_dict,
-    load_weights,
+    load_checkpoint,
     materialize,
     read_config,
     rope_theta,
@@ -157,14 +156,18 @@ class Qwen3Model(nn.Module):
 def load_qwen3(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> Qwen3Model:
-    """A dense Qwen3 from an HF directory (config.json + safetensors, sharded or not)."""
+    """A dense Qwen3 from an HF directory (config.json + safetensors, sharded or not), loaded
+    tensor by tensor in `dtype` on `device`."""
     cfg = Qwen3Config.from_dict(read_config(model_dir))
     with torch.device("meta"):
         model = Qwen3Model(cfg)
     model = materialize(model, dtype, device)
     model.tie_weights()  # materialising meta parameters unties them
-    tensors = {
-        name.removeprefix("model."): t for name, t in load_state_dict(model_dir, device).items()
-    }
-    load_weights(model, tensors, skip=("lm_head.",) if cfg.tie_word_embeddings else ())
+
+    def rename(name: str) -> str | None:
+        if name.startswith("lm_head.") and cfg.tie_word_embeddings:
+            return None
+        return name.removeprefix("model.")
+
+    load_checkpoint(model, model_dir, rename)
     return inference_ready(model)

@@ -34,8 +34,8 @@ from engine.models.common import (
     SwiGLU,
     compute_dtype,
     inference_ready,
-    load_state_dict,
-    load_weights,
+    load_checkpoint,
+    materialize,
     read_config,
     rope_theta,
 )
@@ -337,17 +337,20 @@ def load_qwen3_5(
     device: str | torch.device = "cpu",
     state_strategy: StateStrategy = "auto",
 ) -> Qwen3_5Model:
-    """Load a `qwen3_5_text` checkpoint or the text part of a `qwen3_5` (multimodal) one."""
+    """Load a `qwen3_5_text` checkpoint or the text part of a `qwen3_5` (multimodal) one,
+    tensor by tensor in `dtype` on `device` (the vision tower and `mtp.*` are never read)."""
     hf_config = read_config(path)
     config = Qwen3_5Config.from_hf(hf_config)
     with torch.device("meta"):  # no random init of weights about to be overwritten
         model = Qwen3_5Model(config, state_strategy)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialize(model, dtype, device)
     model.tie_weights()  # materialising meta parameters unties them
-    tensors = load_state_dict(path)  # on the CPU: copied into the device parameters below
     prefix = hf_text_prefix(hf_config)
-    text = {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
-    if "lm_head.weight" in tensors and not config.tie_word_embeddings:
-        text["lm_head.weight"] = tensors["lm_head.weight"]
-    load_weights(model, text)
+
+    def rename(name: str) -> str | None:
+        if name == "lm_head.weight":
+            return None if config.tie_word_embeddings else name
+        return name[len(prefix) :] if name.startswith(prefix) else None
+
+    load_checkpoint(model, path, rename)
     return inference_ready(model)
