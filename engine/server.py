@@ -8,6 +8,14 @@ Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
 succeeded), `GET /metrics` (Prometheus text). With an API key, every endpoint but /health and
 /ready needs `Authorization: Bearer <key>`.
 
+Chat requests may carry `tools`, `tool_choice`, `parallel_tool_calls`, assistant `tool_calls`,
+`tool` messages and `chat_template_kwargs` (e.g. `{"enable_thinking": false}`), rendered by the
+model's own chat template; tool calls in the output come back as `tool_calls` (finish_reason
+"tool_calls") and `<think>` reasoning as `reasoning_content`, streamed or not (engine/server_chat.py;
+the parsers follow the template, `--tool-call-parser` / `--reasoning-parser` override them).
+An OpenAI field the server does not implement is a 400 naming it; a field outside the API is
+ignored with a logged warning (engine/server_schemas.py).
+
 Beyond OpenAI's fields, a request may carry `"speculative": {"method": "ar"|"linear"|"ddtree",
 "budget": N}` (defaults from the server's flags), and every response carries `"speculative":
 {"method", "budget", "rounds", "mean_acceptance_length", "decode_tokens_per_s", "ttft_s"}`.
@@ -32,22 +40,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.decode import GenerationConfig
+from engine.server_chat import ChatOutput, OutputParsing, build_chat_prompt
 from engine.server_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.server_metrics import ServerMetrics
 from engine.server_schemas import (
     ApiError,
     ChatRequest,
+    ChatTemplateInputs,
     CompletionRequest,
-    Message,
     TokenizeRequest,
     parse_body,
 )
 from engine.server_text import TextAssembler
+from engine.server_tools import FORMATS, detect_format
 from engine.server_worker import Delta, Done, Failed, GenerateFn, GenerationWorker, Job, QueueFull
 
 log = logging.getLogger(__name__)
@@ -57,10 +66,13 @@ class Tokenizer(Protocol):
     """What the server needs from engine.tokenizer.load_tokenizer(model_dir)."""
 
     eos_token_ids: Any  # a collection of ints
+    chat_template: str | None
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kw
+    ) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -81,6 +93,21 @@ class ServerConfig:
     default_budget: int = 15
     api_key: str | None = None
     max_waiting: int = 32
+    tool_call_parser: str = "auto"  # "auto" (from the chat template), "none" or a FORMATS name
+    reasoning_parser: str = "auto"  # "auto" (if the template thinks), "none" or "qwen3"
+
+
+def output_parsing(config: ServerConfig, chat_template: str | None) -> OutputParsing:
+    """The parsers for the model's output: the flags', else what its chat template teaches."""
+    if config.tool_call_parser == "auto":
+        tool_format = detect_format(chat_template)
+    else:
+        tool_format = FORMATS.get(config.tool_call_parser)
+    if config.reasoning_parser == "auto":
+        reasoning = "<think>" in (chat_template or "")
+    else:
+        reasoning = config.reasoning_parser == "qwen3"
+    return OutputParsing(tool_format, reasoning)
 
 
 def load_engine(
@@ -147,7 +174,7 @@ def create_app(
 
 @dataclass(frozen=True)
 class _Shape:
-    """How one endpoint dresses text into OpenAI objects (completions vs chat completions)."""
+    """How one endpoint dresses output into OpenAI objects (completions vs chat completions)."""
 
     endpoint: str
     id_prefix: str
@@ -155,17 +182,15 @@ class _Shape:
     chunk_object: str
     chat: bool
 
-    def choice(self, text: str, finish: str | None) -> dict:
-        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+    def choice(self, output: str | dict, finish: str | None) -> dict:
+        """`output`: the text (completions) or the assistant message (chat)."""
+        body = {"message": output} if self.chat else {"text": output}
         return {"index": 0, **body, "logprobs": None, "finish_reason": finish}
 
-    def chunk_choice(self, text: str | None, finish: str | None, *, first: bool = False) -> dict:
-        if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        delta = {"role": "assistant", "content": ""} if first else {}
-        if text:
-            delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def chunk_choice(self, output: str | dict, finish: str | None) -> dict:
+        """`output`: a text delta (completions) or a message delta (chat)."""
+        body = {"delta": output} if self.chat else {"text": output}
+        return {"index": 0, **body, "logprobs": None, "finish_reason": finish}
 
 
 _COMPLETIONS = _Shape("/v1/completions", "cmpl-", "text_completion", "text_completion", chat=False)
@@ -187,6 +212,7 @@ class _Generation:
     include_usage: bool
     id: str
     created: int
+    output: ChatOutput | None = None  # chat: text -> content, reasoning and tool-call deltas
 
 
 class _Server:
@@ -197,6 +223,7 @@ class _Server:
         self.metrics = ServerMetrics()
         self.worker = GenerationWorker(config.max_waiting)
         self.engine: LoadedEngine | None = None
+        self.parsing = OutputParsing(None, False)
         self.started = int(time.time())
 
     # -- start-up ---------------------------------------------------------------------------
@@ -214,8 +241,15 @@ class _Server:
         result = engine.generate(warm_up_ids, cfg)
         if len(result.output_ids) != 1:
             raise RuntimeError(f"warm-up generated {len(result.output_ids)} tokens, not 1")
+        self.parsing = output_parsing(self.config, engine.tokenizer.chat_template)
         self.engine = engine
-        log.info("engine ready: %s, max_model_len %d", self.config.model_name, engine.max_model_len)
+        log.info(
+            "engine ready: %s, max_model_len %d, tool-call parser %s, reasoning parser %s",
+            self.config.model_name,
+            engine.max_model_len,
+            self.parsing.tool_format.name if self.parsing.tool_format else "none",
+            "qwen3" if self.parsing.reasoning else "none",
+        )
         return engine.generate
 
     # -- routes -----------------------------------------------------------------------------
@@ -271,7 +305,8 @@ class _Server:
         return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     async def tokenize(self, request: Request) -> dict:
-        body = parse_body(TokenizeRequest, await request.body())
+        raw = await request.body()
+        body = parse_body(TokenizeRequest, raw)
         engine = self._ready_engine()
         self._check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -279,7 +314,10 @@ class _Server:
         if body.prompt is not None:
             ids = engine.tokenizer.encode(body.prompt)
         else:
-            ids = _chat_ids(engine, body.messages)
+            chat = build_chat_prompt(
+                parse_body(ChatTemplateInputs, raw), engine.tokenizer, self.parsing
+            )
+            ids = engine.tokenizer.encode(chat.text)
         return {"count": len(ids), "tokens": ids, "max_model_len": engine.max_model_len}
 
     async def completions(self, request: Request) -> Response:
@@ -294,15 +332,22 @@ class _Server:
     async def chat_completions(self, request: Request) -> Response:
         body = parse_body(ChatRequest, await request.body())
         engine = self._ready_engine()
-        prompt_ids = _chat_ids(engine, body.messages)
-        return await self._serve(request, _CHAT, body, prompt_ids)
+        chat = build_chat_prompt(body, engine.tokenizer, self.parsing)
+        prompt_ids = engine.tokenizer.encode(chat.text)
+        return await self._serve(request, _CHAT, body, prompt_ids, ChatOutput(chat))
 
     # -- generation -------------------------------------------------------------------------
 
     async def _serve(
-        self, request: Request, shape: _Shape, body: CompletionRequest | ChatRequest, prompt_ids
+        self,
+        request: Request,
+        shape: _Shape,
+        body: CompletionRequest | ChatRequest,
+        prompt_ids: list[int],
+        output: ChatOutput | None = None,
     ) -> Response:
         generation = self._submit(shape, body, prompt_ids)
+        generation.output = output
         self.metrics.requests.labels(shape.endpoint, generation.method).inc()
         if body.stream:
             return StreamingResponse(
@@ -386,10 +431,12 @@ class _Server:
         shape = generation.shape
         try:
             if shape.chat:
-                yield _sse(self._chunk(generation, shape.chunk_choice(None, None, first=True)))
+                first = {"role": "assistant", "content": ""}
+                yield _sse(self._chunk(generation, shape.chunk_choice(first, None)))
             async for event in _events(generation.events):
                 if isinstance(event, Delta):
-                    yield _sse(self._chunk(generation, shape.chunk_choice(event.text, None)))
+                    for delta in _deltas(generation, event.text):
+                        yield _sse(self._chunk(generation, shape.chunk_choice(delta, None)))
                 elif isinstance(event, Failed):
                     self._count_error(shape.endpoint, event.status)
                     yield _sse(ApiError(event.status, event.message, kind="server_error").body())
@@ -411,26 +458,32 @@ class _Server:
         }
 
     def _final_chunks(self, generation: _Generation, done: Done) -> list[dict]:
-        finish = _finish_reason(generation.job.text, done.result)
-        choice = generation.shape.chunk_choice(None, finish)
-        chunks = [
-            self._chunk(
-                generation, choice, speculative=self._speculative_stats(generation, done.result)
-            )
-        ]
+        shape = generation.shape
+        chunks = []
+        if generation.output is not None:
+            for delta in generation.output.finish():
+                chunks.append(self._chunk(generation, shape.chunk_choice(delta, None)))
+        finish = _response_finish_reason(generation, done.result)
+        choice = shape.chunk_choice({} if shape.chat else "", finish)
+        stats = self._speculative_stats(generation, done.result)
+        chunks.append(self._chunk(generation, choice, speculative=stats))
         if generation.include_usage:
             chunks.append(self._chunk(generation, None, usage=self._usage(generation, done.result)))
         return chunks
 
     def _final_body(self, generation: _Generation, text: str, done: Done) -> dict:
         result = done.result
-        finish = _finish_reason(generation.job.text, result)
+        output: str | dict = text
+        if generation.output is not None:
+            deltas = generation.output.feed(text) + generation.output.finish()
+            output = generation.output.message(deltas)
+        finish = _response_finish_reason(generation, result)
         return {
             "id": generation.id,
             "object": generation.shape.object,
             "created": generation.created,
             "model": self.config.model_name,
-            "choices": [generation.shape.choice(text, finish)],
+            "choices": [generation.shape.choice(output, finish)],
             "usage": self._usage(generation, result),
             "speculative": self._speculative_stats(generation, result),
         }
@@ -523,20 +576,25 @@ def _finish_reason(text: TextAssembler, result) -> str:
     return result.finish_reason
 
 
+def _response_finish_reason(generation: _Generation, result) -> str:
+    """The finish_reason a response reports: "tool_calls" when a finished turn called tools."""
+    finish = _finish_reason(generation.job.text, result)
+    output = generation.output
+    return "tool_calls" if finish == "stop" and output is not None and output.calls else finish
+
+
+def _deltas(generation: _Generation, text: str) -> list[str | dict]:
+    """A text delta as the stream's choice deltas: itself (completions), or chat message deltas."""
+    if generation.output is None:
+        return [text]
+    return generation.output.feed(text)
+
+
 def _check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty (0 tokens)", param="prompt")
     if not all(0 <= token < vocab_size for token in prompt_ids):
         raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
-
-
-def _chat_ids(engine: LoadedEngine, messages: list[Message]) -> list[int]:
-    """The messages rendered with the model's chat template; a template's refusal is a 400."""
-    plain = [{"role": m.role, "content": m.text()} for m in messages]
-    try:
-        return engine.tokenizer.apply_chat_template(plain)
-    except (ValueError, jinja2.TemplateError) as exc:
-        raise ApiError(400, f"messages: {exc}", param="messages") from None
 
 
 def _thread_safe_put(events: asyncio.Queue) -> Callable[[Any], None]:

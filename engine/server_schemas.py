@@ -1,18 +1,123 @@
 """Request bodies of the engine's OpenAI-compatible API, and its error shape.
 
-Bodies are parsed strictly (a string where a number belongs is an error, not a coercion) and
-unknown fields are ignored, as OpenAI clients send many optional ones. `parse_body` turns every
-parse or validation failure into an `ApiError`, which the server renders as OpenAI's
-`{"error": {"message", "type", "param", "code"}}` with status 400: bad input never becomes a 500.
+Bodies are parsed strictly (a string where a number belongs is an error, not a coercion).
+`parse_body` turns every parse or validation failure into an `ApiError`, which the server renders
+as OpenAI's `{"error": {"message", "type", "param", "code"}}` with status 400: bad input never
+becomes a 500.
+
+Fields beyond the ones a request model declares are sorted, as vLLM sorts them:
+- a field of OpenAI's API for that endpoint that the server does not implement is refused with
+  a 400 naming it, unless its value asks for nothing (null, `top_p: 1`, `presence_penalty: 0`,
+  `logprobs: false`, ...) or it only describes the caller (`user`, `metadata`, ...);
+- any other field is ignored, with a logged warning naming it.
+The same holds inside messages (`function_call`, `audio`, `refusal`).
 """
 
 from __future__ import annotations
 
-from typing import Literal, TypeVar
+import json
+import logging
+from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+log = logging.getLogger(__name__)
 
 METHODS = ("ar", "linear", "ddtree")
+
+# Fields of OpenAI's API (openai-python's CompletionCreateParams, chat and legacy).
+CHAT_API_FIELDS = frozenset(
+    [
+        "audio",
+        "frequency_penalty",
+        "function_call",
+        "functions",
+        "logit_bias",
+        "logprobs",
+        "max_completion_tokens",
+        "max_tokens",
+        "messages",
+        "metadata",
+        "modalities",
+        "model",
+        "moderation",
+        "n",
+        "parallel_tool_calls",
+        "prediction",
+        "presence_penalty",
+        "prompt_cache_key",
+        "prompt_cache_options",
+        "prompt_cache_retention",
+        "reasoning_effort",
+        "response_format",
+        "safety_identifier",
+        "seed",
+        "service_tier",
+        "stop",
+        "store",
+        "stream",
+        "stream_options",
+        "temperature",
+        "tool_choice",
+        "tools",
+        "top_logprobs",
+        "top_p",
+        "user",
+        "verbosity",
+        "web_search_options",
+    ]
+)
+COMPLETION_API_FIELDS = frozenset(
+    [
+        "best_of",
+        "echo",
+        "frequency_penalty",
+        "logit_bias",
+        "logprobs",
+        "max_tokens",
+        "model",
+        "n",
+        "presence_penalty",
+        "prompt",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "suffix",
+        "temperature",
+        "top_p",
+        "user",
+    ]
+)
+MESSAGE_API_FIELDS = frozenset(
+    ["audio", "content", "function_call", "name", "refusal", "role", "tool_calls"]
+)
+# Unimplemented fields accepted at the values that ask for nothing, so ignoring them is exact.
+NO_OP_VALUES: dict[str, list[Any]] = {
+    "top_p": [1],
+    "frequency_penalty": [0],
+    "presence_penalty": [0],
+    "logprobs": [False, 0],
+    "top_logprobs": [0],
+    "logit_bias": [{}],
+    "best_of": [1],
+    "suffix": [""],
+    "response_format": [{"type": "text"}],
+    "modalities": [["text"]],
+    "store": [False],
+}
+# Fields that describe the caller or hint at caching, never the output: accepted, unused.
+INFORMATIONAL_FIELDS = frozenset(
+    [
+        "user",
+        "metadata",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_options",
+        "prompt_cache_retention",
+        "service_tier",
+    ]
+)
 
 
 class ApiError(Exception):
@@ -49,6 +154,13 @@ class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+class _Request(_Body):
+    """A request body: extra fields are kept, then refused or warned about (`parse_body`)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    api_fields: ClassVar[frozenset[str]] = frozenset()  # empty: extras are silently ignored
+
+
 class Speculative(_Body):
     """Per-request decoding choice; fields left out take the server's defaults."""
 
@@ -60,7 +172,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
+class _Sampling(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -83,6 +195,8 @@ class _Sampling(_Body):
 class CompletionRequest(_Sampling):
     """`POST /v1/completions`: a prompt as text or as token ids."""
 
+    api_fields: ClassVar[frozenset[str]] = COMPLETION_API_FIELDS
+
     prompt: str | list[int] = Field(min_length=1)
     max_tokens: int | None = Field(16, ge=1)
     echo: Literal[False] = False
@@ -96,9 +210,27 @@ class TextPart(_Body):
     text: str
 
 
+class CalledFunction(_Body):
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends a JSON string; templates' own callers, objects
+
+
+class AssistantToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(_Body):
+    model_config = ConfigDict(strict=True, extra="allow")
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier turn's reasoning (vLLM, transformers)
+    reasoning: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -106,10 +238,55 @@ class Message(_Body):
         return self.content or ""
 
 
-class ChatRequest(_Sampling):
-    """`POST /v1/chat/completions`: messages rendered with the model directory's chat template."""
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChosenFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class ChatTemplateInputs(_Request):
+    """What the chat template renders: shared by chat completions and /tokenize."""
 
     messages: list[Message] = Field(min_length=1)
+    # Kept as the client sent them (key order included): templates render them with tojson.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    documents: list[dict[str, Any]] | None = None  # for templates with a documents block
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_are_functions(cls, tools: list[dict[str, Any]] | None):
+        for index, tool in enumerate(tools or []):
+            try:
+                ToolDefinition.model_validate(tool)
+            except ValidationError as exc:
+                first = exc.errors(include_url=False)[0]
+                where = ".".join(str(p) for p in (index, *first["loc"]))
+                raise ValueError(f"tools.{where}: {first['msg']}") from None
+        return tools
+
+
+class ChatRequest(ChatTemplateInputs, _Sampling):
+    """`POST /v1/chat/completions`: messages rendered with the model directory's chat template."""
+
+    api_fields: ClassVar[frozenset[str]] = CHAT_API_FIELDS
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
 
@@ -119,12 +296,13 @@ class ChatRequest(_Sampling):
         return self.max_tokens
 
 
-class TokenizeRequest(_Body):
-    """`POST /tokenize`: exactly one of `prompt` (raw text) or `messages` (chat template applied)."""
+class TokenizeRequest(_Request):
+    """`POST /tokenize`: exactly one of `prompt` (raw text) or `messages` (rendered like a chat
+    request: the same body, tools and template kwargs included, gives the same ids)."""
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[Message] | None = None
+    messages: list[Any] | None = None  # parsed as ChatTemplateInputs when given
 
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
@@ -133,9 +311,39 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 def parse_body(schema: type[BodyT], raw: bytes) -> BodyT:
     """Parse a JSON body into `schema`, or raise a 400 ApiError naming the first bad field."""
     try:
-        return schema.model_validate_json(raw or b"")
+        body = schema.model_validate_json(raw or b"")
     except ValidationError as exc:
         raise _api_error(exc) from None
+    ignored = _sort_extra_fields(body.model_extra or {}, getattr(schema, "api_fields", None), "")
+    for index, message in enumerate(getattr(body, "messages", None) or []):
+        if isinstance(message, Message):
+            ignored += _sort_extra_fields(
+                message.model_extra or {}, MESSAGE_API_FIELDS, f"messages.{index}."
+            )
+    if ignored and getattr(schema, "api_fields", None):
+        log.warning("ignoring request fields outside the OpenAI API: %s", ", ".join(ignored))
+    return body
+
+
+def _sort_extra_fields(
+    extra: dict[str, Any], api_fields: frozenset[str] | None, where: str
+) -> list[str]:
+    """Refuse unimplemented API fields (400); return the names of the others, to warn about."""
+    ignored = []
+    for name, value in extra.items():
+        if not api_fields or name not in api_fields:
+            ignored.append(where + name)
+        elif value is not None and name not in INFORMATIONAL_FIELDS:
+            accepted = NO_OP_VALUES.get(name)
+            if accepted is None or value not in accepted:
+                only = f" (only {json.dumps(accepted[0])} is accepted)" if accepted else ""
+                raise ApiError(
+                    400,
+                    f"'{where}{name}' is not implemented by this server{only}",
+                    param=where + name,
+                    code="unsupported_parameter",
+                )
+    return ignored
 
 
 def _api_error(exc: ValidationError) -> ApiError:

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import loadtest
 from engine.__main__ import main as engine_main
+from engine.chat_template import render
 from engine.decode import GenerationConfig, GenerationResult
 from engine.server import LoadedEngine, ServerConfig, create_app
 
@@ -32,9 +33,13 @@ WAIT_S = 10.0
 
 
 class CharTokenizer:
-    """One id per character (ord); id 0 is the eos."""
+    """One id per character (ord); id 0 is the eos. Its chat template writes "[role]content"."""
 
     eos_token_ids = (EOS,)
+    chat_template = (
+        "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
@@ -42,9 +47,10 @@ class CharTokenizer:
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(i) for i in ids if i != EOS)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        turns = "".join(f"[{m['role']}]{m['content']}" for m in messages)
-        return self.encode(turns + "[assistant]")
+    def render_chat(self, messages, add_generation_prompt=True, **inputs) -> str:
+        return render(
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt, **inputs
+        )
 
 
 class ScriptedEngine:

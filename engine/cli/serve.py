@@ -3,7 +3,8 @@
     python -m engine serve --model DIR [--draft DIR] [--host 127.0.0.1] [--port 8000] \\
         [--max-model-len N] [--api-key KEY | env DDOPS_API_KEY] [--dtype float32] [--device cpu] \\
         [--tp N] \\
-        [--method ar|linear|ddtree] [--budget 15] [--max-waiting 32] [--served-model-name NAME]
+        [--method ar|linear|ddtree] [--budget 15] [--max-waiting 32] [--served-model-name NAME] \\
+        [--tool-call-parser auto|none|hermes|qwen3_coder] [--reasoning-parser auto|none|qwen3]
 
 The model loads after the port opens: `/health` answers at once, `/ready` once the model is
 loaded and a 1-token generation succeeded. A load failure stops the server with exit code 1.
@@ -17,6 +18,9 @@ import logging
 import os
 import sys
 from pathlib import Path
+
+from engine.server_reasoning import REASONING_PARSERS
+from engine.server_tools import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "DDOPS_API_KEY"
 GRACEFUL_SHUTDOWN_S = 5
@@ -50,6 +54,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-waiting", type=int, default=32, help="requests that may wait (then 503)"
     )
     parser.add_argument("--served-model-name", help="model id in the API (default: --model's name)")
+    parser.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=TOOL_CALL_PARSERS,
+        help="tool-call format of the model's output (default: the one its chat template teaches)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        choices=REASONING_PARSERS,
+        help="<think> reasoning into reasoning_content (default: if the chat template thinks)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
 
 
@@ -81,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         default_budget=args.budget,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_waiting=args.max_waiting,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
     def load():

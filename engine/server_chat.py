@@ -1,0 +1,232 @@
+"""Chat completions for agents: OpenAI messages and tools -> the prompt; output -> message fields.
+
+`build_chat_prompt` renders a request with the model's own chat template (engine/chat_template.py):
+assistant `tool_calls` (their JSON `arguments` read into objects, as templates expect), `tool`
+messages, `tools`, `documents` and `chat_template_kwargs` (e.g. `enable_thinking`). It refuses, as
+a 400, what the template or the server cannot honour instead of dropping it: tools for a template
+that never renders them, a tool choice with no parser for the model's call format, a named tool
+that was not declared.
+
+`tool_choice`: `auto` (the default with tools) parses calls from the output; `none` renders the
+tools (as vLLM does) but parses nothing; `required` and a named function end the prompt with the
+opening of a call (any tool, or that one), so the output is that call's rest: the name (for
+`required`) and the arguments are the model's, not grammar-constrained, and if they do not parse
+the text comes back as content. A prompt left inside a think block is closed first.
+`parallel_tool_calls: false` keeps the first call only.
+
+`ChatOutput` turns the generated text, as it streams, into `reasoning_content`, `content` and
+`tool_calls` deltas (engine/server_reasoning.py, engine/server_tools.py); the non-streamed
+message is built from the same deltas, so both agree.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.chat_template import RESERVED_VARIABLES, ChatTemplateError, template_variables
+from engine.server_reasoning import CLOSE_OPEN_BLOCK, ReasoningSplitter, prompt_opens_reasoning
+from engine.server_schemas import ApiError, ChatTemplateInputs, Message
+from engine.server_tools import Schemas, ToolCall, ToolCallExtractor, ToolCallFormat
+
+log = logging.getLogger(__name__)
+
+
+class ChatRenderer(Protocol):
+    """What this needs from the tokenizer (engine.tokenizer.Tokenizer)."""
+
+    chat_template: str | None
+
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kw
+    ) -> str: ...
+
+
+@dataclass(frozen=True)
+class OutputParsing:
+    """The server's parsers for the model's output (None: that parsing is off)."""
+
+    tool_format: ToolCallFormat | None
+    reasoning: bool
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    text: str  # the prompt, forced call opening included
+    opening: str  # the start of a forced call ("" if none): the output continues it
+    tool_format: ToolCallFormat | None  # None: tool calls are not parsed
+    schemas: Schemas
+    starts_in_reasoning: bool | None  # None: reasoning is not parsed
+    max_calls: int | None
+
+
+def build_chat_prompt(
+    body: ChatTemplateInputs, renderer: ChatRenderer, parsing: OutputParsing
+) -> ChatPrompt:
+    """Render the request's conversation, or raise a 400 ApiError saying what cannot be honoured."""
+    template = renderer.chat_template or ""
+    variables = template_variables(template) if template else frozenset()
+    messages = [_template_message(i, m, template) for i, m in enumerate(body.messages)]
+    choice = _tool_choice(body)
+    if body.tools and "tools" not in variables:
+        raise ApiError(400, "this model's chat template does not render tools", param="tools")
+    if body.documents and "documents" not in variables:
+        raise ApiError(
+            400, "this model's chat template does not render documents", param="documents"
+        )
+    parse_tools = choice != "none"
+    if parse_tools and parsing.tool_format is None:
+        raise ApiError(
+            400,
+            f"tool_choice '{choice}' needs a tool-call parser, and none matches this model's chat "
+            "template; start serve with --tool-call-parser",
+            param="tool_choice",
+        )
+    kwargs = _template_kwargs(body, variables)
+    try:
+        text = renderer.render_chat(
+            messages, True, tools=body.tools, documents=body.documents, **kwargs
+        )
+    except (ChatTemplateError, ValueError) as exc:
+        raise ApiError(400, f"messages: {exc}", param="messages") from None
+    opening = ""
+    if choice not in ("auto", "none"):  # "required" or a tool's name
+        if prompt_opens_reasoning(text):
+            text += CLOSE_OPEN_BLOCK
+        opening = parsing.tool_format.opening(None if choice == "required" else choice)
+    reasoning = prompt_opens_reasoning(text) if parsing.reasoning else None
+    return ChatPrompt(
+        text=text + opening,
+        opening=opening,
+        tool_format=parsing.tool_format if parse_tools else None,
+        schemas=_schemas(body.tools or []),
+        starts_in_reasoning=reasoning,
+        max_calls=None if body.parallel_tool_calls is not False else 1,
+    )
+
+
+def _tool_choice(body: ChatTemplateInputs) -> str:
+    """'auto' | 'none' | 'required' | the name of the one tool to call."""
+    choice = body.tool_choice
+    if choice is None:
+        return "auto" if body.tools else "none"
+    names = [tool["function"]["name"] for tool in body.tools or []]
+    if choice != "none" and not names:
+        raise ApiError(400, "tool_choice needs a non-empty 'tools' list", param="tool_choice")
+    if isinstance(choice, str):
+        return choice
+    name = choice.function.name
+    if name not in names:
+        raise ApiError(
+            400, f"tool_choice names '{name}', which is not in tools", param="tool_choice"
+        )
+    return name
+
+
+def _template_message(index: int, message: Message, template: str) -> dict[str, Any]:
+    where = f"messages.{index}"
+    if message.content is None and not (message.role == "assistant" and message.tool_calls):
+        raise ApiError(400, f"{where}.content is required", param=f"{where}.content")
+    if message.role == "tool" and not message.tool_call_id:
+        raise ApiError(400, f"{where}.tool_call_id is required", param=f"{where}.tool_call_id")
+    # Qwen's templates know no "developer" role (OpenAI's new name for system) and would drop it.
+    role = "system" if message.role == "developer" and "developer" not in template else message.role
+    reasoning = message.reasoning_content if message.reasoning_content is not None else None
+    return {
+        "role": role,
+        "content": None if message.content is None else message.text(),
+        "name": message.name,
+        "reasoning_content": reasoning if reasoning is not None else message.reasoning,
+        "tool_calls": [
+            _template_call(f"{where}.tool_calls.{i}", call)
+            for i, call in enumerate(message.tool_calls)
+        ]
+        if message.tool_calls
+        else None,
+        "tool_call_id": message.tool_call_id,
+    }
+
+
+def _template_call(where: str, call) -> dict[str, Any]:
+    """An assistant's tool call with its arguments as an object, as chat templates read them."""
+    arguments = call.function.arguments
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ApiError(
+                400, f"{where}.function.arguments is not JSON: {exc}", param=where
+            ) from None
+    if not isinstance(arguments, dict):
+        raise ApiError(400, f"{where}.function.arguments must be a JSON object", param=where)
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
+
+
+def _template_kwargs(body: ChatTemplateInputs, variables: frozenset[str]) -> dict[str, Any]:
+    kwargs = dict(body.chat_template_kwargs or {})
+    if clash := sorted(RESERVED_VARIABLES & kwargs.keys()):
+        raise ApiError(
+            400, f"chat_template_kwargs may not set {clash}", param="chat_template_kwargs"
+        )
+    if unused := sorted(kwargs.keys() - variables):
+        log.warning("chat_template_kwargs the chat template does not read: %s", ", ".join(unused))
+    return kwargs
+
+
+def _schemas(tools: list[dict]) -> dict[str, dict]:
+    return {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
+
+
+class ChatOutput:
+    """Generated text -> chat deltas: {"reasoning_content"}, {"content"} and {"tool_calls"}."""
+
+    def __init__(self, prompt: ChatPrompt) -> None:
+        starts = prompt.starts_in_reasoning
+        self._reasoning = None if starts is None else ReasoningSplitter(starts)
+        self._tools = None
+        if prompt.tool_format is not None:
+            self._tools = ToolCallExtractor(prompt.tool_format, prompt.schemas)
+        self._max_calls = prompt.max_calls
+        self.calls: list[ToolCall] = []
+        self._pending = prompt.opening  # the forced opening is the output's own beginning
+
+    def feed(self, text: str) -> list[dict]:
+        return self._route(*self._split(text, final=False), final=False)
+
+    def finish(self) -> list[dict]:
+        return self._route(*self._split("", final=True), final=True)
+
+    def message(self, deltas: list[dict]) -> dict:
+        """The non-streamed message from all of one generation's deltas."""
+        content = "".join(d.get("content", "") for d in deltas)
+        reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+        message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if not self.calls:
+            message["content"] = content
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if self.calls:
+            message["tool_calls"] = [call.as_openai() for call in self.calls]
+        return message
+
+    def _split(self, text: str, *, final: bool) -> tuple[str, str]:
+        if self._reasoning is None:
+            return "", text
+        return self._reasoning.finish() if final else self._reasoning.feed(text)
+
+    def _route(self, reasoning: str, content: str, *, final: bool) -> list[dict]:
+        deltas = [{"reasoning_content": reasoning}] if reasoning else []
+        if self._tools is None:
+            return deltas + ([{"content": content}] if content else [])
+        content, self._pending = self._pending + content, ""
+        pieces = self._tools.feed(content) + (self._tools.finish() if final else [])
+        for piece in pieces:
+            if isinstance(piece, str):
+                deltas.append({"content": piece})
+            elif self._max_calls is None or len(self.calls) < self._max_calls:
+                deltas.append({"tool_calls": [{"index": len(self.calls), **piece.as_openai()}]})
+                self.calls.append(piece)
+        return deltas
