@@ -11,12 +11,15 @@ The file format (as Proxmox writes it): `#` lines on top are the description; `k
 Proxmox keys first (sorted), raw `lxc.*` keys after them; then `[name]` sections (snapshots,
 `[pve:pending]`) that hold whole copies of a config. ddops edits only the main section.
 
-What ddops owns there (no markers: Proxmox rewrites the file on every `pct set` and keeps no
-comments below the description), the GPU block:
+What ddops owns there, the GPU block:
   - `devN:` entries whose path is /dev/nvidia*;
   - `lxc.cgroup2.devices.allow` (and the wrong v1 spelling `lxc.cgroup.devices.allow`) rules for
     a char major an NVIDIA driver holds now (195, and e.g. nvidia-uvm's dynamic major), or for a
-    dynamic-range major no driver holds now: a rule left behind when the uvm major moved;
+    major ddops marked as its own when it wrote the rule: a rule left behind when the uvm major
+    moved. A rule for any other major is the user's (`c 240:* rwm`), whatever it looks like;
+  - the mark itself, one description line `#ddops owns devices.allow majors 195 509`. Proxmox
+    keeps `#` lines as the CT's description (moved to the top, %-encoding all but letters,
+    digits, spaces and `-_.~!*'()`; the mark uses none of the others), so it survives `pct set`;
   - `lxc.mount.entry` lines that bind /dev/nvidia* or mount the CT's /dev/shm.
 Everything else stays byte for byte and in place. The block ddops wants is rendered from
 templates/ct-gpu.conf.j2, the template the playbooks render too.
@@ -53,6 +56,8 @@ _ALLOW_RULE = re.compile(
     r"(?P<type>[abc])(?:\s+(?P<major>\*|\d+):(?P<minor>\*|\d+))?(?:\s+[rwm]+)?"
 )
 _NVIDIA_PATH = re.compile(r"/dev/nvidia[A-Za-z0-9_\-/]*")
+MARK_PREFIX = "#ddops owns devices.allow majors"
+_MARK = re.compile(re.escape(MARK_PREFIX) + r"((?: \d{1,4})+)")
 
 
 # -- the file model ------------------------------------------------------------------------------
@@ -88,7 +93,10 @@ class Line:
         return self.key.startswith("lxc.")
 
     def normalised(self) -> tuple[str, str]:
-        """(key, value) with runs of blanks collapsed: how two spellings of one entry compare."""
+        """(key, value) with runs of blanks collapsed: how two spellings of one entry compare
+        (other lines: their text)."""
+        if self.kind is not Kind.ENTRY:
+            return "", self.text
         return self.key, " ".join(self.value.split())
 
 
@@ -311,31 +319,41 @@ def _is_gpu_mount(value: str) -> bool:
     return source.startswith("/dev/nvidia") or target.strip("/") == "dev/shm"
 
 
+def _mark_majors(line: Line) -> frozenset[int] | None:
+    """The majors a ddops mark line names; None for any other line."""
+    mark = _MARK.fullmatch(line.text) if line.kind is Kind.COMMENT else None
+    return frozenset(map(int, mark.group(1).split())) if mark else None
+
+
+def _mark_line(majors: Iterable[int]) -> str:
+    return f"{MARK_PREFIX} {' '.join(map(str, sorted(set(majors))))}"
+
+
 @dataclass(frozen=True)
 class _Owner:
     """Decides which main-section lines belong to ddops' GPU block."""
 
-    nvidia_majors: frozenset[int]
-    registered: frozenset[int] | None  # every char major the host has now; None: unknown
+    nvidia_majors: frozenset[int]  # majors NVIDIA drivers hold now (or the block grants)
+    marked: frozenset[int]  # majors of the rules ddops wrote, from its mark line
+    known: bool  # whether the host's majors now were given (else nothing is called stale)
 
     @classmethod
-    def for_host(cls, majors: Mapping[str, int] | None, extra: Iterable[int] = ()) -> _Owner:
+    def for_config(
+        cls, section: Section, majors: Mapping[str, int] | None, extra: Iterable[int] = ()
+    ) -> _Owner:
         nvidia = {NVIDIA_FRONTEND_MAJOR, *extra}
         if majors is not None:
             nvidia |= {m for name, m in majors.items() if name.startswith("nvidia")}
-        registered = frozenset(majors.values()) if majors is not None else None
-        return cls(frozenset(nvidia), registered)
+        marked = frozenset().union(*(m for line in section.lines if (m := _mark_majors(line))))
+        return cls(frozenset(nvidia), marked, majors is not None)
 
     def is_stale(self, major: int) -> bool:
-        """A dynamic major no driver holds now: only a rule left behind when a major moved."""
-        return (
-            self.registered is not None
-            and major not in self.registered
-            and major not in self.nvidia_majors
-            and any(major in r for r in DYNAMIC_CHAR_MAJORS)
-        )
+        """A rule ddops marked for a major no NVIDIA driver holds now: the uvm major moved."""
+        return self.known and major in self.marked and major not in self.nvidia_majors
 
     def owns(self, line: Line) -> bool:
+        if _mark_majors(line) is not None:
+            return True
         if line.kind is not Kind.ENTRY:
             return False
         if _DEV_KEY.fullmatch(line.key):
@@ -472,8 +490,17 @@ def _raw_insert_at(lines: Sequence[Line]) -> int:
     return filled[-1] + 1 if filled else 0
 
 
+def _mark_insert_at(lines: Sequence[Line]) -> int:
+    """Where a new mark goes: after the description (the `#` lines on top), where Proxmox
+    writes it."""
+    return next((i for i, line in enumerate(lines) if line.kind is not Kind.COMMENT), len(lines))
+
+
 def _group(line: Line) -> str:
-    """Lines that may take each other's place: devN entries, allow rules (either spelling), mounts."""
+    """Lines that may take each other's place: devN entries, allow rules (either spelling), mounts,
+    the mark."""
+    if line.kind is Kind.COMMENT:
+        return "#"
     if _DEV_KEY.fullmatch(line.key):
         return "devN"
     return ALLOW_KEY if line.key == ALLOW_KEY_V1 else line.key
@@ -517,6 +544,8 @@ def _splice(
             at = position[slot]
         elif group in after_group:
             at = after_group[group]
+        elif group == "#":
+            at = _mark_insert_at(lines)
         else:
             at = _dev_insert_at(lines) if group == "devN" else _raw_insert_at(lines)
         inserts[at].append(line.text + eol)
@@ -546,13 +575,15 @@ def plan_gpu_block(
     """The config with its GPU block set to `desired`; every other line byte for byte and in place.
 
     majors: the host's char majors now, from /proc/devices (name -> major, at least the nvidia
-    ones). With them, allow rules for a dynamic major no driver holds any more (the uvm major
-    moved) are recognised as the stale GPU block and replaced; without, they are left alone.
-    A config whose GPU block already is `desired` (in any order) is returned unchanged. Problems
+    ones). With them, allow rules ddops marked for a major no NVIDIA driver holds any more (the
+    uvm major moved) are recognised as the stale GPU block and replaced; without, they are left
+    alone, as is every rule for another major. Raw rules are written with their mark. A config
+    whose GPU rules already are `desired` (in any order) is returned unchanged, mark or not
+    (adding only a mark is not worth a CT restart). Problems
     in lines ddops does not own (see find_problems) are left for the caller to report.
     """
     config = parse(config_text)
-    owner = _Owner.for_host(majors, (d.major for d in desired.devices))
+    owner = _Owner.for_config(config.main, majors, (d.major for d in desired.devices))
     owned = owner.owned(config.main)
     indices = (
         _assign_dev_indices(config, owned, desired)
@@ -563,9 +594,13 @@ def plan_gpu_block(
     if foreign := [b.text for b in block if not owner.owns(b)]:
         raise DdopsError(GPU_BLOCK_TEMPLATE, f"renders lines ddops would not own: {foreign}")
     eol = "\r\n" if config_text.split("\n", 1)[0].endswith("\r") else "\n"
-    main = _splice(config.main.lines, owned, block, eol)
-    if main is None:
+    marks = [line for line in owned if line.kind is Kind.COMMENT]
+    rules = [line for line in owned if line.kind is not Kind.COMMENT]
+    if _splice(config.main.lines, rules, block, eol) is None:
         return config_text
+    if rule_majors := [m for b in block if b.key == ALLOW_KEY and (m := _allow_major(b.value))]:
+        block.append(parse_line(_mark_line(rule_majors), 0))
+    main = _splice(config.main.lines, rules + marks, block, eol)
     rest = [section.raw() for section in config.sections[1:]]
     ends_open = bool(config_text) and not config_text.endswith("\n")
     return _terminate(main + rest, eol, ends_open)
@@ -629,8 +664,8 @@ def find_stale_rules(config_text: str, majors: Mapping[str, int]) -> GrantReport
     A node is granted by a devN entry for it (Proxmox grants its current major at start) or by a
     cgroup2 allow rule for its major; v1-spelled rules grant nothing on PVE 7+.
     """
-    owner = _Owner.for_host(majors)
     main = parse(config_text).main
+    owner = _Owner.for_config(main, majors)
     entries = main.entries()
     required = [("nvidia-frontend", NVIDIA_FRONTEND_MAJOR)]
     if "nvidia-uvm" in majors:

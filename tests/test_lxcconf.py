@@ -49,12 +49,20 @@ def read(name: str) -> str:
     return (DATA / name).read_bytes().decode()
 
 
+def marked_incident() -> str:
+    """The incident config as ddops would have written it before the uvm major moved: its
+    rules marked as its own (the mark below the description, where Proxmox keeps it)."""
+    lines = read("incident-raw.conf").splitlines(keepends=True)
+    return "".join(lines[:2] + [MARK_511] + lines[2:])
+
+
 def block(style: str = "devN", shm: int | None = 32) -> GpuBlock:
     return GpuBlock(GPU_NODES, style=style, shm_size_gib=shm)
 
 
 # An oracle independent of ops/lxcconf.py: every line of the samples that concerns the GPU block.
-GPU_MARKERS = ("/dev/nvidia", "dev/shm", "c 195:", "c 509:", "c 511:")
+GPU_MARKERS = ("/dev/nvidia", "dev/shm", "c 195:", "c 509:", "c 511:", "#ddops owns")
+MARK_511 = "#ddops owns devices.allow majors 195 511\n"
 
 
 def _is_gpu_line(text: str) -> bool:
@@ -129,12 +137,20 @@ def test_reapplying_the_same_block_is_a_no_op(name, style):
 
 
 def test_incident_stale_uvm_rule_is_replaced_where_it_stood():
-    old = read("incident-raw.conf")
+    old = marked_incident()
     new = plan_gpu_block(old, block("raw"), HOST_MAJORS)
     assert unified_diff(old, new, "/etc/pve/lxc/200.conf") == (
         "--- /etc/pve/lxc/200.conf\n"
         "+++ /etc/pve/lxc/200.conf (planned)\n"
-        "@@ -15,7 +15,7 @@\n"
+        "@@ -1,6 +1,6 @@\n"
+        " #Qwen3.6-27B with DDTree, 1x RTX PRO 6000\n"
+        " #GPU passthrough set up by hand from a forum post (raw lines)\n"
+        "-#ddops owns devices.allow majors 195 511\n"
+        "+#ddops owns devices.allow majors 195 509\n"
+        " arch: amd64\n"
+        " cores: 16\n"
+        " features: nesting=1\n"
+        "@@ -16,7 +16,7 @@\n"
         " swap: 0\n"
         " unprivileged: 0\n"
         " lxc.cgroup2.devices.allow: c 195:* rwm\n"
@@ -144,6 +160,60 @@ def test_incident_stale_uvm_rule_is_replaced_where_it_stood():
         " lxc.mount.entry: /dev/nvidia0 dev/nvidia0 none bind,optional,create=file\n"
         " lxc.mount.entry: /dev/nvidiactl dev/nvidiactl none bind,optional,create=file\n"
     )
+
+
+def test_an_unmarked_rule_for_a_major_no_driver_holds_is_the_users_and_stays():
+    """Set up by hand from a forum post: `c 511:* rwm` is not ddops' (no mark), so it stays
+    byte for byte; ddops adds its own rule for the current uvm major and marks that."""
+    old = read("incident-raw.conf")
+    new = plan_gpu_block(old, block("raw"), HOST_MAJORS)
+    removed, added = line_changes(old, new)
+    assert removed == Counter()
+    assert set(added) == {
+        "#ddops owns devices.allow majors 195 509",
+        "lxc.cgroup2.devices.allow: c 509:* rwm",
+    }
+    assert new.splitlines()[2] == "#ddops owns devices.allow majors 195 509"
+    assert not find_stale_rules(new, HOST_MAJORS).stale
+    assert plan_gpu_block(new, block("raw"), HOST_MAJORS) == new
+
+
+def test_a_users_rule_for_a_dynamic_major_survives_recover_byte_for_byte():
+    """The finding: `c 240:* rwm` (not NVIDIA, nothing on 240 now) was taken for a stale
+    ddops rule and deleted. Only NVIDIA majors now, or majors ddops marked, are ddops'."""
+    user_rule = "lxc.cgroup2.devices.allow:   c 240:* rwm  \n"  # spacing as the user wrote it
+    old = f"arch: amd64\nhostname: llm\n{user_rule}"
+    new = plan_gpu_block(old, block("raw"), HOST_MAJORS)
+    assert user_rule in new
+    assert find_stale_rules(new, HOST_MAJORS).ok
+    # also when ddops' own mark is there (from an earlier run) but does not name 240
+    again = plan_gpu_block(new, block("raw", shm=16), HOST_MAJORS)
+    assert again != new and user_rule in again
+
+
+def test_a_marked_rule_whose_major_moved_is_replaced_and_the_mark_follows():
+    before_move = GpuBlock(
+        tuple(GpuDevice(d.path, 511 if d.major == 509 else d.major, d.minor) for d in GPU_NODES),
+        style="raw",
+    )
+    first = plan_gpu_block("arch: amd64\n", before_move, {**HOST_MAJORS, "nvidia-uvm": 511})
+    assert first.startswith("#ddops owns devices.allow majors 195 511\n")
+    moved = plan_gpu_block(first, block("raw"), HOST_MAJORS)
+    assert "c 511:" not in moved and "c 509:* rwm" in moved
+    assert moved.startswith("#ddops owns devices.allow majors 195 509\n")
+
+
+def test_switching_to_devn_removes_the_rules_and_their_mark():
+    raw = plan_gpu_block("arch: amd64\n", block("raw"), HOST_MAJORS)
+    devn = plan_gpu_block(raw, block("devN"), HOST_MAJORS)
+    assert "#ddops" not in devn and "devices.allow" not in devn
+
+
+def test_a_correct_block_without_a_mark_is_left_as_it_is():
+    """Adding only the mark would restart a healthy CT for nothing."""
+    raw = plan_gpu_block("arch: amd64\n", block("raw"), HOST_MAJORS)
+    unmarked = "".join(raw.splitlines(keepends=True)[1:])
+    assert plan_gpu_block(unmarked, block("raw"), HOST_MAJORS) == unmarked
 
 
 def test_without_the_host_majors_a_stale_rule_is_not_recognised_and_stays():
@@ -200,7 +270,10 @@ def test_a_changed_device_property_is_rewritten_in_place():
 def test_v1_gpu_rules_become_cgroup2_rules_and_other_v1_rules_stay():
     old = read("legacy-v1.conf")
     new = plan_gpu_block(old, GpuBlock(GPU_NODES[::2], style="raw"), HOST_MAJORS)
-    assert new.splitlines()[9:14] == [
+    assert (
+        new.splitlines()[1] == "#ddops owns devices.allow majors 195 509"
+    )  # below the description
+    assert new.splitlines()[10:15] == [
         "lxc.cgroup2.devices.allow: c 195:* rwm",
         "lxc.cgroup2.devices.allow: c 509:* rwm",
         "lxc.cgroup.devices.allow: c 226:* rwm",
@@ -328,11 +401,11 @@ def test_snapshot_sections_as_proxmox_writes_them_are_in_order():
 
 
 def test_the_incident_stale_uvm_rule_is_reported_as_evidence():
-    report = find_stale_rules(read("incident-raw.conf"), HOST_MAJORS)
+    report = find_stale_rules(marked_incident(), HOST_MAJORS)
     assert not report.ok
     assert report.evidence() == [
         "/dev/nvidia-uvm major 509 is not allowed by the CT config (allows 511)",
-        "line 18: `lxc.cgroup2.devices.allow: c 511:* rwm` grants a major no driver holds now",
+        "line 19: `lxc.cgroup2.devices.allow: c 511:* rwm` grants a major no driver holds now",
     ]
 
 
@@ -363,7 +436,9 @@ def test_another_drivers_dynamic_major_is_not_taken_for_stale():
         plan_gpu_block(config, GpuBlock(GPU_NODES[:1], style="raw"), with_hidraw).count("c 240:*")
         == 1
     )
-    assert [r.number for r in find_stale_rules(config, HOST_MAJORS).stale] == [3]
+    assert find_stale_rules(config, HOST_MAJORS).stale == ()  # not marked: the user's
+    marked = "#ddops owns devices.allow majors 195 240\n" + config
+    assert [r.number for r in find_stale_rules(marked, HOST_MAJORS).stale] == [4]
 
 
 # -- the dry-run diff ----------------------------------------------------------------------------

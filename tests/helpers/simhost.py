@@ -14,7 +14,9 @@ from ops.sim.host import destroy_host, init_host
 from ops.transport import LocalTransport
 
 PROBE = Path(__file__).resolve().parents[2] / "ops" / "probe.py"
+# As ddops writes raw rules: marked as its own, so a rule left behind by a moved major is replaced.
 RAW_GPU_CONF = """\
+#ddops owns devices.allow majors 195 {uvm}
 arch: amd64
 hostname: llm
 memory: 8192
