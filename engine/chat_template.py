@@ -30,7 +30,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # The names a message's reasoning may come under; templates read the first (gpt-oss: "thinking").
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
-# Variables the renderer itself sets: a caller's extra keyword may not replace them.
+# Variables the renderer itself sets (a request's chat_template_kwargs may not name them).
 RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
@@ -154,9 +154,6 @@ def render(
     **kwargs: Any,
 ) -> str:
     """Render one conversation; a template error or refusal raises ChatTemplateError."""
-    clash = RESERVED_VARIABLES & kwargs.keys()
-    if clash:
-        raise ChatTemplateError(f"template variable(s) {sorted(clash)} cannot be overridden")
     try:
         return _compile(template).render(
             messages=template_messages(messages),
