@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import engine.kernels as kernels
-from engine.kernels import reference
+from engine.kernels import batched, reference
 from tests.helpers.kernel_cases import TOLERANCE, TREE_SHAPES
 
 KERNEL_MODULES = (
@@ -147,6 +147,22 @@ def test_gated_delta_snapshots_only_states_a_later_node_branches_from() -> None:
     parents = torch.tensor([-1, 0, 0, 1, -1, 4, 2])  # 2, 3, 6 branch off 0, 1, 2; 5 follows 4
     marks = triton_gated_delta._branch_points(parents)
     assert marks.tolist() == [1, 1, 1, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("T", [1, 9, 70])
+def test_chain_gated_delta_keeps_only_the_last_state(T: int, dtype: torch.dtype) -> None:
+    """A prefill chunk's recurrence: the chain's outputs and the state after its last token."""
+    q, k, v, g, beta, state0 = _delta_inputs(T, 2, 16, 8, dtype, seed=4)
+    chain = torch.arange(-1, T - 1)
+    expected_out, states = reference.tree_gated_delta_rule(
+        q, k, v, g, beta, chain, state0, 0.25, return_states=True
+    )
+    implementations = (reference, batched, triton_gated_delta)
+    for impl in implementations:
+        out, final = impl.chain_gated_delta_rule(q, k, v, g, beta, state0, 0.25)
+        _assert_matches(out, expected_out, dtype)
+        _assert_matches(final, states[-1], dtype)
 
 
 @pytest.mark.parametrize(
@@ -347,7 +363,9 @@ def test_dispatch_keeps_cpu_tensors_off_triton(monkeypatch: pytest.MonkeyPatch) 
     T = len(parents)
     q, k, v = _attention_inputs(T, 2, 2, 1, 16, torch.float32)
     att_args = (q, k, v, 2, _ancestor_mask(parents), 0.25)
-    assert torch.equal(kernels.tree_attention(*att_args), reference.tree_attention(*att_args))
+    _assert_matches(
+        kernels.tree_attention(*att_args), reference.tree_attention(*att_args), torch.float32
+    )
     x, conv_state, weight, bias = _conv_inputs(T, 4, 3, 4, torch.float32)
     conv_args = (x, parents, conv_state, weight, bias)
     assert torch.equal(

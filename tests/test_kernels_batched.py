@@ -125,3 +125,22 @@ def test_held_bytes_are_what_the_gdn_layer_budgets_for() -> None:
         q, k, v, g, beta, state = _inputs(len(parents), 2, 16, 8, torch.float64)
         _, tree_states = batched.solve_tree(q, k, v, g, beta, torch.tensor(parents), state, 0.25)
         assert tree_states.nbytes() == factored_bytes(shape, len(parents), torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("T", "prefix", "tree"), [(40, 0, None), (33, 70, None), (16, 50, "ddtree_like")]
+)
+def test_streaming_attention_matches_the_reference(T, prefix, tree, dtype) -> None:
+    """The CPU attention (scaled_dot_product_attention, no score tensor) on a prefill chunk
+    after a prefix, a first chunk, and a verify tree."""
+    gen = torch.Generator().manual_seed(T)
+    q = torch.randn(T, 6, 32, generator=gen, dtype=torch.float64).to(dtype)
+    k, v = (
+        torch.randn(prefix + T, 2, 32, generator=gen, dtype=torch.float64).to(dtype) for _ in "kv"
+    )
+    visible = None if tree is None else batched.ancestor_matrix(torch.tensor(TREES[tree]))
+    args = (q, k, v, prefix, visible, 32**-0.5)
+    out = batched.tree_attention(*args)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out, reference.tree_attention(*args), **TOLERANCE[dtype])

@@ -87,6 +87,20 @@ def tree_gated_delta_rule(
     )
 
 
+def chain_gated_delta_rule(
+    q: torch.Tensor,  # [T, H, Dk]
+    k: torch.Tensor,  # [T, H, Dk]
+    v: torch.Tensor,  # [T, H, Dv]
+    g: torch.Tensor,  # [T, H]
+    beta: torch.Tensor,  # [T, H]
+    initial_state: torch.Tensor,  # [H, Dk, Dv]
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [T, H, Dv], final state [H, Dk, Dv]
+    """See `reference.chain_gated_delta_rule`."""
+    impl = _implementation("triton_gated_delta", q)
+    return impl.chain_gated_delta_rule(q, k, v, g, beta, initial_state, scale)
+
+
 def tree_causal_conv1d(
     x: torch.Tensor,  # [T, C]
     parents: torch.Tensor,  # [T] int64
@@ -103,6 +117,7 @@ def tree_causal_conv1d(
 __all__ = [
     "BACKEND_ENV",
     "backend_for",
+    "chain_gated_delta_rule",
     "tree_attention",
     "tree_causal_conv1d",
     "tree_gated_delta_rule",

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from engine.kernels.reference import compute_dtype, tree_attention, tree_causal_conv1d
+from engine.kernels.reference import compute_dtype, tree_causal_conv1d
 
 CHAIN_PIECE = 64
 
@@ -134,13 +135,16 @@ def solve_tree(
     T = q.shape[0]
     dt = compute_dtype(v.dtype)
     heads_first = [t.to(dt).transpose(0, 1) for t in (q * scale, k, v, g, beta)]
-    visible = ancestor_matrix(parents)
-    piece_len = CHAIN_PIECE if is_chain(parents) else T  # a tree is solved whole
+    chain = is_chain(parents)
+    piece_len = CHAIN_PIECE if chain else T  # a tree is solved whole
+    # A chain's pieces are all lower triangles: never build its [T, T] matrix.
+    visible = ancestor_matrix(parents if not chain else parents[:piece_len])
     state, outs, pieces = initial_state.to(dt), [], []
     for start in range(0, T, piece_len):
         end = min(T, start + piece_len)
         qp, kp, vp, gp, bp = (t[:, start:end] for t in heads_first)
-        out, piece = _solve_piece(qp, kp, vp, gp, bp, visible[start:end, start:end], state)
+        piece_visible = visible[: end - start, : end - start] if chain else visible
+        out, piece = _solve_piece(qp, kp, vp, gp, bp, piece_visible, state)
         outs.append(out)
         pieces.append(piece)
         if end < T:
@@ -167,4 +171,58 @@ def tree_gated_delta_rule(
     return out, (states.all_states() if return_states else None)
 
 
-__all__ = ["solve_tree", "tree_attention", "tree_causal_conv1d", "tree_gated_delta_rule"]
+def chain_gated_delta_rule(
+    q: torch.Tensor,  # [T, H, Dk]
+    k: torch.Tensor,  # [T, H, Dk]
+    v: torch.Tensor,  # [T, H, Dv]
+    g: torch.Tensor,  # [T, H]
+    beta: torch.Tensor,  # [T, H]
+    initial_state: torch.Tensor,  # [H, Dk, Dv]
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract and results as `reference.chain_gated_delta_rule`, solved in pieces."""
+    if q.shape[0] == 0:
+        return v.new_empty(v.shape), initial_state.to(compute_dtype(v.dtype)).clone()
+    chain = torch.arange(-1, q.shape[0] - 1)
+    out, states = solve_tree(q, k, v, g, beta, chain, initial_state, scale)
+    return out, states.state_after(q.shape[0] - 1)
+
+
+def tree_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [S, Hkv, D], S = prefix_len + T
+    v: torch.Tensor,  # [S, Hkv, D]
+    prefix_len: int,
+    tree_visible: torch.Tensor | None,  # [T, T] bool, None = causal
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Same contract as `reference.tree_attention`, streaming over the keys.
+
+    torch's scaled_dot_product_attention (its flash kernel on the CPU, with a boolean mask or
+    the lower-right causal bias) keeps a running softmax over key blocks: no [Hq, T, S] score
+    tensor, whose size grows with the square of a prefill. A tree passes a [T, S] bool mask
+    (tiny: T is a verify round); a chain passes none.
+    """
+    # Imported here: torch.nn.attention.bias imports triton, which must not happen before a
+    # test process has set TRITON_INTERPRET (see engine/kernels/__init__.py).
+    from torch.nn.attention.bias import causal_lower_right
+
+    T, S = q.shape[0], k.shape[0]
+    if tree_visible is None:
+        mask = causal_lower_right(T, S)
+    else:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device)
+        mask[:, prefix_len:] = tree_visible
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale=scale, enable_gqa=True
+    )  # [Hq, T, D]
+    return out.transpose(0, 1)
+
+
+__all__ = [
+    "chain_gated_delta_rule",
+    "solve_tree",
+    "tree_attention",
+    "tree_causal_conv1d",
+    "tree_gated_delta_rule",
+]

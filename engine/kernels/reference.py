@@ -89,6 +89,30 @@ def tree_gated_delta_rule(
     return out.to(v.dtype), (states if return_states else None)
 
 
+def chain_gated_delta_rule(
+    q: torch.Tensor,  # [T, H, Dk]  (already L2-normalised; `scale` is applied here)
+    k: torch.Tensor,  # [T, H, Dk]
+    v: torch.Tensor,  # [T, H, Dv]
+    g: torch.Tensor,  # [T, H]
+    beta: torch.Tensor,  # [T, H]
+    initial_state: torch.Tensor,  # [H, Dk, Dv]
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, H, Dv] in v's dtype, final state [H, Dk, Dv]
+    """`tree_gated_delta_rule` on a chain (a prefill chunk), keeping only the state after the
+    last token: the recurrence carried from one chunk to the next without a state per token."""
+    dt = compute_dtype(v.dtype)
+    qf, kf, vf = q.to(dt) * scale, k.to(dt), v.to(dt)
+    decay, bf = g.to(dt).exp(), beta.to(dt)
+    out = torch.empty(q.shape[0], *v.shape[1:], dtype=dt, device=q.device)
+    s = initial_state.to(dt)
+    for i in range(q.shape[0]):
+        s = s * decay[i][:, None, None]
+        delta = (vf[i] - torch.einsum("hkv,hk->hv", s, kf[i])) * bf[i][:, None]
+        s = s + kf[i][:, :, None] * delta[:, None, :]
+        out[i] = torch.einsum("hkv,hk->hv", s, qf[i])
+    return out.to(v.dtype), s
+
+
 def tree_causal_conv1d(
     x: torch.Tensor,  # [T, C] inputs of the T pending tokens
     parents: torch.Tensor,  # [T] int64

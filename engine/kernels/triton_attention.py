@@ -69,7 +69,7 @@ def _tree_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    token = rows // GROUP  # [BM]
+    token = (rows // GROUP).to(tl.int64)  # [BM]; int64: offsets of a long prefill pass 2^31
     head = kv_head * GROUP + rows % GROUP  # [BM]
     row_ok = token < T
     dims = tl.arange(0, BLOCK_D)  # [BD]
@@ -123,10 +123,10 @@ def _tree_attention_kernel(
         out_ptrs = out_ptr + out_rows[:, None] + dims[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        split_rows = split * T * Hq * D + out_rows  # [BM]
+        split_rows = split.to(tl.int64) * T * Hq * D + out_rows  # [BM]
         tl.store(out_ptr + split_rows[:, None] + dims[None, :], out, mask=out_mask)
         lse = tl.where(has_keys, m + tl.log(safe_l), _NO_SCORE)  # [BM]
-        tl.store(lse_ptr + split * T * Hq + token * Hq + head, lse, mask=row_ok)
+        tl.store(lse_ptr + split.to(tl.int64) * T * Hq + token * Hq + head, lse, mask=row_ok)
 
 
 @dataclass(frozen=True)

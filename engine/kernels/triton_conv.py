@@ -37,12 +37,12 @@ def _tree_conv_kernel(
     SILU: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    node = tl.program_id(0)
+    node = tl.program_id(0).to(tl.int64)  # int64: T * C passes 2^31 on a long prefill
     chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC]
     chan_ok = chans < C
     acc = tl.load(x_ptr + node * C + chans, mask=chan_ok, other=0.0).to(COMPUTE)
     acc = acc * tl.load(weight_ptr + chans * K + (K - 1), mask=chan_ok, other=0.0).to(COMPUTE)
-    pos = node.to(tl.int64)
+    pos = node
     for tap in tl.static_range(K - 2, -1, -1):  # taps from the newest older input backwards
         up = tl.load(parents_ptr + tl.maximum(pos, 0))
         pos = tl.where(pos >= 0, up, pos - 1)
