@@ -79,6 +79,9 @@ def cli(ctx: click.Context, inventory, host, json_output, verbose, accept_new_ho
     logging.basicConfig(
         level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
     )
+    # paramiko's transport thread logs every failed handshake as an ERROR with a traceback;
+    # ddops reports the failure itself, in one line. -vv shows paramiko's words too.
+    logging.getLogger("paramiko").setLevel(level if verbose >= 2 else logging.CRITICAL)
     ctx.obj = AppContext(inventory, host, json_output, verbose, accept_new_host_key)
 
 

@@ -12,6 +12,13 @@ every call of a transport. Commands are sent as `shlex.join(argv)`; env values t
 to a constant wrapper (`ops.transport.env_via_stdin`), never on the remote command line. With
 `sysroot`, paths map below it and the remote PATH starts with its bin directories, as in
 LocalTransport. Tests: tests/test_ssh_transport.py (a real sshd on loopback).
+
+Faults are named, never waited out: while a command runs, a connection that closed is reported
+lost at once, and one that went silent (no data, no answer to an SSH keepalive request within
+`keepalive_s` + `liveness_s`) is closed and reported lost, long before the command's own timeout.
+Every SFTP call has a timeout (`sftp_timeout_s`); its failures are DdopsErrors naming the path
+(a missing file stays FileNotFoundError, which callers test for). A peer that accepts TCP but
+never speaks SSH is one error after `connect_timeout`.
 """
 
 from __future__ import annotations
@@ -22,8 +29,9 @@ import secrets
 import select
 import shlex
 import socket
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import paramiko
@@ -41,7 +49,10 @@ DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
 # A constant script: put $1 in front of PATH, then exec the rest of the argv.
 _PATH_PREFIX_SCRIPT = 'PATH="$1:$PATH"; export PATH; shift; exec "$@"'
 _READ_CHUNK = 65536
-KEEPALIVE_S = 30
+KEEPALIVE_S = 5.0  # silence on a running command before an SSH keepalive request is sent
+LIVENESS_S = 10.0  # how long that request may go unanswered before the connection is lost
+SFTP_TIMEOUT_S = 60.0  # one SFTP request (a read or write of up to 32 KiB, a stat, a rename)
+_POLL_S = 0.5  # the read loop's longest wait between checks of the connection
 
 
 def known_hosts_name(host: str, port: int) -> str:
@@ -89,6 +100,9 @@ class SSHTransport(Transport):
         accept_new_host_key: bool = False,
         sysroot: str | None = None,
         connect_timeout: float = 10.0,
+        keepalive_s: float = KEEPALIVE_S,
+        liveness_s: float = LIVENESS_S,
+        sftp_timeout_s: float = SFTP_TIMEOUT_S,
     ) -> None:
         bracketed = f"[{host}]" if ":" in host else host  # an IPv6 address
         label = f"ssh://{user}@{bracketed}" + (f":{port}" if port != 22 else "")
@@ -98,6 +112,8 @@ class SSHTransport(Transport):
         self.known_hosts = Path(os.path.expanduser(known_hosts or DEFAULT_KNOWN_HOSTS))
         self.accept_new_host_key = accept_new_host_key
         self.connect_timeout = connect_timeout
+        self.keepalive_s, self.liveness_s = keepalive_s, liveness_s
+        self.sftp_timeout_s = sftp_timeout_s
         self._client: paramiko.SSHClient | None = None
         self._sftp_client: paramiko.SFTPClient | None = None
 
@@ -122,7 +138,7 @@ class SSHTransport(Transport):
             raise
         self._client = client
         connection = client.get_transport()
-        connection.set_keepalive(KEEPALIVE_S)  # long bench runs: keep idle NAT/firewall state
+        connection.set_keepalive(self.keepalive_s)  # idle tunnels: keep NAT/firewall state
         return connection
 
     def _connect(self, client: paramiko.SSHClient) -> None:
@@ -163,6 +179,13 @@ class SSHTransport(Transport):
                 self.label, f"unreachable: no answer within {self.connect_timeout:g}s"
             ) from exc
         except paramiko.SSHException as exc:
+            live = client.get_transport()
+            if live is None or not live.remote_version:  # TCP accepted, no `SSH-2.0-...` line
+                raise DdopsError(
+                    self.label,
+                    f"no SSH greeting within {self.connect_timeout:g}s: port {self.port} "
+                    "accepts connections but does not speak SSH",
+                ) from exc
             raise DdopsError(self.label, f"SSH handshake failed: {exc}") from exc
         except OSError as exc:
             raise DdopsError(self.label, f"unreachable: {exc.strerror or exc}") from exc
@@ -174,8 +197,43 @@ class SSHTransport(Transport):
     def _sftp(self) -> paramiko.SFTPClient:
         connection = self._connection()  # a dropped connection resets the SFTP session too
         if self._sftp_client is None:
-            self._sftp_client = paramiko.SFTPClient.from_transport(connection)
+            channel = connection.open_session(timeout=self.sftp_timeout_s)
+            channel.settimeout(self.sftp_timeout_s)  # each SFTP request's answer
+            # invoke_subsystem waits for the server without a timeout: closing the channel
+            # ends that wait (as SSHException "Channel closed.")
+            watchdog = threading.Timer(self.sftp_timeout_s, channel.close)
+            watchdog.start()
+            try:
+                channel.invoke_subsystem("sftp")
+                self._sftp_client = paramiko.SFTPClient(channel)
+            finally:
+                watchdog.cancel()
         return self._sftp_client
+
+    @contextlib.contextmanager
+    def _sftp_call(self, what: str, path: str) -> Iterator[paramiko.SFTPClient]:
+        """The SFTP session for one call on `path`; its faults as DdopsErrors naming the path
+        (FileNotFoundError passes: callers test for it). After a timeout or a lost connection
+        the session is dropped, so the next call starts a fresh one."""
+        obj = f"{self.label}: {path}"
+        try:
+            yield self._sftp()
+        except FileNotFoundError:
+            raise
+        except TimeoutError as exc:
+            self._drop_sftp()
+            raise DdopsError(obj, f"SFTP {what} timed out after {self.sftp_timeout_s:g}s") from exc
+        except (paramiko.SSHException, EOFError, ConnectionError) as exc:
+            self._drop_sftp()
+            raise DdopsError(obj, f"SFTP {what} failed: SSH connection lost ({exc})") from exc
+        except OSError as exc:
+            raise DdopsError(obj, f"SFTP {what} failed: {exc.strerror or exc}") from exc
+
+    def _drop_sftp(self) -> None:
+        if self._sftp_client is not None:
+            with contextlib.suppress(Exception):  # the session is broken already
+                self._sftp_client.close()
+            self._sftp_client = None
 
     def close(self) -> None:
         if self._sftp_client is not None:
@@ -216,7 +274,10 @@ class SSHTransport(Transport):
             if stdin:
                 channel.sendall(stdin.encode())
             channel.shutdown_write()
-            rc, out, err = _collect(channel, timeout)
+            rc, out, err = _collect(channel, timeout, self._watch(channel))
+        except _Lost as exc:
+            self.close()
+            raise DdopsError(self.label, f"SSH connection lost during `{argv[0]}`: {exc}") from exc
         except TimeoutError as exc:
             # Closing the channel stops waiting; a command that ignores its closed pipes may
             # still finish on its own remotely.
@@ -229,52 +290,110 @@ class SSHTransport(Transport):
             channel.close()
         return Result(argv, rc, out.decode(errors="replace"), err.decode(errors="replace"))
 
+    def _watch(self, channel: paramiko.Channel) -> _Liveness:
+        return _Liveness(channel, self.keepalive_s, self.liveness_s)
+
     # -- files (SFTP) -------------------------------------------------------------------------
     def _read(self, real_path: str) -> bytes:
-        with self._sftp().open(real_path, "rb") as f:
+        with self._sftp_call("read", real_path) as sftp, sftp.open(real_path, "rb") as f:
             return f.read()
 
     def _write_atomic(self, real_path: str, data: bytes, mode: int) -> None:
-        sftp = self._sftp()
         directory = os.path.dirname(real_path)
-        _makedirs(sftp, directory)
         tmp = f"{directory}/.ddops-{secrets.token_hex(6)}"
-        try:
-            with sftp.open(tmp, "wb") as f:
-                f.chmod(mode)  # before any byte lands, so a secret is never world-readable
-                f.write(data)
-            self.run(["sync", "--", tmp]).check(self.label)  # fsync the file (coreutils)
-            sftp.posix_rename(tmp, real_path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                sftp.remove(tmp)
-            raise
+        with self._sftp_call("write", real_path) as sftp:
+            _makedirs(sftp, directory)
+            try:
+                with sftp.open(tmp, "wb") as f:
+                    f.chmod(mode)  # before any byte lands, so a secret is never world-readable
+                    f.write(data)
+                self.run(["sync", "--", tmp]).check(self.label)  # fsync the file (coreutils)
+                sftp.posix_rename(tmp, real_path)
+            except BaseException:
+                with contextlib.suppress(Exception):  # best effort: the session may be gone
+                    sftp.remove(tmp)
+                raise
 
     def _stat_mode(self, real_path: str) -> int | None:
         try:
-            return self._sftp().stat(real_path).st_mode & 0o7777
+            with self._sftp_call("stat", real_path) as sftp:
+                return sftp.stat(real_path).st_mode & 0o7777
         except FileNotFoundError:
             return None
 
 
-def _collect(channel: paramiko.Channel, timeout: float | None) -> tuple[int, bytes, bytes]:
-    """Read stdout and stderr until the remote command exits; TimeoutError past `timeout`."""
+class _Lost(Exception):
+    """The connection under a running command closed or stopped answering."""
+
+
+class _Liveness:
+    """Watches the connection under one command: closed is lost at once; after `keepalive_s`
+    without data an SSH keepalive request goes out (any answer, even "unsupported", proves
+    the peer is there), and no answer within `liveness_s` is lost."""
+
+    def __init__(self, channel: paramiko.Channel, keepalive_s: float, liveness_s: float) -> None:
+        self.channel = channel
+        self.keepalive_s, self.liveness_s = keepalive_s, liveness_s
+        self.last_heard = time.monotonic()
+        self._probe: threading.Thread | None = None
+        self._probe_sent = 0.0
+
+    def heard(self) -> None:
+        self.last_heard = time.monotonic()
+
+    def check(self) -> None:
+        """Raise _Lost when the connection is gone; send or judge a keepalive request."""
+        connection = self.channel.get_transport()
+        if connection is None or not connection.is_active():
+            raise _Lost("the connection closed")
+        now = time.monotonic()
+        if self._probe is not None and not self._probe.is_alive():
+            self._probe = None  # answered
+            self.last_heard = now
+        if self._probe is None and now - self.last_heard >= self.keepalive_s:
+            self._probe = threading.Thread(
+                target=connection.global_request,
+                args=("keepalive@openssh.com",),
+                kwargs={"wait": True},  # wait=True asks for an answer
+                daemon=True,
+            )
+            self._probe_sent = now
+            self._probe.start()
+        elif self._probe is not None and now - self._probe_sent > self.liveness_s:
+            raise _Lost(f"no answer to an SSH keepalive for {self.liveness_s:g}s")
+
+
+def _collect(
+    channel: paramiko.Channel, timeout: float | None, liveness: _Liveness
+) -> tuple[int, bytes, bytes]:
+    """Read stdout and stderr until the remote command exits; TimeoutError past `timeout`,
+    _Lost as soon as the connection is gone."""
     deadline = None if timeout is None else time.monotonic() + timeout
     out, err = bytearray(), bytearray()
     while True:
+        got = False
         while channel.recv_ready():
             out += channel.recv(_READ_CHUNK)
+            got = True
         while channel.recv_stderr_ready():
             err += channel.recv_stderr(_READ_CHUNK)
+            got = True
+        if got:
+            liveness.heard()
         if channel.eof_received and not channel.recv_ready() and not channel.recv_stderr_ready():
             break
+        liveness.check()
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             raise TimeoutError
-        select.select([channel], [], [], remaining)  # the channel signals new data or EOF
-    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-    if not channel.status_event.wait(remaining):
-        raise TimeoutError
+        # the channel signals new data or EOF; wake up anyway to check the connection
+        select.select([channel], [], [], min(_POLL_S, remaining or _POLL_S))
+    while not channel.status_event.wait(_POLL_S):
+        liveness.check()
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError
+    if not channel.exit_status_ready() or channel.recv_exit_status() < 0:
+        liveness.check()  # the channel closed without an exit status: was it the connection?
     return channel.recv_exit_status(), bytes(out), bytes(err)
 
 

@@ -5,16 +5,23 @@ Run: python -m pytest -q tests/test_ssh_transport.py
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
+import sys
+import threading
+import time
 
 import pytest
+from click.testing import CliRunner
 
+from ops.cli import cli
 from ops.errors import DdopsError
 from ops.ssh import SSHTransport
 from ops.transport import CommandTimeout
 from tests.helpers.sshd import SshServer, free_port, keygen, running_ssh_agent, running_sshd
+from tests.helpers.tcpproxy import TcpProxy, silent_listener
 
 pytestmark = pytest.mark.ssh
 
@@ -196,3 +203,140 @@ def test_one_connection_serves_every_call_until_closed(ssh):
     assert client_endpoint() == first
     ssh.close()
     assert client_endpoint() != first  # a fresh connection after close()
+
+
+# -- faults: a connection that drops or goes silent, SFTP failures, a peer that is not SSH -------
+
+
+def through(proxy: TcpProxy, server: SshServer, tmp_path, **kwargs) -> SSHTransport:
+    known = tmp_path / "known_hosts_proxy"
+    known.write_text(f"[127.0.0.1]:{proxy.port} {server.host_public_key}\n")
+    return SSHTransport(
+        "127.0.0.1",
+        port=proxy.port,
+        user=server.user,
+        key_filename=str(server.client_key),
+        known_hosts=str(known),
+        **kwargs,
+    )
+
+
+def run_and_time(t: SSHTransport, argv: list[str], **kwargs) -> tuple[BaseException | None, float]:
+    started = time.monotonic()
+    try:
+        t.run(argv, **kwargs)
+    except DdopsError as exc:
+        return exc, time.monotonic() - started
+    return None, time.monotonic() - started
+
+
+def test_a_connection_cut_mid_command_is_lost_within_seconds(sshd_server, tmp_path, monkeypatch):
+    """The finding: a drop was reported only as a timeout after the command's whole timeout."""
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    with TcpProxy((sshd_server.host, sshd_server.port)) as proxy:
+        t = through(proxy, sshd_server, tmp_path)
+        assert t.run(["true"]).ok
+        threading.Timer(1.0, proxy.cut).start()
+        error, seconds = run_and_time(t, ["sleep", "120"], timeout=30)
+        assert isinstance(error, DdopsError) and not isinstance(error, CommandTimeout)
+        assert "SSH connection lost during `sleep`" in str(error)
+        assert seconds < 5
+        assert t.run(["echo", "back"]).stdout == "back\n"  # a new connection serves the next call
+        t.close()
+
+
+def test_a_connection_gone_silent_is_lost_after_keepalive_and_grace(
+    sshd_server, tmp_path, monkeypatch
+):
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    with TcpProxy((sshd_server.host, sshd_server.port)) as proxy:
+        t = through(proxy, sshd_server, tmp_path, keepalive_s=1.0, liveness_s=2.0)
+        assert t.run(["true"]).ok
+        threading.Timer(0.5, proxy.freeze).start()
+        error, seconds = run_and_time(t, ["sleep", "120"], timeout=30)
+        assert "no answer to an SSH keepalive for 2s" in str(error)
+        assert seconds < 8
+        t.close()
+
+
+def test_a_quiet_command_on_a_live_connection_is_not_taken_for_lost(ssh_fast):
+    """Keepalive requests are answered (OpenSSH says "unsupported", which proves it is there)."""
+    assert ssh_fast.run(["sh", "-c", "sleep 3; echo done"]).stdout == "done\n"
+
+
+@pytest.fixture
+def ssh_fast(sshd_server, tmp_path, monkeypatch):
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    t = connect(sshd_server, tmp_path, keepalive_s=0.5, liveness_s=1.0, sftp_timeout_s=2.0)
+    yield t
+    t.close()
+
+
+def test_sftp_failures_are_one_error_naming_the_path(ssh_fast, tmp_path):
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(DdopsError, match=rf"{tmp_path}/adir: SFTP read failed: ") as caught:
+        ssh_fast.read_file(str(tmp_path / "adir"))
+    assert caught.value.obj == f"{ssh_fast.label}: {tmp_path}/adir"
+    with pytest.raises(FileNotFoundError):  # absent stays FileNotFoundError: callers test for it
+        ssh_fast.read_file(str(tmp_path / "absent"))
+
+
+def test_an_sftp_call_that_gets_no_answer_times_out_naming_the_path(
+    sshd_server, tmp_path, monkeypatch
+):
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    (tmp_path / "f").write_text("x")
+    with TcpProxy((sshd_server.host, sshd_server.port)) as proxy:
+        t = through(proxy, sshd_server, tmp_path, sftp_timeout_s=1.0)
+        assert t.read_text(str(tmp_path / "f")) == "x"  # the SFTP session is open
+        proxy.freeze()
+        started = time.monotonic()
+        with pytest.raises(DdopsError, match=rf"{tmp_path}/f: SFTP read timed out after 1s"):
+            t.read_file(str(tmp_path / "f"))
+        assert time.monotonic() - started < 4
+        t.close()
+
+
+def test_a_peer_that_never_speaks_ssh_is_one_error_after_the_connect_timeout(tmp_path):
+    with silent_listener() as port:
+        t = SSHTransport(
+            "127.0.0.1", port=port, connect_timeout=1.0, known_hosts=str(tmp_path / "k")
+        )
+        error, seconds = run_and_time(t, ["true"])
+    assert str(error) == (
+        f"ssh://root@127.0.0.1:{port}: no SSH greeting within 1s: port {port} accepts "
+        "connections but does not speak SSH"
+    )
+    assert 0.9 < seconds < 4
+
+
+def test_the_cli_keeps_paramikos_thread_tracebacks_out_of_stderr():
+    CliRunner().invoke(cli, ["sim", "--help"])
+    assert logging.getLogger("paramiko").level == logging.CRITICAL
+    CliRunner().invoke(cli, ["-vv", "sim", "--help"])
+    assert logging.getLogger("paramiko").level == logging.DEBUG
+
+
+@pytest.mark.slow  # the CLI's 10 s connect timeout
+def test_the_cli_says_one_line_for_a_silent_peer_no_traceback(tmp_path):
+    """paramiko's own thread logged the handshake failure as an ERROR traceback."""
+    site = tmp_path / "site.yml"
+    with silent_listener() as port:
+        site.write_text(
+            "all:\n  vars: {ddops_model: {target: {repo: a/b}}}\n  hosts:\n    pve1:\n"
+            f"      ddops_target: ssh://root@127.0.0.1:{port}\n"
+            "      ddops_containers: [{vmid: 200}]\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-m", "ops.cli", "-i", str(site), "health", "--ct", "200"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "HOME": str(tmp_path)},
+        )
+    assert "Traceback" not in proc.stderr
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"Error: ssh://root@127.0.0.1:{port}: no SSH greeting within 10s: port {port} accepts "
+        "connections but does not speak SSH"
+    ], proc.stderr
