@@ -46,12 +46,11 @@ if TYPE_CHECKING:
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
 SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>", MASK_TOKEN]
+# The shipped pair's template (Qwen3's structure: tools, tool calls, thinking switch); a plain
+# chat renders as the bare ChatML it always did.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+    Path(__file__).parent / "demo_model" / "target" / "chat_template.jinja"
+).read_text()
 HELD_OUT_EVERY = 10  # file i (sorted) is held out when i % HELD_OUT_EVERY == 0
 
 
