@@ -6,18 +6,16 @@
     render_reports([report], console)     # a table per CT (what was wrong, what was done, time)
     reports_json([report])                # one document for --json
 
-Concurrent repairs of one host are serialised by a lock on the host (flock on
-/run/lock/ddops/recover.lock through the transport's view of the host): the second waits, then
+Concurrent repairs of one host are serialised by the host lock (ops/hostlock.py: flock on
+/run/lock/ddops/recover.lock through the transport, its holder recorded): the second waits, then
 finds nothing to do. `ddops provision` is the same run under the provision policy.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from rich.console import Console
@@ -26,14 +24,11 @@ from rich.table import Table
 
 from ops.checks import ChainContext, Check, Finding, Policy, chain_for, probe_host
 from ops.errors import DdopsError
+from ops.hostlock import host_lock
 from ops.site import OpenedSite, results_dir
 from ops.steps import CHANGED, FAILED, SKIPPED, STYLE, UNCHANGED, WOULD_CHANGE
-from ops.transport import LocalTransport, Transport
 
 OK = "ok"  # health's word for a passing probe (a repair run says "unchanged")
-LOCK_PATH = "/run/lock/ddops/recover.lock"
-LOCK_DIR = "/run/lock/ddops/recover.d"  # hosts without a local file system: mkdir is atomic
-LOCK_TIMEOUT_S = 1800.0
 _STATUS_STYLE = {**STYLE, OK: "green"}
 
 
@@ -209,55 +204,6 @@ def contexts(opened: OpenedSite, policy: Policy, api_key: str | None = None) -> 
         )
         for target in opened.targets
     ]
-
-
-# -- the host lock -----------------------------------------------------------------------------
-@contextlib.contextmanager
-def host_lock(t: Transport, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
-    """Hold the host's recover lock; a second holder waits for it (DdopsError after `timeout`)."""
-    if isinstance(t, LocalTransport):
-        with _flock(t.host_path(LOCK_PATH), timeout, t.label):
-            yield
-    else:
-        with _mkdir_lock(t, timeout):
-            yield
-
-
-@contextlib.contextmanager
-def _flock(path: str, timeout: float, label: str) -> Iterator[None]:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "a") as f:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise DdopsError(
-                        label, f"another ddops holds {path} for over {timeout:g}s"
-                    ) from None
-                time.sleep(0.2)  # flock has no timeout of its own
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
-def _mkdir_lock(t: Transport, timeout: float) -> Iterator[None]:
-    deadline = time.monotonic() + timeout
-    while (
-        not t.run(["mkdir", "-p", LOCK_DIR.rsplit("/", 1)[0]]).ok
-        or not t.run(["mkdir", LOCK_DIR]).ok
-    ):
-        if time.monotonic() > deadline:
-            raise DdopsError(t.label, f"another ddops holds {LOCK_DIR} for over {timeout:g}s")
-        time.sleep(1.0)
-    try:
-        yield
-    finally:
-        t.run(["rmdir", LOCK_DIR])
 
 
 # -- output ------------------------------------------------------------------------------------

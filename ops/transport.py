@@ -8,6 +8,8 @@ Every ddops action on a Proxmox host goes through a `Transport`:
     r = t.run(["pct", "status", "200"])        # Result(rc, stdout, stderr); never raises on rc != 0
     r.check("CT 200")                          # raises DdopsError naming the object and the cause
     t.write_file("/etc/pve/lxc/200.conf", data)  # atomic, previous version backed up
+    with t.flock("/run/lock/lxc/pve-config-200.lock", timeout=10):  # flock(2), as pct takes it
+        ...
 
 Commands are argv lists, never shell strings; where a shell is unavoidable the argv is
 quoted with `shlex.join`. A transport with a `sysroot` maps absolute host paths below it and
@@ -16,6 +18,8 @@ puts the sysroot's bin directories first on PATH, so a directory can play a whol
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import shlex
@@ -23,7 +27,7 @@ import subprocess
 import tempfile
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
@@ -57,6 +61,13 @@ class Result:
 
 class CommandTimeout(DdopsError):
     """A command ran past its timeout (the process was killed)."""
+
+
+class LockTimeout(DdopsError):
+    """Another process held a host lock for longer than we would wait."""
+
+
+LOCK_POLL_S = 0.2  # flock(2) has no timeout of its own: try, sleep, try again
 
 
 # A constant script: export the NAME=VALUE lines read from stdin up to an empty line, then exec
@@ -119,6 +130,13 @@ class Transport(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections (SSH); nothing to do locally."""
+
+    def flock(self, path: str, timeout: float) -> contextlib.AbstractContextManager[None]:
+        """Hold an exclusive flock(2) on the host file `path` (made if absent) for the `with`
+        block: the lock Proxmox's own tools take (pct on /run/lock/lxc/pve-config-<vmid>.lock).
+        LockTimeout when another holder keeps it past `timeout` seconds. The lock ends with its
+        holder: a crashed ddops leaves nothing behind."""
+        raise DdopsError(self.label, f"this transport cannot lock {path}")
 
     # -- shared behaviour ---------------------------------------------------------------------
     def host_path(self, path: str) -> str:
@@ -205,6 +223,27 @@ class LocalTransport(Transport):
         except FileNotFoundError:
             return Result(argv, 127, "", f"{argv[0]}: command not found")
         return Result(argv, proc.returncode, proc.stdout, proc.stderr)
+
+    @contextlib.contextmanager
+    def flock(self, path: str, timeout: float) -> Iterator[None]:
+        real = self.host_path(path)
+        os.makedirs(os.path.dirname(real), exist_ok=True)
+        with open(real, "a") as f:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise LockTimeout(
+                            f"{self.label}: {path}", f"still locked after {timeout:g}s"
+                        ) from None
+                    time.sleep(LOCK_POLL_S)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
     def _read(self, real_path: str) -> bytes:
         with open(real_path, "rb") as f:
