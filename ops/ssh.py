@@ -40,6 +40,7 @@ from ops.errors import DdopsError
 from ops.transport import (
     SYSROOT_BIN_DIRS,
     CommandTimeout,
+    LockTimeout,
     Result,
     Transport,
     env_via_stdin,
@@ -48,6 +49,11 @@ from ops.transport import (
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
 # A constant script: put $1 in front of PATH, then exec the rest of the argv.
 _PATH_PREFIX_SCRIPT = 'PATH="$1:$PATH"; export PATH; shift; exec "$@"'
+# A constant script: take flock(1) on $1 (waiting up to $2 s), say so, hold it until stdin ends.
+# The lock dies with the connection: sshd ends the session, `cat` sees EOF, flock exits.
+_FLOCK_SCRIPT = (
+    'mkdir -p "${1%/*}" && exec flock -w "$2" "$1" sh -c "echo locked; exec cat >/dev/null"'
+)
 _READ_CHUNK = 65536
 KEEPALIVE_S = 5.0  # silence on a running command before an SSH keepalive request is sent
 LIVENESS_S = 10.0  # how long that request may go unanswered before the connection is lost
@@ -290,6 +296,31 @@ class SSHTransport(Transport):
             channel.close()
         return Result(argv, rc, out.decode(errors="replace"), err.decode(errors="replace"))
 
+    @contextlib.contextmanager
+    def flock(self, path: str, timeout: float) -> Iterator[None]:
+        """flock(1) on the host, held by a remote process for as long as the `with` block."""
+        real = self.host_path(path)
+        argv = ["sh", "-c", _FLOCK_SCRIPT, "ddops-flock", real, f"{timeout:g}"]
+        channel = self._session()
+        try:
+            channel.exec_command(self.remote_command(argv))
+            said = _collect_line(channel, timeout + self.connect_timeout, self._watch(channel))
+            if said != b"locked\n":
+                if channel.exit_status_ready() and channel.recv_exit_status() == 1:
+                    raise LockTimeout(f"{self.label}: {path}", f"still locked after {timeout:g}s")
+                raise DdopsError(
+                    f"{self.label}: {path}", f"cannot take the lock (flock said {said!r})"
+                )
+            yield
+        except _Lost as exc:
+            self.close()
+            raise DdopsError(self.label, f"SSH connection lost holding {path}: {exc}") from exc
+        finally:
+            with contextlib.suppress(Exception):  # ends `cat`, so flock lets go
+                channel.shutdown_write()
+                channel.status_event.wait(self.connect_timeout)
+            channel.close()
+
     def _watch(self, channel: paramiko.Channel) -> _Liveness:
         return _Liveness(channel, self.keepalive_s, self.liveness_s)
 
@@ -395,6 +426,24 @@ def _collect(
     if not channel.exit_status_ready() or channel.recv_exit_status() < 0:
         liveness.check()  # the channel closed without an exit status: was it the connection?
     return channel.recv_exit_status(), bytes(out), bytes(err)
+
+
+def _collect_line(channel: paramiko.Channel, timeout: float, liveness: _Liveness) -> bytes:
+    """The first line the remote command prints (b"" when it exits without one)."""
+    deadline = time.monotonic() + timeout
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        if channel.recv_ready():
+            line += channel.recv(1)
+            liveness.heard()
+            continue
+        if channel.eof_received or time.monotonic() > deadline:
+            break
+        liveness.check()
+        select.select([channel], [], [], _POLL_S)
+    if not line.endswith(b"\n"):
+        channel.status_event.wait(max(0.0, deadline - time.monotonic()))
+    return bytes(line)
 
 
 def _makedirs(sftp: paramiko.SFTPClient, directory: str) -> None:
