@@ -133,12 +133,12 @@ def _template_message(index: int, message: Message, template: str) -> dict[str, 
         raise ApiError(400, f"{where}.tool_call_id is required", param=f"{where}.tool_call_id")
     # Qwen's templates know no "developer" role (OpenAI's new name for system) and would drop it.
     role = "system" if message.role == "developer" and "developer" not in template else message.role
-    reasoning = message.reasoning_content if message.reasoning_content is not None else None
+    reasoning = message.reasoning_content
     return {
         "role": role,
         "content": None if message.content is None else message.text(),
         "name": message.name,
-        "reasoning_content": reasoning if reasoning is not None else message.reasoning,
+        "reasoning_content": message.reasoning if reasoning is None else reasoning,
         "tool_calls": [
             _template_call(f"{where}.tool_calls.{i}", call)
             for i, call in enumerate(message.tool_calls)

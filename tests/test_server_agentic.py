@@ -16,7 +16,6 @@ import httpx
 import openai
 import pytest
 
-from engine.chat_template import render
 from engine.server import LoadedEngine, ServerConfig, create_app
 from tests.test_chat_template import DEMO_TARGET, PARALLEL, TOOLS, openai_messages
 from tests.test_server_http import EOS, WAIT_S, CharTokenizer, ScriptedEngine, serving
@@ -30,11 +29,6 @@ class AgentTokenizer(CharTokenizer):
     """One id per character, with the demo pair's chat template."""
 
     chat_template = (DEMO_TARGET / "chat_template.jinja").read_text()
-
-    def render_chat(self, messages, add_generation_prompt=True, **inputs) -> str:
-        return render(
-            self.chat_template, messages, add_generation_prompt=add_generation_prompt, **inputs
-        )
 
 
 class RecordingEngine(ScriptedEngine):

@@ -12,9 +12,12 @@ import random
 
 import pytest
 
-from engine.server_chat import ChatOutput, ChatPrompt
+from engine.server_chat import ChatOutput, ChatPrompt, OutputParsing, build_chat_prompt
 from engine.server_reasoning import ReasoningSplitter, prompt_opens_reasoning
+from engine.server_schemas import ChatRequest, parse_body
 from engine.server_tools import FORMATS, ToolCallExtractor, detect_format
+from tests.test_chat_template import TEMPLATES, TOOLS
+from tests.test_server_http import CharTokenizer
 
 SCHEMAS = {
     "get_weather": {
@@ -259,3 +262,31 @@ def test_without_parsers_the_text_is_all_content():
     output = chat_output(tool_format=None, starts_in_reasoning=None)
     message = output.message(output.feed(AGENT_TURN) + output.finish())
     assert message == {"role": "assistant", "content": AGENT_TURN}
+
+
+class ThinkingRenderer(CharTokenizer):
+    """A Qwen3.5-style template: its generation prompt opens <think>, its calls are XML."""
+
+    chat_template = (TEMPLATES / "qwen3_5_style.jinja").read_text()
+
+
+def test_a_forced_call_first_closes_the_think_block_the_prompt_opened():
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+    parsing = OutputParsing(detect_format(ThinkingRenderer.chat_template), reasoning=True)
+    auto = build_chat_prompt(
+        parse_body(ChatRequest, json.dumps(body).encode()), ThinkingRenderer(), parsing
+    )
+    assert auto.text.endswith("<|im_start|>assistant\n<think>\n") and auto.starts_in_reasoning
+    body["tool_choice"] = {"type": "function", "function": {"name": "search"}}
+    forced = build_chat_prompt(
+        parse_body(ChatRequest, json.dumps(body).encode()), ThinkingRenderer(), parsing
+    )
+    assert forced.text == auto.text + "\n</think>\n\n<tool_call>\n<function=search>\n"
+    assert forced.starts_in_reasoning is False
+    output = ChatOutput(forced)
+    deltas = output.feed("<parameter=query>\nqwen\n</parameter>\n</function>\n</tool_call>")
+    message = output.message(deltas + output.finish())
+    assert message["tool_calls"][0]["function"] == {
+        "name": "search",
+        "arguments": '{"query": "qwen"}',
+    }
