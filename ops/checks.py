@@ -29,6 +29,7 @@ from ops.gpu import driver_version, gpu_facts, loaded_modules, parse_char_majors
 from ops.inventory import ContainerSpec, EngineSpec, ModelRef, ModelSpec
 from ops.lxcconf import GpuBlock, GpuDevice, find_stale_rules, plan_gpu_block, unified_diff
 from ops.pve import (
+    ct_config_lock,
     ct_exec,
     ct_lock,
     ct_start,
@@ -248,14 +249,16 @@ def probe_ct_config(c: ChainContext) -> Finding:
 
 
 def write_ct_config(c: ChainContext, dry_run: bool) -> Outcome:
-    text, planned, _ = _planned_config(c)
     path = _config_path(c)
-    diff = unified_diff(text, planned, path)
     running = ct_status(c.t, c.vmid) == "running"
     then = "; restart the CT to apply it" if running else ""
     if dry_run:
-        return Outcome(True, f"would write {path}{then}", diff)
-    backup = c.t.write_file(path, planned)
+        text, planned, _ = _planned_config(c)
+        return Outcome(True, f"would write {path}{then}", unified_diff(text, planned, path))
+    with ct_config_lock(c.t, c.vmid):  # pct set's lock: no edit is lost between read and write
+        text, planned, _ = _planned_config(c)
+        backup = c.t.write_file(path, planned)
+    diff = unified_diff(text, planned, path)
     if running:
         restart_ct(c)
     return Outcome(

@@ -5,6 +5,8 @@
     ct_start(t, 200)             # True when it started it, False when it was already running
     ct_exec(t, 200, ["nvidia-smi", "-L"], env={"HF_TOKEN": token})  # the command's Result
     supports_dev_entries(pve_version(t))  # PVE >= 8.1 knows `devN:` entries
+    with ct_config_lock(t, 200):  # Proxmox's own lock on the CT config, the one `pct set` takes
+        edit /etc/pve/lxc/200.conf
 
 Every vmid is validated before it reaches a command. pct's own failures keep its words; the
 two that need a decision become clear DdopsErrors: a missing CT ("Configuration file
@@ -15,16 +17,20 @@ pct itself is not idempotent (`pct start` on a running CT fails). Tests: tests/t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from ops.errors import DdopsError
-from ops.transport import Result, Transport, env_via_stdin, validate_host_path
+from ops.transport import LockTimeout, Result, Transport, env_via_stdin, validate_host_path
 
 VMID_RANGE = range(100, 1_000_000_000)
 PCT_TASK_ERROR = 255  # pct's exit code for its own failures
+# PVE::LXC::Config->lock_config: flock on this file, waiting up to 10 s, around every config edit
+CONFIG_LOCK = "/run/lock/lxc/pve-config-{vmid}.lock"
+CONFIG_LOCK_TIMEOUT_S = 10.0
 _MISSING_CT = re.compile(r"Configuration file 'nodes/[^/]+/lxc/\d+\.conf' does not exist")
 _LOCKED = re.compile(r"CT is locked \((\w+)\)")
 _STATUS = re.compile(r"^status: (\w+)$", re.M)
@@ -137,6 +143,25 @@ def supports_dev_entries(version: PveVersion) -> bool:
 
 
 # -- actions -----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def ct_config_lock(
+    t: Transport, vmid: int | str, timeout: float = CONFIG_LOCK_TIMEOUT_S
+) -> Iterator[None]:
+    """Hold Proxmox's config lock of the CT (what `pct set` and the API take around an edit),
+    so a concurrent `pct set` waits for our read-modify-write instead of being lost. Call no
+    pct command that edits the config inside: it would wait for this lock."""
+    vmid = validate_vmid(vmid)
+    try:
+        with t.flock(CONFIG_LOCK.format(vmid=vmid), timeout):
+            yield
+    except LockTimeout as exc:
+        raise DdopsError(
+            f"CT {vmid}",
+            f"its config is being changed by another task "
+            f"({CONFIG_LOCK.format(vmid=vmid)} still locked after {timeout:g}s)",
+        ) from exc
+
+
 def ct_start(t: Transport, vmid: int | str, *, timeout: float = 120.0) -> bool:
     """Start the CT unless it runs; True when something changed."""
     return _transition(t, vmid, "start", "running", timeout=timeout)

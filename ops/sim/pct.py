@@ -7,14 +7,19 @@
     pct list
 
 Host paths given to push/pull are paths on the simulated host, so they live below its root.
+Like Proxmox's lock_config, the commands that edit a CT config (set, create, destroy, unlock)
+hold flock on /run/lock/lxc/pve-config-<vmid>.lock while they do, waiting up to 10 s for it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ops.sim import nvidia, pveconf
@@ -26,6 +31,8 @@ from ops.sim.startplan import StartError, plan_start
 from ops.sim.state import CT_CONF_DIR, SimState, host_lock, load_state, save_state
 
 TASK_ERROR = 255
+CONFIG_EDITS = ("set", "create", "destroy", "unlock")
+CONFIG_LOCK_TIMEOUT_S = 10.0
 CT_SIDE_TOOLS = ("nvidia-smi",)
 PCT_EXEC_DROPPED_ENV = ("SSL_CERT_FILE", "SSL_CERT_DIR")
 
@@ -255,7 +262,7 @@ def main(root: Path, args: list[str]) -> int:
             print(exc, file=sys.stderr)
             return TASK_ERROR
     try:
-        with host_lock(root):
+        with config_lock(root, command, rest), host_lock(root):
             pct = Pct(root)
             _dispatch(pct, command, rest)
             save_state(root, pct.state)
@@ -263,6 +270,28 @@ def main(root: Path, args: list[str]) -> int:
         print(exc, file=sys.stderr)
         return TASK_ERROR
     return 0
+
+
+@contextlib.contextmanager
+def config_lock(root: Path, command: str, args: list[str]) -> Iterator[None]:
+    """PVE::LXC::Config->lock_config for the commands that edit a CT config."""
+    if command not in CONFIG_EDITS or not args or not args[0].isdigit():
+        yield
+        return
+    name = f"/run/lock/lxc/pve-config-{int(args[0])}.lock"
+    path = root / name.lstrip("/")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        deadline = time.monotonic() + CONFIG_LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise PctError(f"can't lock file '{name}' - got timeout") from None
+                time.sleep(0.1)
+        yield
 
 
 def _split_dashdash(args: list[str]) -> tuple[list[str], bool, list[str]]:
