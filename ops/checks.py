@@ -53,11 +53,13 @@ ENGINE_READY_TIMEOUT_S = 300.0
 class Policy:
     """What a run may do beyond repairing: `provision` creates the CT, installs boot persistence
     and the engine, and sets the engine's API key; `unlock` clears a CT lock (`pct unlock`)
-    before starting it; `remove_api_key` (provision only) turns authentication off."""
+    before starting it; `remove_api_key` (provision only) turns authentication off;
+    `verify_hashes` (health --hashes) checks the staged model's sha256, not only size + mtime."""
 
     provision: bool = False
     unlock: bool = False
     remove_api_key: bool = False
+    verify_hashes: bool = False
 
 
 @dataclass(frozen=True)
@@ -353,7 +355,9 @@ def probe_model(c: ChainContext) -> Finding:
     problems = [
         f"{model_dir(ref)}: {problem}"
         for ref in c.models
-        for problem in check_staged(c.t, c.vmid, ref.name, python=c.engine.python)
+        for problem in check_staged(
+            c.t, c.vmid, ref.name, python=c.engine.python, hashes=c.policy.verify_hashes
+        )
     ]
     if problems:
         return _bad(f"{c.name}: {'; '.join(problems)}")
