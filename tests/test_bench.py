@@ -240,17 +240,17 @@ def test_a_long_prompt_that_cannot_fit_is_skipped_with_the_numbers():
 
 
 def test_the_agentic_transcript_grows_evenly_to_the_context():
-    transcript = AgenticTranscript(word_count, AgenticShape(context=600, turns=3), 20, 4096)
+    transcript = AgenticTranscript(word_count, AgenticShape(context=2000, turns=3), 20, 4096)
     assert transcript.skipped is None
     first = transcript.prompt_for_turn(0)
-    second = transcript.prompt_for_turn(1, " the answer")
-    third = transcript.prompt_for_turn(2, " another answer")
+    second = transcript.prompt_for_turn(1, "the answer")
+    third = transcript.prompt_for_turn(2, "another answer")
     assert first.tokens == transcript.head_tokens
-    assert second.prompt.startswith(first.prompt + " the answer")
-    assert "<tool_result" in second.prompt and third.prompt.startswith(second.prompt)
+    assert second.prompt.startswith(first.prompt + "the answer\n<tool_call>")
+    assert "<tool_response>" in second.prompt and third.prompt.startswith(second.prompt)
     assert [p.tokens for p in (second, third)] == [
         transcript.turn_target(1),
-        600 - 20,
+        2000 - 20,
     ]
 
 

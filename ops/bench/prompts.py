@@ -11,8 +11,12 @@ a filler text, then a last-token touch-up, each step asking the server to count.
 this guards against: a "25k-token" prompt counted on the client side was 400-refused because
 the server counted more than 32768. A prompt that cannot fit is skipped with the numbers.
 
-`agentic` is a tool-use-like transcript: each turn appends the model's previous answer and a
-tool result sized so the context grows evenly to ~`context` tokens at the last turn.
+`agentic` is a coding agent's tool-using conversation in Qwen3's chat format (ChatML, a tools
+block of JSON signatures in the system turn, hermes `<tool_call>` JSON, tool results as
+`<tool_response>` user turns): byte for byte what the demo pair's chat template renders for the
+same OpenAI messages (`transcript.messages`, `AGENT_TOOLS`). Each turn appends the model's previous
+answer, a `read_file` call and its result, sized so the context grows evenly to ~`context` tokens
+at the last turn. It goes to /v1/completions as text, so every model gets this format.
 Filler text is Python source from the standard library (deterministic for a Python version).
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,12 +37,33 @@ DECODE_PROMPT = (
     'import os\nimport sys\n\n\ndef main(argv):\n    """Parse the arguments and run."""\n'
 )
 LONG_HEAD = "Read the following source code, then continue it.\n\n"
-AGENT_HEAD = (
-    "You are a coding agent. Use the tools to inspect the repository, then fix the bug.\n"
-    "Task: the parser drops the last line of its input.\n\n"
+AGENT_SYSTEM = "You are a coding agent. Use the tools to inspect the repository, then fix the bug."
+AGENT_TASK = "The parser drops the last line of its input. Find the cause and fix it."
+
+
+def _function(name: str, description: str, **properties: str) -> dict:
+    schema = {"type": "object", "properties": {k: {"type": t} for k, t in properties.items()}}
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": schema},
+    }
+
+
+AGENT_TOOLS = (
+    _function("read_file", "Read a file of the repository", path="string"),
+    _function("grep", "Search the repository for a regular expression", pattern="string"),
+    _function("run_tests", "Run the tests under a path and report the failures", path="string"),
 )
-TOOL_HEADER = "\n\n<tool_result name=read_file>\n"
-TURN_FOOTER = "\n</tool_result>\n\nassistant:\n"
+# Qwen3's layout, in the demo pair's template's words (tests/test_bench_agentic.py checks them).
+TOOLS_BLOCK = (
+    "\n\n# Tools\n\nYou can call functions to help with the request.\n\n"
+    "Their signatures are listed between <tools></tools> XML tags:\n<tools>{signatures}\n</tools>"
+    "\n\nTo call a function, reply with a JSON object of its name and arguments between "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": '
+    "<args-json-object>}}\n</tool_call>"
+)
+RESULT_HEAD = "<|im_start|>user\n<tool_response>\n"
+RESULT_TAIL = "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 # Single characters tried to land on the exact count when the filler's next character
 # would overshoot by more than one token.
 TOUCH_UP_CHARACTERS = (" ", ".", "\n", "a", "x", "0")
@@ -53,10 +79,20 @@ def _source_text() -> str:
     return "\n".join(inspect.getsource(importlib.import_module(m)) for m in _FILLER_SOURCES)
 
 
-def filler_text(min_chars: int) -> str:
-    """At least `min_chars` characters of real Python source (standard-library modules)."""
+def filler_text(min_chars: int, start: int = 0) -> str:
+    """At least `min_chars` characters of real Python source (standard-library modules), from
+    character `start` of it on."""
     text = _source_text()
+    start %= len(text)
+    text = text[start:] + text[:start]
     return (text * (min_chars // len(text) + 1))[: max(min_chars, 1)]
+
+
+def _source_start(module: str) -> int:
+    """Where `module`'s source begins in the filler text."""
+    sources = [inspect.getsource(importlib.import_module(m)) for m in _FILLER_SOURCES]
+    index = _FILLER_SOURCES.index(module)
+    return sum(len(source) + 1 for source in sources[:index])
 
 
 @dataclass(frozen=True)
@@ -73,13 +109,15 @@ class FittedPrompt:
         return self.skipped is None and self.tokens == self.target
 
 
-def fit_to_tokens(count: CountTokens, head: str, target: int, tail: str = "") -> FittedPrompt:
-    """head + filler + tail with as much filler as fits in `target` tokens, exactly when
-    reachable; skipped when head + tail alone exceed it."""
+def fit_to_tokens(
+    count: CountTokens, head: str, target: int, tail: str = "", start: int = 0
+) -> FittedPrompt:
+    """head + filler + tail with as much filler (from character `start` of the source text) as
+    fits in `target` tokens, exactly when reachable; skipped when head + tail alone exceed it."""
     least = count(head + tail)
     if least > target:
         return FittedPrompt(head + tail, least, target, skipped=f"needs {least} tokens")
-    filler = filler_text(8 * (target - least) + 64)
+    filler = filler_text(8 * (target - least) + 64, start)
     while count(head + filler + tail) <= target:  # a tokenizer packing > 8 characters a token
         filler += filler
     # The largest n with count(head + filler[:n] + tail) <= target (counts grow with n).
@@ -120,11 +158,29 @@ def long_prompt(count: CountTokens, *, max_model_len: int, max_tokens: int) -> F
     return fit_to_tokens(count, LONG_HEAD, target)
 
 
+def agent_head() -> str:
+    """The conversation's start: the system turn with the tools block, the task, the
+    assistant's turn opening."""
+    signatures = "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in AGENT_TOOLS)
+    system = AGENT_SYSTEM + TOOLS_BLOCK.format(signatures=signatures)
+    return (
+        f"<|im_start|>system\n{system}<|im_end|>\n"
+        f"<|im_start|>user\n{AGENT_TASK}<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def tool_call_text(name: str, arguments: dict) -> str:
+    call = {"name": name, "arguments": arguments}
+    return "<tool_call>\n" + json.dumps(call, ensure_ascii=False) + "\n</tool_call>"
+
+
 class AgenticTranscript:
-    """The growing transcript of the agentic scenario: one prompt per turn.
+    """The growing conversation of the agentic scenario: one prompt per turn.
 
     Turn k's prompt is sized to head + k/(turns-1) of the way to (context - max_tokens), where
     context is the shape's context capped at max-model-len; the last turn ends at ~context.
+    Turn k > 0 adds the model's answer to turn k-1, its call `read_file(<module k>)`, and that
+    module's source as the result (as much as the turn's size allows).
     """
 
     def __init__(
@@ -134,8 +190,12 @@ class AgenticTranscript:
         self.shape = shape
         self.max_tokens = max_tokens
         self.context = min(shape.context, max_model_len)
-        self.head_tokens = count(AGENT_HEAD)
-        self.prompt = AGENT_HEAD
+        self.prompt = agent_head()
+        self.head_tokens = count(self.prompt)
+        self.messages: list[dict] = [
+            {"role": "system", "content": AGENT_SYSTEM},
+            {"role": "user", "content": AGENT_TASK},
+        ]
 
     @property
     def skipped(self) -> str | None:
@@ -155,12 +215,25 @@ class AgenticTranscript:
         return self.head_tokens + (last - self.head_tokens) * turn // (self.shape.turns - 1)
 
     def prompt_for_turn(self, turn: int, previous_answer: str = "") -> FittedPrompt:
-        """Turn 0: the task. Later turns: the transcript + the previous answer + a tool result."""
+        """Turn 0: the task. Later turns: the conversation + the previous answer, its tool call
+        and the tool's result."""
         if turn == 0:
-            fitted = fit_to_tokens(self.count, AGENT_HEAD, self.turn_target(0))
-        else:
-            head = self.prompt + previous_answer + TOOL_HEADER
-            fitted = fit_to_tokens(self.count, head, self.turn_target(turn), tail=TURN_FOOTER)
+            return fit_to_tokens(self.count, self.prompt, self.turn_target(0))
+        module = _FILLER_SOURCES[(turn - 1) % len(_FILLER_SOURCES)]
+        call = {"path": module.replace(".", "/") + ".py"}
+        answer = previous_answer.lstrip("\n")
+        said = answer + "\n" if answer else ""
+        head = self.prompt + said + tool_call_text("read_file", call) + "<|im_end|>\n" + RESULT_HEAD
+        fitted = fit_to_tokens(
+            self.count, head, self.turn_target(turn), RESULT_TAIL, _source_start(module)
+        )
         # Skipped here means the previous answer ran past the ramp: the tool result stays empty.
+        result = fitted.prompt[len(head) : len(fitted.prompt) - len(RESULT_TAIL)]
+        tool_call = {"id": f"call_{turn}", "type": "function"}
+        tool_call["function"] = {"name": "read_file", "arguments": json.dumps(call)}
+        self.messages += [
+            {"role": "assistant", "content": answer or None, "tool_calls": [tool_call]},
+            {"role": "tool", "tool_call_id": f"call_{turn}", "content": result},
+        ]
         self.prompt = fitted.prompt
         return fitted

@@ -1,0 +1,79 @@
+"""The bench's agentic scenario: a coding agent's tool-using conversation growing to ~context.
+
+Each turn's prompt is checked against the demo pair's chat template rendering the same OpenAI
+messages and tools (byte-identical: the bench speaks Qwen3's format), sized with the demo pair's
+real tokenizer. The slow test runs the scenario per method against a real `python -m engine serve`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.tokenizer import load_tokenizer
+from ops.bench.client import EngineClient
+from ops.bench.matrix import AgenticShape, BenchConfig, parse_methods
+from ops.bench.prompts import AGENT_TOOLS, AgenticTranscript
+from ops.bench.runner import NullProgress, run_bench
+from ops.bench.store import RunStore
+from tests.helpers.engine_server import start_engine_server
+from tests.test_chat_template import DEMO_TARGET
+
+DEMO = load_tokenizer(DEMO_TARGET)
+ANSWERS = ["I will read the parser first.", "", "\nThe loop stops one line early."]
+
+
+def count(text: str) -> int:
+    return len(DEMO.encode(text))
+
+
+def test_every_turn_is_the_demo_templates_rendering_of_the_conversation():
+    shape = AgenticShape(context=4096, turns=4)
+    transcript = AgenticTranscript(count, shape, max_tokens=64, max_model_len=8192)
+    assert transcript.skipped is None
+    prompts = []
+    for turn, answer in enumerate(["", *ANSWERS]):
+        fitted = transcript.prompt_for_turn(turn, answer)
+        assert fitted.skipped is None and fitted.tokens == transcript.turn_target(turn)
+        rendered = DEMO.render_chat(transcript.messages, tools=list(AGENT_TOOLS))
+        assert fitted.prompt == rendered
+        prompts.append(fitted)
+    assert prompts[-1].tokens == 4096 - 64
+    assert all(b.prompt.startswith(a.prompt) for a, b in zip(prompts, prompts[1:], strict=False))
+    calls = [m["tool_calls"][0]["function"] for m in transcript.messages if m.get("tool_calls")]
+    assert [json.loads(c["arguments"])["path"] for c in calls] == [
+        "textwrap.py",
+        "json/decoder.py",
+        "shlex.py",
+    ]
+    results = [m["content"] for m in transcript.messages if m["role"] == "tool"]
+    assert results[1].startswith('"""Implementation of JSONDecoder')  # json/decoder.py's source
+    assert '{"type": "function", "function": {"name": "run_tests"' in prompts[0].prompt
+
+
+@pytest.mark.slow
+def test_the_agentic_scenario_runs_per_method_against_serve(tmp_path):
+    demo_draft = DEMO_TARGET.parent / "draft"
+    extra = ["--max-model-len", "2048", "--budget", "8"]
+    server = start_engine_server(DEMO_TARGET, demo_draft, extra_args=extra)
+    try:
+        config = BenchConfig(
+            methods=parse_methods("ar,ddtree:8"),
+            lengths=(16,),
+            scenarios=("agentic",),
+            warmup=0,
+            agentic=AgenticShape(context=1200, turns=3),
+        )
+        with EngineClient(server.url) as client:
+            store = RunStore.open(tmp_path / "results", {"bench": config.to_json()}, {})
+            cells = run_bench(config, client, store, NullProgress()).cells
+    finally:
+        server.stop()
+    assert [cell["cell"]["key"] for cell in cells] == ["agentic-16-ar", "agentic-16-ddtree-8"]
+    for cell in cells:
+        prompts = [s["prompt_tokens"] for s in cell["samples"]]
+        assert [s["turn"] for s in cell["samples"]] == [0, 1, 2]
+        assert prompts == sorted(prompts) and prompts[-1] == 1200 - 16
+        assert cell["agentic"]["final_context_tokens"] <= 1200
+        assert cell["metrics"]["requests"] == 3 and cell["metrics"]["e2e_tok_s"] > 0
