@@ -6,10 +6,15 @@ Two halves, one module:
       python -m ops.staging stage --repo ORG/NAME --revision REV --name NAME [--endpoint URL] --json
       python -m ops.staging check --name NAME [--hashes] --json
   `stage` makes sure the persistent cache holds the snapshot (downloading only what is missing or
-  damaged, resumable), then copies it into /dev/shm, hashing while copying, so every staged byte
-  is checked against the manifest taken when the snapshot was first downloaded and verified
-  against the hub's own file list. An intact cache means zero bytes from the hub. The HF token
-  is HF_TOKEN in its environment, carried into the CT on stdin by ct_exec, never on a command line.
+  damaged, resumable), then copies it into /dev/shm, hashing while copying: a file lands in
+  /dev/shm only once its bytes match the manifest taken when the snapshot was first downloaded
+  and verified against the hub's own file list. A mismatch is fetched again from the hub; if it
+  still does not match, or the hub cannot be reached, staging fails naming the file, and the
+  copy is left unstaged (the stamp goes before the first file is replaced). An intact cache
+  means zero bytes from the hub. The stamp (.ddops-staged.json) records each staged file's
+  size, sha256 and mtime: `check` compares size and mtime (cheap), `check --hashes` the sha256
+  too. The HF token is HF_TOKEN in its environment, carried into the CT on stdin by ct_exec,
+  never on a command line. Every hub failure is one DdopsError naming the repo.
 - the controller (`stage_model`, `check_staged`): runs the agent through `pct exec` over a
   Transport and turns its JSON into a report.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -43,6 +49,7 @@ class FileEntry:
     path: str
     size: int
     sha256: str
+    mtime_ns: int = 0  # in the staged stamp: the /dev/shm copy's mtime once verified
 
 
 @dataclass
@@ -111,11 +118,17 @@ def _manifest_path(cache: Path, ref: ModelRef) -> Path:
     )
 
 
+# The hub client's own failures (its package, its HTTP client's) and the OS's; anything else
+# is a bug and keeps its traceback.
+_HUB_CLIENT_MODULES = ("huggingface_hub", "httpx", "httpx2", "requests", "urllib3")
+
+
 @contextlib.contextmanager
 def hub_errors(ref: ModelRef) -> Iterator[None]:
-    """Turn the hub client's typed errors into one clear DdopsError naming the repo."""
+    """Turn every failure of the hub client into one clear DdopsError naming the repo."""
     from huggingface_hub.errors import (
         HfHubHTTPError,
+        LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
@@ -130,7 +143,27 @@ def hub_errors(ref: ModelRef) -> Iterator[None]:
     except RevisionNotFoundError as exc:
         raise DdopsError(obj, f"revision {ref.revision!r} not found on the hub") from exc
     except HfHubHTTPError as exc:
-        raise DdopsError(obj, f"hub error: {exc}") from exc
+        raise DdopsError(obj, f"hub error: {_first_line(exc)}") from exc
+    except LocalEntryNotFoundError as exc:
+        raise DdopsError(obj, f"hub unreachable and not in the cache: {_first_line(exc)}") from exc
+    except Exception as exc:
+        if not _from_hub_client(exc):
+            raise
+        raise DdopsError(obj, f"hub error ({type(exc).__name__}): {_first_line(exc)}") from exc
+
+
+def _from_hub_client(exc: BaseException) -> bool:
+    module = type(exc).__module__.split(".")[0]
+    return module in _HUB_CLIENT_MODULES or isinstance(exc, OSError | ValueError)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The exception's message in one line (the hub client's run over several)."""
+    cause = exc.__cause__ or exc.__context__
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if cause is not None and str(cause).strip() and str(cause) not in text:
+        text += f" ({' '.join(str(cause).split())})"
+    return text[:300]
 
 
 def _download(
@@ -181,8 +214,11 @@ def _snapshot_dir(cache: Path, ref: ModelRef, commit: str) -> Path:
     return cache / f"models--{ref.repo.replace('/', '--')}" / "snapshots" / commit
 
 
-def _copy_hashed(src: Path, dest: Path) -> str:
-    """Copy src to dest atomically, returning the sha256 of the bytes copied."""
+def _copy_verified(src: Path, dest: Path, entry: FileEntry) -> bool:
+    """Copy src to dest through a temp file, hashing as it goes; dest is replaced only when the
+    bytes match `entry` (True), else nothing changes (False)."""
+    if not src.is_file():
+        return False
     digest = hashlib.sha256()
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".ddops-")
     try:
@@ -190,11 +226,14 @@ def _copy_hashed(src: Path, dest: Path) -> str:
             while chunk := fin.read(CHUNK):
                 digest.update(chunk)
                 fout.write(chunk)
+        if os.path.getsize(tmp) != entry.size or digest.hexdigest() != entry.sha256:
+            Path(tmp).unlink()
+            return False
         os.replace(tmp, dest)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return digest.hexdigest()
+    return True
 
 
 def _ensure_space(shm_root: Path, manifest: Manifest, dest: Path) -> None:
@@ -231,32 +270,38 @@ def stage_local(
     dest = shm_root / ref.name
     dest.mkdir(parents=True, exist_ok=True)
     _ensure_space(shm_root, manifest, dest)
+    stamped = _stamped_files(dest, manifest)
+    staged = []
     for entry in manifest.files:
         target = dest / entry.path
-        if (
-            target.is_file()
-            and target.stat().st_size == entry.size
-            and _stamp_says_done(dest, manifest)
-        ):
+        if entry.path in stamped and _unchanged(target, stamped[entry.path]):
+            staged.append(stamped[entry.path])
             continue
+        (dest / STAMP).unlink(missing_ok=True)  # not "staged" until every file is verified
         target.parent.mkdir(parents=True, exist_ok=True)
-        src = snapshot / entry.path
-        if (
-            not src.is_file()
-            or src.stat().st_size != entry.size
-            or _copy_hashed(src, target) != entry.sha256
-        ):
+        if not _copy_verified(snapshot / entry.path, target, entry):
             log(f"cache copy of {entry.path} is damaged: downloading it again")
-            _download(ref, cache, endpoint, token, force=[entry.path])
-            report.repaired_cache_files.append(entry.path)
-            if _copy_hashed(src, target) != entry.sha256:
+            try:
+                _download(ref, cache, endpoint, token, force=[entry.path])
+            except DdopsError as exc:
                 raise DdopsError(
-                    f"model {ref.repo}", f"{entry.path} still does not match after re-download"
+                    exc.obj,
+                    f"{entry.path}: the cached copy does not match its sha256 and fetching it "
+                    f"again failed: {exc.cause}",
+                ) from exc
+            report.repaired_cache_files.append(entry.path)
+            if not _copy_verified(snapshot / entry.path, target, entry):
+                raise DdopsError(
+                    f"model {ref.repo}",
+                    f"{entry.path} does not match its sha256 {entry.sha256[:12]}... even "
+                    "after a fresh download: not staged",
                 )
         report.copied_files.append(entry.path)
+        staged.append(dataclasses.replace(entry, mtime_ns=target.stat().st_mtime_ns))
     _remove_extras(dest, {f.path for f in manifest.files})
-    if report.copied_files or not _stamp_says_done(dest, manifest):
-        _atomic_write(dest / STAMP, json.dumps(asdict(manifest)).encode())
+    if report.copied_files or not (dest / STAMP).is_file():
+        stamp = Manifest(manifest.repo, manifest.revision, manifest.commit, staged)
+        _atomic_write(dest / STAMP, json.dumps(asdict(stamp)).encode())
     report.changed = bool(
         report.copied_files or report.downloaded_files or report.repaired_cache_files
     )
@@ -265,9 +310,22 @@ def stage_local(
     return report
 
 
-def _stamp_says_done(dest: Path, manifest: Manifest) -> bool:
-    stamped = Manifest.load(dest / STAMP)
-    return stamped is not None and stamped.commit == manifest.commit
+def _stamped_files(dest: Path, manifest: Manifest) -> dict[str, FileEntry]:
+    """The files the stamp says were staged from this very manifest (path -> stamped entry)."""
+    stamp = Manifest.load(dest / STAMP)
+    if stamp is None or stamp.commit != manifest.commit:
+        return {}
+    wanted = {(f.path, f.size, f.sha256) for f in manifest.files}
+    return {f.path: f for f in stamp.files if (f.path, f.size, f.sha256) in wanted}
+
+
+def _unchanged(target: Path, stamped: FileEntry) -> bool:
+    """Size and mtime as stamped: nothing wrote the file since it was verified (cheap: a stat)."""
+    try:
+        st = target.stat()
+    except FileNotFoundError:
+        return False
+    return st.st_size == stamped.size and st.st_mtime_ns == stamped.mtime_ns
 
 
 def _remove_extras(dest: Path, wanted: set[str]) -> None:
@@ -278,7 +336,8 @@ def _remove_extras(dest: Path, wanted: set[str]) -> None:
 
 
 def check_local(name: str, shm_root: Path, hashes: bool = False) -> list[str]:
-    """Problems with /dev/shm/models/<name> (empty list: complete)."""
+    """Problems with /dev/shm/models/<name> (empty list: complete): each file against the stamp,
+    by size and mtime (a stat each), or also by sha256 with `hashes` (reads every byte)."""
     dest = shm_root / name
     stamp = Manifest.load(dest / STAMP)
     if stamp is None:
@@ -290,6 +349,8 @@ def check_local(name: str, shm_root: Path, hashes: bool = False) -> list[str]:
             problems.append(f"{entry.path}: missing")
         elif target.stat().st_size != entry.size:
             problems.append(f"{entry.path}: {target.stat().st_size} bytes, expected {entry.size}")
+        elif target.stat().st_mtime_ns != entry.mtime_ns:
+            problems.append(f"{entry.path}: changed since it was staged (mtime)")
         elif hashes and _sha256(target) != entry.sha256:
             problems.append(f"{entry.path}: content differs (sha256)")
     return problems

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
 from collections import namedtuple
 from pathlib import Path
 
@@ -121,3 +125,99 @@ def test_named_failures(hub, tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(1 << 20, 1 << 20, 1000))
     with pytest.raises(DdopsError, match="no space left in .*needs 0.00 GiB more, 0.00 GiB free"):
         stage(hub, tmp_path)
+
+
+# -- verify before staging; the stamp; hub failures ------------------------------------------------
+def closed_url() -> str:
+    """A hub address nothing listens on (a stopped LocalHub may still answer on a kept-alive
+    connection of the client's pool)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def cache_blob(tmp_path: Path) -> Path:
+    snapshots = tmp_path / "cache/models--ddops--tiny/snapshots"
+    return next(snapshots.rglob("model.safetensors")).resolve()
+
+
+def test_a_damaged_cache_with_the_hub_down_stages_nothing_and_names_the_file(hub, tmp_path):
+    """The finding: the damaged cache file was moved into /dev/shm before its hash was checked,
+    the re-download failed with a raw ValueError, and the old stamp still said "staged"."""
+    stage(hub, tmp_path)
+    shm_file = tmp_path / "shm/tiny/model.safetensors"
+    shm_file.write_bytes(b"y" * 200_000)  # changed in /dev/shm (same size) ...
+    cache_blob(tmp_path).write_bytes(b"x" * 200_000)  # ... and the cache is damaged too
+    with pytest.raises(DdopsError) as caught:
+        stage_local(
+            REF,
+            endpoint=closed_url(),
+            token=None,
+            cache=tmp_path / "cache",
+            shm_root=tmp_path / "shm",
+            log=lambda m: None,
+        )
+    message = str(caught.value)
+    assert message.startswith(
+        "model ddops/tiny: model.safetensors: the cached copy does not match its sha256 and "
+        "fetching it again failed: "
+    )
+    assert "\n" not in message
+    assert shm_file.read_bytes() == b"y" * 200_000  # the damaged cache never reached /dev/shm
+    assert check_local("tiny", tmp_path / "shm") == [
+        f"{tmp_path}/shm/tiny is not staged (no .ddops-staged.json)"
+    ]
+
+
+def test_a_first_download_with_the_hub_down_is_one_error(tmp_path):
+    with LocalHub(tmp_path / "empty") as down:
+        url = down.url
+    with pytest.raises(
+        DdopsError, match=r"^model ddops/tiny: hub unreachable and not in the cache"
+    ):
+        stage_local(REF, endpoint=url, token=None, cache=tmp_path / "c", shm_root=tmp_path / "s")
+
+
+def test_the_stamp_records_each_files_size_sha256_and_mtime(hub, tmp_path):
+    stage(hub, tmp_path)
+    stamp = json.loads((tmp_path / "shm/tiny/.ddops-staged.json").read_text())
+    hub_files = digests(hub.root / "ddops/tiny")
+    for entry in stamp["files"]:
+        staged = tmp_path / "shm/tiny" / entry["path"]
+        assert entry["sha256"] == hub_files[entry["path"]]
+        assert (entry["size"], entry["mtime_ns"]) == (
+            staged.stat().st_size,
+            staged.stat().st_mtime_ns,
+        )
+
+
+def test_a_same_size_change_is_found_by_mtime_and_by_hashes(hub, tmp_path):
+    """Sizes only said "complete" for a file changed in place."""
+    stage(hub, tmp_path)
+    shm_file = tmp_path / "shm/tiny/model.safetensors"
+    before = shm_file.stat()
+    shm_file.write_bytes(b"z" * 200_000)
+    assert check_local("tiny", tmp_path / "shm") == [
+        "model.safetensors: changed since it was staged (mtime)"
+    ]
+    os.utime(shm_file, ns=(before.st_atime_ns, before.st_mtime_ns))  # mtime put back: only
+    assert check_local("tiny", tmp_path / "shm") == []  # the full hash check can tell
+    assert check_local("tiny", tmp_path / "shm", hashes=True) == [
+        "model.safetensors: content differs (sha256)"
+    ]
+    assert stage(hub, tmp_path).copied_files == []  # staging trusts the cheap check too ...
+    shm_file.touch()
+    assert stage(hub, tmp_path).copied_files == ["model.safetensors"]  # ... until it differs
+    assert check_local("tiny", tmp_path / "shm", hashes=True) == []
+
+
+def test_the_agent_reports_a_hub_failure_as_one_json_error(tmp_path):
+    argv = ["stage", "--repo", "ddops/tiny", "--name", "tiny", "--endpoint", closed_url()]
+    argv += ["--cache", str(tmp_path / "c"), "--shm", str(tmp_path / "s")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "ops.staging", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    (line,) = proc.stdout.splitlines()
+    assert json.loads(line)["error"].startswith("model ddops/tiny: hub unreachable")
