@@ -59,10 +59,12 @@ def parse_target_syntax(target: str) -> str:
     if target.startswith("ssh://"):
         _parse_ssh(target)
         return target
-    raise InputError(f"host {_shown(target)}", f"unknown target; accepted forms: {ACCEPTED_FORMS}")
+    raise InputError(
+        f"host {shown_target(target)}", f"unknown target; accepted forms: {ACCEPTED_FORMS}"
+    )
 
 
-def _shown(target: str) -> str:
+def shown_target(target: str) -> str:
     """The target for a message: a password in it (ssh://user:secret@host) masked."""
     return repr(re.sub(r"^(ssh://[^/@:]*):[^/@]*@", r"\1:***@", target))
 
@@ -102,7 +104,7 @@ def _sim_root(path: str) -> str:
 
 
 def _parse_ssh(target: str) -> Target:
-    obj = f"host {_shown(target)}"
+    obj = f"host {shown_target(target)}"
     if not target.isprintable():
         raise InputError(obj, "contains control characters (a newline?)")
     try:

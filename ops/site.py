@@ -23,8 +23,8 @@ from pathlib import Path
 
 import click
 
-from ops.errors import DdopsError
-from ops.hosts import open_transport, parse_target
+from ops.errors import DdopsError, InputError
+from ops.hosts import open_transport, parse_target, shown_target
 from ops.inventory import ContainerSpec, EngineSpec, HostSpec, ModelRef, ModelSpec, Site, load_site
 from ops.transport import Transport
 
@@ -91,7 +91,9 @@ def _narrowed(site: Site, host: str | None) -> Site:
         return site
     hosts = tuple(h for h in site.hosts if host in (h.name, h.target))
     if not hosts:
-        raise DdopsError(f"host {host!r}", "not in the inventory (by name or ddops_target)")
+        raise InputError(
+            f"host {shown_target(host)}", "not in the inventory (by name or ddops_target)"
+        )
     return Site(hosts, site.model, site.engine)
 
 
@@ -108,8 +110,9 @@ def _selected(site: Site, vmids: Sequence[int]) -> list[tuple[HostSpec, Containe
 def _default_site(host: str, vmids: Sequence[int]) -> Iterator[Site]:
     """A sim host's default site: the demo pair from a local hub, the engine on this Python."""
     if parse_target(host).kind != "sim":
-        raise DdopsError(
-            f"host {host!r}", "without an inventory only sim:PATH hosts have a default site: -i"
+        raise InputError(
+            f"host {shown_target(host)}",
+            "without an inventory only sim:PATH hosts have a default site: -i",
         )
     if not vmids:
         raise DdopsError(f"host {host!r}", "name the container with --ct (there is no inventory)")

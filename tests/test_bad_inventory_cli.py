@@ -218,3 +218,15 @@ def test_a_real_process_gets_one_line_for_a_non_utf8_file(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [f"Error: {inventory}: not UTF-8 text (byte {bad_byte})"]
+
+
+@pytest.mark.parametrize("with_inventory", [True, False])
+def test_a_password_in_host_is_never_echoed(sim_root, tmp_path, with_inventory):
+    inventory = tmp_path / "site.yml"
+    inventory.write_text(GOOD.replace("SIMROOT", str(sim_root)))
+    args = ["-i", str(inventory)] if with_inventory else []
+    args += ["--host", "ssh://root:hunter2@pve1", "health", "--ct", "200"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2
+    assert len(result.stderr.splitlines()) == 1
+    assert "hunter2" not in result.output and "***" in result.stderr
