@@ -17,8 +17,8 @@ import contextlib
 import fcntl
 import json
 import os
+import signal
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -282,16 +282,27 @@ def config_lock(root: Path, command: str, args: list[str]) -> Iterator[None]:
     path = root / name.lstrip("/")
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
-        deadline = time.monotonic() + CONFIG_LOCK_TIMEOUT_S
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise PctError(f"can't lock file '{name}' - got timeout") from None
-                time.sleep(0.1)
+        if not _flock_within(f, CONFIG_LOCK_TIMEOUT_S):
+            raise PctError(f"can't lock file '{name}' - got timeout")
         yield
+
+
+def _flock_within(f, timeout: float) -> bool:
+    """A blocking flock(2) under an alarm, as PVE::Tools::lock_file waits (main thread only)."""
+
+    def expire(signum, frame):
+        raise TimeoutError
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _split_dashdash(args: list[str]) -> tuple[list[str], bool, list[str]]:
