@@ -167,7 +167,7 @@ class EngineSpec:
     python: str = DEFAULT_ENGINE_PYTHON  # the engine's interpreter inside the CT
 
     def __post_init__(self) -> None:
-        obj = "engine"
+        obj = "ddops_engine"
         check_choice(obj, "method", self.method, METHODS)
         check_int(obj, "budget", self.budget, 1, 1024)
         check_int(obj, "port", self.port, 1, 65535)
@@ -345,11 +345,10 @@ def parse_site(data: Any, source: str = "inventory", *, sends_token: bool | None
     group = _mapping(group, f"{source}: all")
     gvars = _mapping(group.get("vars"), f"{source}: all.vars")
     model = _model_spec(gvars, source, sends_token)
-    engine = _build(
-        EngineSpec,
-        _mapping(gvars.get("ddops_engine"), f"{source}: ddops_engine"),
-        f"{source}: ddops_engine",
-    )
+    engine_where = f"{source}: ddops_engine"
+    engine_data = _mapping(gvars.get("ddops_engine"), engine_where)
+    _no_unknown_keys(engine_data, {f.name for f in fields(EngineSpec)}, engine_where)
+    engine = _build(EngineSpec, engine_data, source)  # its own errors name ddops_engine
     hosts = []
     for name, hostvars in _mapping(group.get("hosts"), f"{source}: all.hosts").items():
         where = f"{source}: host {name}"
@@ -358,7 +357,7 @@ def parse_site(data: Any, source: str = "inventory", *, sends_token: bool | None
         for ct in cts:
             if engine.tp > len(ct.gpus):
                 raise InputError(
-                    f"CT {ct.vmid}",
+                    f"{where}: CT {ct.vmid}",
                     f"engine tp {engine.tp} needs {engine.tp} GPUs, the CT has {len(ct.gpus)}",
                 )
         hosts.append(HostSpec(name, _host_target(name, hostvars, where), cts))

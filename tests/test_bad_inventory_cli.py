@@ -94,7 +94,7 @@ SUBSTITUTIONS = [
     ("python-multi-word", "python: /usr/bin/python3", "python: '/usr/bin/python3 -c x'"),
     ("python-dotdot", "python: /usr/bin/python3", "python: /opt/../usr/bin/python3"),
     ("python-newline", "python: /usr/bin/python3", 'python: "/usr/bin/python3\\n"'),
-    ("engine-list", "ddops_engine: {method", "ddops_engine: [{method"),
+    ("engine-int", "ddops_engine: {method", "ddops_engine: 5\n    old_engine: {method"),
     ("hub-ftp", "hub_endpoint: http://127.0.0.1:9", "hub_endpoint: ftp://127.0.0.1:9"),
     ("hub-userinfo", "hub_endpoint: http://127.0.0.1:9", "hub_endpoint: https://u:pw@hub.example"),
     ("hub-newline", "hub_endpoint: http://127.0.0.1:9", 'hub_endpoint: "https://hub.example\\n"'),
