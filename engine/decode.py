@@ -1,6 +1,8 @@
 """One round loop for autoregressive (`ar`), DFlash chain (`linear`) and DDTree (`ddtree`) decoding.
 
-Each round, with `bonus` the target's latest choice (already output, not yet in the KV cache):
+The prompt is prefilled in chunks of `prefill_chunk` tokens (the target's `extend`: each chunk
+committed as it runs, logits of the last token only), so a prefill's activations are bounded by
+the chunk, not the prompt. Each round, with `bonus` the target's latest choice (already output, not yet in the KV cache):
     draft   the drafter reads the context features of the tokens committed last round and
             proposes logits for the next B-1 positions after `bonus` (skipped for `ar`);
     tree    a chain of the drafter's argmax (`linear`) or the DDTree best-first tree (`ddtree`);
@@ -42,6 +44,7 @@ class GenerationConfig:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     trace: bool = False
+    prefill_chunk: int = 2048  # prompt tokens per target pass: bounds a prefill's activations
 
 
 @dataclass
@@ -114,6 +117,8 @@ def _check(cfg: GenerationConfig, drafter) -> None:
         raise ValueError(f"ddtree budget must be >= 1, not {cfg.budget}")
     if cfg.max_new_tokens < 1 or cfg.temperature < 0:
         raise ValueError("max_new_tokens must be >= 1 and temperature >= 0")
+    if cfg.prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, not {cfg.prefill_chunk}")
 
 
 class _Sequence:
@@ -132,13 +137,18 @@ class _Sequence:
         self.bonus = -1  # the target's latest choice: output, not yet in the cache
 
     def prefill(self, prompt_ids: list[int]) -> int:
+        """Run the prompt in chunks of cfg.prefill_chunk, each committed as it goes; the bonus
+        comes from the last token's logits (the only ones computed)."""
         with self.clock.stage("prefill"):
             prompt = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
-            logits, self.context = self.target.forward(
-                prompt, self.cache, hidden_layers=self.layers
-            )
-            self.target.commit(self.cache, torch.arange(len(prompt_ids), device=self.device))
-            self.bonus = int(choose(logits[-1:], self.cfg.temperature, self.generator)[0])
+            for start in range(0, len(prompt_ids), self.cfg.prefill_chunk):
+                chunk = prompt[start : start + self.cfg.prefill_chunk]
+                logits, hidden = self.target.extend(chunk, self.cache, self.layers)
+                if hidden is not None:
+                    if self.context is None:  # the drafter's features of the whole prompt
+                        self.context = hidden.new_empty(len(prompt_ids), hidden.shape[1])
+                    self.context[start : start + len(chunk)] = hidden
+            self.bonus = int(choose(logits, self.cfg.temperature, self.generator)[0])
         return self.bonus
 
     def propose(self, depth_room: int, node_room: int) -> DraftTree:

@@ -57,7 +57,7 @@ from engine.models.qwen3_5 import GatedAttention
 
 log = logging.getLogger(__name__)
 LM_HEAD_MODES = ("replicated", "sharded")
-COMMAND_OPS = ("new_cache", "forward", "commit", "stop")
+COMMAND_OPS = ("new_cache", "forward", "extend", "commit", "stop")
 LEADER = 0
 SPLIT_FIELDS = (  # config fields that count what the ranks share out
     "num_attention_heads",
@@ -239,7 +239,7 @@ class Command:
 
     op: str  # one of COMMAND_OPS
     max_len: int = 0  # new_cache
-    ids: list[int] | None = None  # forward: [bonus, drafted tree tokens...]
+    ids: list[int] | None = None  # forward: [bonus, drafted tree tokens...]; extend: a chunk
     parents: list[int] | None = None  # forward: the tree's parents; None = a chain
     accepted: list[int] | None = None  # commit: the accepted root-to-node path
 
@@ -285,6 +285,8 @@ def run_command(shard: nn.Module, command: Command, cache):
         ids = torch.tensor(command.ids, dtype=torch.long, device=device)
         parents = None if command.parents is None else torch.tensor(command.parents)
         shard.forward(ids, cache, parents)
+    elif command.op == "extend":
+        shard.extend(torch.tensor(command.ids, dtype=torch.long, device=device), cache)
     elif command.op == "commit":
         shard.commit(cache, torch.tensor(command.accepted, dtype=torch.long, device=device))
     return cache
@@ -328,6 +330,13 @@ class TensorParallelTarget:
         tree = None if parents is None else parents.tolist()
         broadcast_command(Command("forward", ids=ids.tolist(), parents=tree))
         return self.shard.forward(ids, cache, parents, hidden_layers)
+
+    def extend(
+        self, ids: torch.Tensor, cache, hidden_layers: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [1, V], hidden [T, n*H]
+        self._check_live(cache)
+        broadcast_command(Command("extend", ids=ids.tolist()))
+        return self.shard.extend(ids, cache, hidden_layers)
 
     def commit(self, cache, accepted: torch.Tensor) -> None:
         self._check_live(cache)

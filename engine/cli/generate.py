@@ -1,7 +1,7 @@
 """`python -m engine generate`: one generation with ar, linear (DFlash chain) or ddtree decoding.
 
     python -m engine generate --model DIR --draft DRAFT_DIR --method ddtree --budget 15 \
-        --prompt "w1 w2" --max-new-tokens 64 --json [--trace] [--tp 2]
+        --prompt "w1 w2" --max-new-tokens 64 --json [--trace] [--tp 2] [--prefill-chunk 2048]
 
 Prints the text (or, with --json, one JSON document: output_ids, text, acceptance_lengths,
 decode_tokens_per_s, stage_seconds, finish_reason, ttft_s, and rounds with --trace).
@@ -35,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel ranks (spawned, or torchrun's)"
     )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=2048,
+        help="prompt tokens per prefill pass (bounds a long prompt's memory; default 2048)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument(
         "--trace", action="store_true", help="add the per-round trees (with --json)"
@@ -54,6 +60,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.tp < 1:
         print(f"Error: --tp must be at least 1, not {args.tp}", file=sys.stderr)
+        return 2
+    if args.prefill_chunk < 1:
+        print(
+            f"Error: --prefill-chunk must be at least 1, not {args.prefill_chunk}", file=sys.stderr
+        )
         return 2
     tokenizer = _tokenizer_or_none(args.model)
     if args.prompt is not None and tokenizer is None:
@@ -78,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop_token_ids=tokenizer.eos_token_ids if tokenizer else (),
         trace=args.trace,
+        prefill_chunk=args.prefill_chunk,
     )
     with torch.inference_mode():
         result = generate(target, drafter, prompt_ids, cfg)

@@ -167,6 +167,12 @@ class KVCache:
         self.v[layer, offset:end] = v
         return self.k[layer, :end], self.v[layer, :end]  # [end, Hkv, D]
 
+    def advance(self, count: int) -> None:
+        """The `count` pending slots after the committed ones, already in place, are committed
+        (a prefill chunk: no gather needed)."""
+        self.check_room(count)
+        self.length += count
+
     def commit(self, accepted: torch.Tensor) -> None:
         """Pending slots length + accepted[i] become committed slot length + i."""
         count = accepted.shape[0]

@@ -43,6 +43,8 @@ from engine.models.common import (
     rope_theta,
 )
 
+CONTEXT_PIECE = 2048  # context tokens projected at once: bounds the first draft after a prefill
+
 
 @dataclass
 class DFlashConfig:
@@ -195,15 +197,14 @@ class DFlashDrafter(nn.Module):
         B, N, device = self.block_size, context.shape[0], self.fc.weight.device
         cache.check_room(N + B)
         start = cache.length + N  # the bonus token's position
-        ctx = self.hidden_norm(self.fc(context.to(self.fc.weight.dtype)))  # [N, H]
-        ctx_rope = self._positions_rope(torch.arange(cache.length, start, device=device))
+        for offset in range(0, N, CONTEXT_PIECE):  # a whole prompt's context after a prefill
+            self._write_context(cache, context[offset : offset + CONTEXT_PIECE], offset)
         block_pos = torch.arange(start, start + B, device=device)
         block_rope = self._positions_rope(block_pos)
         ids = torch.full((B,), self.mask_token_id, dtype=torch.long, device=device)
         ids[0] = bonus
         x = self._embed(target, ids)  # [B, H]
         for index, layer in enumerate(self.layers):
-            cache.write(index, cache.length, *layer.self_attn.key_values(ctx, ctx_rope))
             q, k, v = layer.block_qkv(x, block_rope)
             keys, values = cache.write(index, start, k, v)  # [start + B, Hkv, D]
             causal, window = self.config.attention_kind(index)
@@ -220,6 +221,15 @@ class DFlashDrafter(nn.Module):
             x = layer.finish(x, attn)
         cache.length = start
         return self._logits(target, x[1:])
+
+    def _write_context(self, cache: KVCache, context: torch.Tensor, offset: int) -> None:
+        """Every layer's K/V of context features [n, n*H] at slots cache.length + offset .."""
+        first = cache.length + offset
+        positions = torch.arange(first, first + context.shape[0], device=self.fc.weight.device)
+        ctx = self.hidden_norm(self.fc(context.to(self.fc.weight.dtype)))  # [n, H]
+        rope = self._positions_rope(positions)
+        for index, layer in enumerate(self.layers):
+            cache.write(index, first, *layer.self_attn.key_values(ctx, rope))
 
     def _embed(self, target: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return target.embed_tokens(ids) * self.config.input_embedding_scale

@@ -43,7 +43,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import backend_for, tree_causal_conv1d, tree_gated_delta_rule
+from engine.kernels import (
+    backend_for,
+    chain_gated_delta_rule,
+    tree_causal_conv1d,
+    tree_gated_delta_rule,
+)
 from engine.kernels.batched import CHAIN_PIECE, TreeStates, solve_tree
 from engine.models.common import compute_dtype
 
@@ -160,14 +165,10 @@ class GatedDeltaNet(nn.Module):
         s = self.shape
         if strategy == "auto":
             strategy = choose_strategy(s, T, state.recurrent.dtype, backend_for(state.recurrent))
-        conv_inputs = self.in_proj_qkv(x)  # [T, C]
+        conv_inputs, beta, g = self._inputs(x)
         conv_outputs = tree_causal_conv1d(
             conv_inputs, parents, state.conv, self.conv1d.weight[:, 0], None, "silu"
         )  # [T, C]
-        beta = self.in_proj_b(x).sigmoid()  # [T, Hv]
-        dt = compute_dtype(x.dtype)
-        # g = log of the per-step decay: -exp(A_log) * softplus(a + dt_bias) <= 0
-        g = -self.A_log.to(dt).exp() * F.softplus(self.in_proj_a(x).to(dt) + self.dt_bias)
         pending = PendingRecurrence(parents=parents, conv_inputs=conv_inputs)
         q, k, v = self._heads(conv_outputs)
         if strategy == "factored":
@@ -182,9 +183,39 @@ class GatedDeltaNet(nn.Module):
             pending.node_states = node_states
         elif strategy == "replay":
             pending.conv_outputs, pending.g, pending.beta = conv_outputs, g, beta
-        z = self.in_proj_z(x).view(T, s.value_heads, s.value_dim)
-        out = self.norm(out, z).reshape(T, -1)
-        return self.out_proj(out), pending
+        return self._output(out, x), pending
+
+    def extend(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+        """Mix a chain x [T, hidden] (a prefill chunk) and commit all of it into `state` at
+        once: nothing per token is kept beyond this call, so a prompt of any length is run in
+        chunks with the conv window and the delta-rule state carried from one to the next."""
+        T = x.shape[0]
+        conv_inputs, beta, g = self._inputs(x)
+        chain = torch.arange(-1, T - 1, device=x.device)
+        conv_outputs = tree_causal_conv1d(
+            conv_inputs, chain, state.conv, self.conv1d.weight[:, 0], None, "silu"
+        )
+        q, k, v = self._heads(conv_outputs)
+        out, state.recurrent = chain_gated_delta_rule(
+            q, k, v, g, beta, state.recurrent, self.shape.key_dim**-0.5
+        )
+        window = state.conv.shape[1]
+        state.conv = torch.cat([state.conv, conv_inputs.T], dim=1)[:, -window:].contiguous()
+        return self._output(out, x)
+
+    def _inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """conv inputs [T, C], beta [T, Hv] and g [T, Hv] of the normed x [T, hidden]."""
+        beta = self.in_proj_b(x).sigmoid()
+        dt = compute_dtype(x.dtype)
+        # g = log of the per-step decay: -exp(A_log) * softplus(a + dt_bias) <= 0
+        g = -self.A_log.to(dt).exp() * F.softplus(self.in_proj_a(x).to(dt) + self.dt_bias)
+        return self.in_proj_qkv(x), beta, g
+
+    def _output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The delta rule's output [T, Hv, Dv] gated by z(x), normed, projected: [T, hidden]."""
+        s = self.shape
+        z = self.in_proj_z(x).view(x.shape[0], s.value_heads, s.value_dim)
+        return self.out_proj(self.norm(out, z).reshape(x.shape[0], -1))
 
     def commit(
         self, state: RecurrentState, pending: PendingRecurrence, accepted: torch.Tensor

@@ -7,9 +7,12 @@ Interface shared by every target model (see engine/decode.py):
 - `new_cache(max_len)`; `forward(ids [T], cache, parents [T] | None, hidden_layers)` runs T
   pending tokens after the committed prefix (a chain when parents is None, else a tree: token
   i sees the prefix, its ancestors and itself, at RoPE position cache.length + depth(i)) and
-  returns (float32 logits [T, V], concatenated outputs of the requested layers [T, n*H] | None;
+  returns (float32 logits [T, V] (float64 for float64 models), concatenated outputs of the
+  requested layers [T, n*H] | None;
   layer L's output is HF's hidden_states[L + 1], so the last layer's is taken after the final norm);
-- `commit(cache, accepted [K])` keeps the accepted root-to-node path and drops the rest.
+- `commit(cache, accepted [K])` keeps the accepted root-to-node path and drops the rest;
+- `extend(ids [T], cache, hidden_layers)` runs a chain and commits all of it at once (a prefill
+  chunk): logits [1, V] of its last token only, the requested layers' outputs of every token.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from engine.models.common import (
     RMSNorm,
     Rotary,
     SwiGLU,
+    compute_dtype,
     inference_ready,
     load_checkpoint,
     materialize,
@@ -132,7 +136,24 @@ class Qwen3Model(nn.Module):
         cache: KVCache,
         parents: torch.Tensor | None = None,  # [T] int64, None = chain
         hidden_layers: Sequence[int] = (),
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [T, V] float32, hidden [T, n*H]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [T, V], hidden [T, n*H]
+        x, hidden = self._run(ids, cache, parents, hidden_layers)
+        return self._logits(x), hidden
+
+    @torch.no_grad()
+    def extend(
+        self, ids: torch.Tensor, cache: KVCache, hidden_layers: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [1, V], hidden [T, n*H]
+        """Run the chain `ids` (a prefill chunk) and commit all of it; logits of its last token."""
+        x, hidden = self._run(ids, cache, None, hidden_layers)
+        cache.advance(ids.shape[0])
+        return self._logits(x[-1:]), hidden
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:  # float32; float64 stays float64
+        return self.lm_head(x).to(compute_dtype(x.dtype))
+
+    def _run(self, ids, cache: KVCache, parents, hidden_layers: Sequence[int]):
+        """The final-normed hidden states [T, H] and the requested layers' outputs."""
         T = ids.shape[0]
         cache.check_room(T)
         depths, visible = tree_layout(parents, T, ids.device)
@@ -147,7 +168,7 @@ class Qwen3Model(nn.Module):
         if self.config.num_hidden_layers - 1 in wanted:  # HF's last hidden state is the normed one
             wanted[self.config.num_hidden_layers - 1] = x
         hidden = torch.cat([wanted[i] for i in hidden_layers], dim=-1) if hidden_layers else None
-        return self.lm_head(x).float(), hidden
+        return x, hidden
 
     def commit(self, cache: KVCache, accepted: torch.Tensor) -> None:
         cache.commit(accepted)

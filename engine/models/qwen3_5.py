@@ -11,6 +11,7 @@ The target interface shared with the dense model (see engine/decode.py):
     cache = model.new_cache(max_len)
     logits, hidden = model.forward(ids [T], cache, parents [T] | None, hidden_layers)
     model.commit(cache, accepted [K])
+    logits, hidden = model.extend(ids [T], cache, hidden_layers)  # a prefill chunk, committed
 A forward runs a tree of pending tokens (parents[i] < i, or -1 = child of the last committed
 token) without touching the committed state; attention layers write the pending K/V behind the
 committed prefix, GDN layers keep what commit needs (see gated_deltanet.py for the two
@@ -160,6 +161,7 @@ class TreePass:
     cos: torch.Tensor  # [T, rotary_dim]
     sin: torch.Tensor  # [T, rotary_dim]
     rotary: Rotary
+    extend: bool = False  # a chain committed as it runs (a prefill chunk): nothing pending
 
 
 class GatedAttention(nn.Module):
@@ -217,8 +219,11 @@ class HybridDecoderLayer(nn.Module):
         normed = self.input_layernorm(h)
         if self.layer_type == LINEAR:
             state = tree.cache.recurrent[self.slot]
-            mixed, pending = self.linear_attn(normed, state, tree.parents, strategy)
-            tree.cache.pending.append(pending)
+            if tree.extend:
+                mixed = self.linear_attn.extend(normed, state)
+            else:
+                mixed, pending = self.linear_attn(normed, state, tree.parents, strategy)
+                tree.cache.pending.append(pending)
         else:
             mixed = self.self_attn(normed, tree, self.slot)
         h = h + mixed
@@ -283,6 +288,25 @@ class Qwen3_5Model(nn.Module):
         Token i sits at position cache.length + depth(i) and sees the committed prefix, its
         ancestors and itself. The committed state is left as it is until `commit`.
         """
+        h, hidden = self._run(ids, cache, parents, hidden_layers, extend=False)
+        return self._logits(h), hidden
+
+    @torch.no_grad()
+    def extend(
+        self, ids: torch.Tensor, cache: HybridCache, hidden_layers: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the chain `ids` (a prefill chunk) and commit all of it as it goes: K/V written in
+        place, each GDN layer's conv window and state carried forward. Logits [1, V] of the
+        last token only; the requested layers' outputs of every token."""
+        h, hidden = self._run(ids, cache, None, hidden_layers, extend=True)
+        cache.kv.advance(ids.shape[0])
+        return self._logits(h[-1:]), hidden
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h)).to(compute_dtype(h.dtype))  # float64 stays float64
+
+    def _run(self, ids, cache: HybridCache, parents, hidden_layers: Sequence[int], extend: bool):
+        """The last layer's output [T, hidden] (before the final norm), the requested layers'."""
         T = ids.shape[0]
         cache.kv.check_room(T)
         depth, visible = tree_layout(parents, T, ids.device)
@@ -290,7 +314,7 @@ class Qwen3_5Model(nn.Module):
             parents = torch.arange(-1, T - 1, device=ids.device)
         h = self.embed_tokens(ids)  # [T, hidden]
         cos, sin = self.rotary.tables(cache.length + depth, h.dtype)
-        tree = TreePass(cache, parents, visible, cos, sin, self.rotary)
+        tree = TreePass(cache, parents, visible, cos, sin, self.rotary, extend)
         cache.pending = []
         captured = {}
         wanted = set(hidden_layers)
@@ -298,9 +322,8 @@ class Qwen3_5Model(nn.Module):
             h = layer(h, tree, self.state_strategy)
             if index in wanted:
                 captured[index] = h
-        logits = self.lm_head(self.norm(h)).to(compute_dtype(h.dtype))  # float64 stays float64
         hidden = torch.cat([captured[i] for i in hidden_layers], dim=-1) if hidden_layers else None
-        return logits, hidden
+        return h, hidden
 
     @torch.no_grad()
     def commit(self, cache: HybridCache, accepted: torch.Tensor) -> None:
