@@ -59,6 +59,7 @@ class HostOutcome:
     status: str = "ok"
     detail: str = ""
     changed_tasks: int = 0
+    skipped_tasks: int = 0  # e.g. in check mode, the checks a planned change leaves moot
 
     @property
     def ok(self) -> bool:
@@ -194,6 +195,8 @@ def _on_event(
     if status == "ok" and res.get("changed"):
         outcome.changed_tasks += 1
         outcome.status = "changed" if outcome.ok else outcome.status
+    elif status == "skipped":
+        outcome.skipped_tasks += 1
     elif status in ("failed", "unreachable") and not data.get("ignore_errors"):
         outcome.status = status
         outcome.detail = outcome.detail or f"{data.get('task', '')}: {res.get('msg', '')}".strip()

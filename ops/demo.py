@@ -1,16 +1,20 @@
 """`ddops demo`: the whole lifecycle on a simulated Proxmox host, on this machine's CPU.
 
     sim init -> provision (the demo model pair, served by a local hub) -> health
-    -> sim reboot (the uvm major moves, /dev/shm empties) -> health -> recover -> bench
+    -> sim reboot (the incident: the uvm major moves, /dev/shm empties; the boot units repair it)
+    -> health (shows what the boot-time recovery did) -> recover (nothing left) -> bench
 
-Every stage runs the real `ddops` command in-process against a site file the demo writes
-(WORKDIR/site.yml), so what the demo shows is exactly what a user runs. The sim host,
-the hub's repos, the results and the report all live under WORKDIR.
+Every stage runs the real `ddops --json` command in-process against a site file the demo writes
+(WORKDIR/site.yml), so what the demo shows is exactly what a user runs; the demo reads each
+stage's document and tells the story in one screen (`story_lines`). The sim host, the hub's
+repos, the results and the report all live under WORKDIR.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import json
 import os
 import socket
 import sys
@@ -26,8 +30,9 @@ from ops.site import DEMO_MODEL_DIR, DEMO_REPOS
 
 DEMO_VMID = 200
 INCIDENT_UVM_MAJORS = (511, 509)  # before and after the reboot, as in the incident report
-BENCH_METHODS = "ar,linear,ddtree:15"
+BENCH_METHODS = "ar,linear,ddtree:4,ddtree:8,ddtree:15,ddtree:32"  # budgets make a curve
 BENCH_LENGTHS = "128"
+WIDTH = 100
 
 
 @dataclass
@@ -36,14 +41,19 @@ class Stage:
     argv: list[str]
     exit_code: int = 0
     seconds: float = 0.0
-    may_fail: bool = False  # health right after the reboot is expected to fail
+    document: dict | None = None  # what the command printed with --json
+    hub_bytes: int = 0  # bytes the local hub served during the stage
 
 
 @dataclass
 class DemoResult:
     workdir: Path
+    hub_url: str = ""
     stages: list[Stage] = field(default_factory=list)
     report: Path | None = None
+
+    def stage(self, name: str) -> Stage | None:
+        return next((s for s in self.stages if s.name == name), None)
 
 
 def free_port() -> int:
@@ -104,7 +114,7 @@ def stages(workdir: Path, site: Path) -> list[Stage]:
         Stage("provision", [*inv, "provision", "--ct", ct]),
         Stage("health", [*inv, "health", "--ct", ct]),
         Stage("sim reboot", ["sim", "reboot", sim, "--uvm-major", str(INCIDENT_UVM_MAJORS[1])]),
-        Stage("health after reboot", [*inv, "health", "--ct", ct], may_fail=True),
+        Stage("health after reboot", [*inv, "health", "--ct", ct]),
         Stage("recover", [*inv, "recover", "--ct", ct]),
         Stage("bench", [*inv, "bench", "--ct", ct, "--methods", BENCH_METHODS,
                         "--lengths", BENCH_LENGTHS]),
@@ -125,21 +135,30 @@ def _environment(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def run_stage(
-    stage: Stage, invoke: Callable[[Sequence[str]], int], announce: Callable[[str], None]
-) -> None:
-    announce(f"\n=== ddops {' '.join(stage.argv)}")
-    start = time.monotonic()
-    stage.exit_code = invoke(stage.argv)
+def run_stage(stage: Stage, invoke: Callable[[Sequence[str]], int], hub) -> None:
+    """Run `ddops --json ARGV` in this process; its document kept, its chatter dropped unless
+    it fails (DdopsError with the stage's own last words)."""
+    out, err = io.StringIO(), io.StringIO()
+    served, start = hub.bytes_served, time.monotonic()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        stage.exit_code = invoke(["--json", *stage.argv])
     stage.seconds = time.monotonic() - start
-    if stage.exit_code != 0 and not stage.may_fail:
-        raise DdopsError("demo", f"stage '{stage.name}' failed (exit {stage.exit_code}); see above")
+    stage.hub_bytes = hub.bytes_served - served
+    with contextlib.suppress(ValueError):
+        stage.document = json.loads(out.getvalue())
+    if stage.exit_code != 0:
+        said = (err.getvalue().strip() or out.getvalue().strip()).splitlines()
+        raise DdopsError(
+            "demo", f"stage '{stage.name}' failed (exit {stage.exit_code})", "\n".join(said[-20:])
+        )
 
 
 def run_demo(
-    workdir: Path, invoke: Callable[[Sequence[str]], int], *, quiet_stdout: bool
+    workdir: Path,
+    invoke: Callable[[Sequence[str]], int],
+    on_stage: Callable[[Stage, bool], None] = lambda stage, done: None,
 ) -> DemoResult:
-    """Run every stage; stdout of the stages goes to stderr when the caller prints JSON."""
+    """Run every stage; `on_stage(stage, done)` before and after each (for a progress display)."""
     from ops.sim.host import destroy_host
     from ops.sim.hub import LocalHub
     from ops.sim.state import is_sim_root
@@ -152,36 +171,123 @@ def run_demo(
         destroy_host(sim_root)  # a fresh host each run: the demo tells the whole story
     workdir.mkdir(parents=True, exist_ok=True)
     result = DemoResult(workdir)
-    out = sys.stderr if quiet_stdout else sys.stdout
-    announce = lambda text: print(text, file=out, flush=True)  # noqa: E731
     results = workdir / "results"  # the chain's stale-run check and the bench share it
-    with (
-        LocalHub(hub_root(workdir)) as hub,
-        contextlib.redirect_stdout(out),
-        _environment(DDOPS_RESULTS=str(results)),
-    ):
+    with LocalHub(hub_root(workdir)) as hub, _environment(DDOPS_RESULTS=str(results)):
+        result.hub_url = hub.url
         site = workdir / "site.yml"
         site.write_text(
             yaml.safe_dump(site_document(sim_root, hub.url, free_port()), sort_keys=False)
         )
-        announce(f"demo site file: {site} (local hub at {hub.url})")
         for stage in stages(workdir, site):
             result.stages.append(stage)
-            run_stage(stage, invoke, announce)
+            on_stage(stage, False)
+            run_stage(stage, invoke, hub)
+            on_stage(stage, True)
     reports = sorted(results.glob("*/report.md"))
     result.report = reports[-1] if reports else None
     return result
 
 
-def summary_lines(result: DemoResult) -> list[str]:
-    lines = ["", "demo stages:"]
-    lines += [f"  {s.name:<20} exit {s.exit_code}  {s.seconds:6.1f}s" for s in result.stages]
-    if result.report:
-        lines.append(f"report: {result.report} (CSV, JSON and plots beside it)")
-    if result.stages:
-        host = result.workdir / "host"
-        lines.append(
-            f"the simulated host stays up (CT {DEMO_VMID} and its engine): "
-            f"`ddops sim destroy {host}` removes it"
+# -- the story, in one screen -----------------------------------------------------------------
+def _fit(text: str, width: int = WIDTH) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _checks(stage: Stage) -> list[dict]:
+    return [check for ct in (stage.document or {}).get("cts", []) for check in ct["checks"]]
+
+
+def stage_line(stage: Stage) -> str:
+    """One line per stage: what it found or did, and how long it took."""
+    doc, what = stage.document or {}, ""
+    if stage.name == "sim init":
+        what = (
+            f"PVE {doc.get('pve_version')}, {doc.get('gpus')} fake GPU, nvidia-uvm major "
+            f"{doc.get('uvm_major')}, {doc.get('containers')} containers"
         )
+    elif stage.name == "sim reboot":
+        what = (
+            f"CTs stopped, /dev/shm emptied, uvm {doc.get('uvm_major_before')} -> "
+            f"{doc.get('uvm_major')}, {len(doc.get('units', []))} boot units ran"
+        )
+    elif stage.name == "bench":
+        what = f"{len(doc.get('rows', []))} methods x {BENCH_LENGTHS} new tokens"
+    elif checks := _checks(stage):
+        counts: dict[str, int] = {}
+        for check in checks:
+            counts[check["status"]] = counts.get(check["status"], 0) + 1
+        verdict = "healthy" if doc.get("ok") else "NOT healthy"
+        tally = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+        what = f"CT {DEMO_VMID} {verdict}: {tally} checks"
+    return f"  {stage.name:<20} {_fit(what, WIDTH - 33):<67} {stage.seconds:6.1f}s"
+
+
+def boot_story(result: DemoResult) -> list[str]:
+    """What the boot-time recovery repaired, with nobody acting, and how long the host took."""
+    reboot, health = result.stage("sim reboot"), result.stage("health after reboot")
+    if not (reboot and health and health.document):
+        return []
+    (ct,) = health.document["cts"]
+    last = ct.get("last_recover")
+    if not last or last["trigger"] != "boot":
+        return ["", "No boot-time recovery ran: `ddops recover` repaired the CT by hand."]
+    lines = ["", "The reboot, repaired at boot by ddops-recover.service with nobody acting:"]
+    for repair in last["repaired"]:
+        lines += [
+            f"  {repair['title']}",
+            _fit(f"    found: {repair['found']}"),
+            _fit(f"    did:   {repair['done']}"),
+        ]
+    lines.append(
+        f"  reboot -> healthy engine in {reboot.seconds:.1f} s (the recover {last['seconds']:g} s), "
+        f"{reboot.hub_bytes} bytes downloaded from the hub"
+    )
+    return lines
+
+
+def bench_story(result: DemoResult) -> list[str]:
+    """The bench table (tau, decode tok/s, speedup over ar) and which method won by how much."""
+    bench = result.stage("bench")
+    rows = (bench.document or {}).get("rows", []) if bench else []
+    measured = [r for r in rows if r.get("decode_tok_s")]
+    if not measured:
+        return []
+    lines = ["", f"Bench on the demo pair ({BENCH_LENGTHS} new tokens, CPU):", ""]
+    lines.append(f"  {'method':<11} {'tau':>5} {'tok/s':>8} {'vs ar':>7}")
+    for r in measured:
+        speedup = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
+        tau = f"{r['tau']:.2f}" if r.get("tau") else "-"
+        lines.append(f"  {r['method']:<11} {tau:>5} {r['decode_tok_s']:>8.1f} {speedup:>7}")
+    rivals = [r for r in measured if r["method"] != "ar" and r.get("speedup")]
+    if rivals:
+        best = max(rivals, key=lambda r: r["speedup"])
+        linear = next((r for r in rivals if r["method"] == "linear"), None)
+        beside = (
+            f" (DFlash chain: {linear['speedup']:.2f}x)" if linear and linear is not best else ""
+        )
+        verb = "won" if best["speedup"] > 1 else "was the fastest, yet slower than ar"
+        lines += ["", f"{best['method']} {verb}: {best['speedup']:.2f}x over ar{beside}."]
+    return lines
+
+
+HEADER = "ddops demo: the incident, replayed on a simulated Proxmox VE host (CPU only)"
+
+
+def story_lines(result: DemoResult) -> list[str]:
+    """The demo's whole output: the stages, the boot-time repair, the bench, where things are."""
+    lines = [
+        HEADER,
+        *(stage_line(stage) for stage in result.stages),
+        *boot_story(result),
+        *bench_story(result),
+        "",
+        f"site file: {result.workdir / 'site.yml'}",  # paths stay whole, whatever their length
+    ]
+    if result.report:
+        lines += [f"report:    {result.report}", "           (CSV, JSON and plots beside it)"]
+    if result.stages:
+        lines += [
+            f"The simulated host stays up, CT {DEMO_VMID} serving. To remove it:",
+            f"  ddops sim destroy {result.workdir / 'host'}",
+        ]
     return lines

@@ -3,7 +3,6 @@
     report = health(ctx)                  # every probe, read-only; dependents of a failure skipped
     report = recover(ctx, dry_run=False)  # probe, remedy if failing, re-probe; stop at the first
                                           # failure nothing can fix; under the host lock
-    render_reports([report], console)     # a table per CT (what was wrong, what was done, time)
     reports_json([report])                # one document for --json
 
 Concurrent repairs of one host are serialised by the host lock (ops/hostlock.py: flock on
@@ -18,10 +17,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
-
 from ops.checks import ChainContext, Check, Finding, Policy, chain_for, probe_host
 from ops.errors import DdopsError
 from ops.hostlock import host_lock
@@ -29,7 +24,6 @@ from ops.site import OpenedSite, results_dir
 from ops.steps import CHANGED, FAILED, SKIPPED, STYLE, UNCHANGED, WOULD_CHANGE
 
 OK = "ok"  # health's word for a passing probe (a repair run says "unchanged")
-_STATUS_STYLE = {**STYLE, OK: "green"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +47,7 @@ class ChainReport:
     dry_run: bool = False
     results: list[CheckResult] = field(default_factory=list)
     seconds: float = 0.0
+    last_recover: dict | None = None  # health: the CT's last recover record (ops/last_recover.py)
 
     @property
     def ok(self) -> bool:
@@ -68,6 +63,7 @@ class ChainReport:
             "ok": self.ok,
             "seconds": round(self.seconds, 3),
             "checks": [asdict(r) for r in self.results],
+            **({"last_recover": self.last_recover} if self.last_recover else {}),
         }
 
 
@@ -207,29 +203,5 @@ def contexts(opened: OpenedSite, policy: Policy, api_key: str | None = None) -> 
 
 
 # -- output ------------------------------------------------------------------------------------
-def render_reports(reports: Sequence[ChainReport], console: Console | None = None) -> None:
-    """One table per CT: check, status, time, and what was found / done."""
-    console = console or Console()
-    for report in reports:
-        verdict = "healthy" if report.ok else "NOT healthy"
-        if report.dry_run:
-            verdict = "nothing to do" if report.ok else "changes planned"
-        title = (
-            f"{report.mode}: CT {report.vmid} on {report.host}: {verdict} ({report.seconds:.1f}s)"
-        )
-        table = Table(title=title, title_justify="left")
-        for column in ("check", "status", "time", "found / done"):
-            wrap = column == "found / done"
-            table.add_column(column, no_wrap=not wrap, overflow="fold" if wrap else "ellipsis")
-        for r in report.results:
-            said = escape(r.evidence if not r.action else f"{r.evidence}\n-> {r.action}")
-            style = _STATUS_STYLE[r.status]
-            table.add_row(r.title, f"[{style}]{r.status}[/]", f"{r.seconds:.2f}s", said)
-        console.print(table)
-        for r in report.results:
-            if r.diff:
-                console.print(r.diff, markup=False, highlight=False)
-
-
 def reports_json(reports: Sequence[ChainReport]) -> dict:
     return {"ok": all(r.ok for r in reports), "cts": [r.to_json() for r in reports]}

@@ -156,7 +156,7 @@ class GpuNodesUnit(TemplateSpec):
 
 @dataclass(frozen=True)
 class RecoverUnit(TemplateSpec):
-    """The boot unit that runs `ddops recover --ct VMID` for each GPU CT after pve-guests.service."""
+    """The boot unit that runs `ddops recover --ct VMID --at-boot` for each GPU CT after pve-guests.service."""
 
     TEMPLATE: ClassVar[str] = "ddops-recover.service.j2"
     INSTALL_PATH: ClassVar[str] = "/etc/systemd/system/ddops-recover.service"

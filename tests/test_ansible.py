@@ -341,11 +341,14 @@ def test_check_then_apply_then_apply_again_and_the_files_equal_the_cli_paths(fle
         LOCAL: "changed",
         REMOTE: "changed",
     }
+    skipped_tasks = {h["host"]: h["skipped_tasks"] for h in document["hosts"]}
     for ct in document["cts"]:
         checks = {c["key"]: c["status"] for c in ct["checks"]}
         assert checks["ct-exists"] == "would change", ct
         assert checks["ct-config"] == "skipped" and checks["model"] == "skipped"
         assert checks["modules"] == checks["nodes"] == "unchanged"
+        moot = [key for key, status in checks.items() if status == "skipped"]
+        assert skipped_tasks[ct["host"]] == len(moot), (ct["host"], moot)  # Ansible: "skipping"
 
     applied = fleet.playbook("provision")
     assert {h: o.status for h, o in applied.hosts.items()} == {LOCAL: "changed", REMOTE: "changed"}
@@ -390,13 +393,16 @@ def test_a_host_that_fails_is_named_and_the_other_goes_on(fleet):
 
 @pytest.mark.slow  # the engine steps import torch in the CT and load the model: minutes here
 @pytest.mark.lxc
-def test_the_whole_chain_via_ansible_then_recover_changes_nothing(tmp_path, hub_root):
-    """provision --via ansible from nothing to an engine that answers; recover --via ansible
-    then finds nothing to do; bench --via ansible measures and fetches the report files; the
-    engine unit equals the one the CLI path writes."""
+def test_the_whole_chain_via_ansible_then_recover_changes_nothing(tmp_path, hub_root, monkeypatch):
+    """provision --via ansible from nothing to an engine that answers, with the operator's API
+    key; recover --via ansible then finds nothing to do and keeps the key; bench --via ansible
+    measures and fetches the report files; the engine unit equals the one the CLI path writes."""
     with sim_site(tmp_path / "ansible", hub_root) as site:
+        monkeypatch.setenv("DDOPS_API_KEY", "sk-ansible-5e6f")
         code, document = site.ddops("provision", "--via", "ansible")
         assert code == 0, document
+        assert "sk-ansible-5e6f" not in json.dumps(document)
+        monkeypatch.delenv("DDOPS_API_KEY")
         (ct,) = document["cts"]
         keys = {check.key for check in chain_for(Policy(provision=True))}
         assert {c["key"] for c in ct["checks"]} == keys - {"boot"}  # boot: template tasks
@@ -406,6 +412,7 @@ def test_the_whole_chain_via_ansible_then_recover_changes_nothing(tmp_path, hub_
         code, again = site.ddops("recover", "--via", "ansible")
         assert code == 0, again
         assert {c["status"] for ct in again["cts"] for c in ct["checks"]} == {"unchanged"}
+        assert site.ct_sh("cat /etc/ddops/engine.env") == "DDOPS_API_KEY=sk-ansible-5e6f\n"
         code, benched = site.ddops(
             "bench",
             "--via",

@@ -349,7 +349,7 @@ def test_the_report_renders_the_golden_markdown_from_stored_results(tmp_path):
     rows = json.loads(files.json.read_text())["rows"]
     assert len(rows) == 16 and json.loads(files.json.read_text())["run"]["state"] == "complete"
     assert {p.name for p in files.plots} == {
-        "tok_s_by_method_length.png",
+        "speedup_by_method_length.png",
         "tau_tok_s_by_budget.png",
     }
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in files.plots)

@@ -13,12 +13,13 @@ import json
 import os
 import socket
 import threading
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
-from ops import checks, recover
+from ops import checks, output, recover
 from ops.bench.store import find_stale_runs
 from ops.checks import ChainContext, Check, Finding, Policy
 from ops.inventory import ContainerSpec, EngineSpec, ModelRef, ModelSpec
@@ -297,11 +298,50 @@ def test_the_host_lock_makes_a_second_holder_wait(tmp_path):
     assert (tmp_path / "run/lock/ddops/recover.lock").exists()
 
 
+def test_in_a_pipe_each_check_is_one_plain_line_and_each_ct_one_verdict(monkeypatch):
+    a, b = Scripted("a", ok=False), Scripted("b")
+    console = Console(record=True, width=100, force_terminal=False)
+    out = output.chain_output(console)
+    assert isinstance(out, output.PlainChainOutput)
+    c = context(LocalTransport())
+    out.start(c, "recover")
+    monkeypatch.setattr(recover, "chain_for", lambda policy: [a.check(()), b.check(("a",))])
+    report = recover.run_chain(c, mode="recover", on_result=out.result)
+    out.finish([report])
+    lines = console.export_text().splitlines()
+    assert lines[0] == "recover CT 200 on local"
+    assert lines[1].split() == ["changed", "a", *lines[1].split()[2:]]
+    assert lines[1].endswith("a broken -> fixed a")
+    assert lines[2].split()[:2] == ["unchanged", "b"]
+    assert lines[3:] == ["diff", f"recover: CT 200 on local: healthy ({report.seconds:.1f}s)"]
+    assert not any(ch in "".join(lines) for ch in "│┃━─┏")  # no box drawing in a log
+
+
+def test_a_recover_leaves_its_record_and_health_describes_it(monkeypatch, tmp_path):
+    from ops import last_recover
+
+    t = LocalTransport(sysroot=str(tmp_path))
+    a, b = Scripted("a", ok=False), Scripted("b")
+    monkeypatch.setattr(recover, "chain_for", lambda policy: [a.check(()), b.check(())])
+    report = recover.run_chain(context(t), mode="recover")
+    written = last_recover.record(t, report, trigger="boot")
+    assert last_recover.read(t, 200) == written
+    assert written["repaired"] == [
+        {"key": "a", "title": "a", "found": "a broken", "done": "fixed a"}
+    ]
+    assert (written["trigger"], written["ok"], written["failed"]) == ("boot", True, None)
+    when = datetime.fromisoformat(written["when"]).timestamp()
+    assert last_recover.describe(written, now=when + 190) == (
+        f"last recover at boot 3 min ago: repaired a ({written['seconds']:g} s)"
+    )
+    assert last_recover.read(t, 201) is None
+
+
 def test_reports_render_as_a_table_and_one_json_document(monkeypatch):
     a, b = Scripted("a", ok=False), Scripted("b")
     _, report = run_scripted(monkeypatch, [(a, ()), (b, ("a",))], mode="recover", dry_run=True)
     console = Console(record=True, width=120)
-    recover.render_reports([report], console)
+    output.render_reports([report], console)
     text = console.export_text()
     assert text.startswith("recover: CT 200 on local: changes planned (")
     assert "│ a     │ would change │" in text and "a broken" in text and "-> would fix a" in text

@@ -42,11 +42,48 @@ def test_usage_error_exits_2():
     assert isinstance(click.UsageError("x"), click.ClickException)
 
 
-def test_demo_summary_lists_stages_and_says_how_to_remove_the_host_it_leaves_up(tmp_path):
-    from ops.demo import DemoResult, Stage, summary_lines
+def test_demo_story_tells_the_boot_repair_and_the_bench_winner_in_one_screen(tmp_path):
+    from ops.demo import DemoResult, Stage, story_lines
 
-    result = DemoResult(tmp_path, [Stage("sim init", ["sim", "init"], seconds=0.5)])
-    lines = summary_lines(result)
-    assert any(line.split()[:4] == ["sim", "init", "exit", "0"] for line in lines)
-    assert lines[-1].endswith(f"`ddops sim destroy {tmp_path / 'host'}` removes it")
-    assert not any("destroy" in line for line in summary_lines(DemoResult(tmp_path)))
+    fixed = {"key": "ct-config", "title": "CT config grants current majors", "found": "allows 511"}
+    health = {
+        "ok": True,
+        "cts": [
+            {
+                "checks": [{"status": "ok"}] * 11,
+                "last_recover": {
+                    "trigger": "boot",
+                    "seconds": 20.8,
+                    "repaired": [{**fixed, "done": "wrote 509"}],
+                },
+            }
+        ],
+    }
+    rows = [
+        {"method": "ar", "tau": 1.0, "decode_tok_s": 100.0, "speedup": 1.0},
+        {"method": "linear", "tau": 2.2, "decode_tok_s": 110.0, "speedup": 1.1},
+        {"method": "ddtree:15", "tau": 3.0, "decode_tok_s": 140.0, "speedup": 1.4},
+    ]
+    reboot = {"uvm_major_before": 511, "uvm_major": 509, "units": ["a", "b"]}
+    result = DemoResult(
+        tmp_path,
+        "http://hub",
+        [
+            Stage("sim reboot", [], seconds=22.0, document=reboot, hub_bytes=0),
+            Stage("health after reboot", [], seconds=3.4, document=health),
+            Stage("bench", [], seconds=60.0, document={"rows": rows}),
+        ],
+        report=tmp_path / "run" / "report.md",
+    )
+    lines = story_lines(result)
+    assert len(lines) <= 60 and max(map(len, lines)) <= 100
+    assert lines[1].split()[:2] == ["sim", "reboot"] and "uvm 511 -> 509" in lines[1]
+    assert "CT 200 healthy: 11 ok checks" in lines[2]
+    assert "    found: allows 511" in lines and "    did:   wrote 509" in lines
+    assert (
+        "  reboot -> healthy engine in 22.0 s (the recover 20.8 s), 0 bytes downloaded from the hub"
+        in lines
+    )
+    assert "ddtree:15 won: 1.40x over ar (DFlash chain: 1.10x)." in lines
+    assert f"report:    {tmp_path / 'run' / 'report.md'}" in lines
+    assert lines[-1] == f"  ddops sim destroy {tmp_path / 'host'}"

@@ -210,6 +210,13 @@ def test_recovery_at_boot_needs_no_person(site, capsys):
     report = reboot_host(site.root, uvm_major=300)
     assert report.units == ["ddops-gpu-nodes", "ddops-recover"]
     assert_healthy(site)
+    code, document = site.ddops("health", "--ct", "200")
+    last = document["cts"][0]["last_recover"]  # what the boot unit did, as health shows it
+    assert (last["trigger"], last["ok"], last["failed"]) == ("boot", True, None)
+    repaired = {r["key"]: r for r in last["repaired"]}
+    assert {"ct-config", "model", "service"} <= set(repaired)
+    assert "300" in repaired["ct-config"]["done"] or "300" in repaired["ct-config"]["found"]
+    assert "0 file(s) from the hub" in repaired["model"]["done"]
     with capsys.disabled():
         print(f"\nsim reboot -> healthy engine (tiny model): {time.monotonic() - start:.1f}s")
     assert site.hub.bytes_served == served

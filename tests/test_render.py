@@ -110,13 +110,13 @@ def test_recover_unit_runs_after_pve_guests_for_each_ct():
         "[Service]\n"
         "Type=oneshot\n"
         "TimeoutStartSec=1800\n"
-        "ExecStart=-/usr/local/bin/ddops -i /etc/ddops/site.yml recover --ct 200\n"
-        "ExecStart=-/usr/local/bin/ddops -i /etc/ddops/site.yml recover --ct 201\n"
+        "ExecStart=-/usr/local/bin/ddops -i /etc/ddops/site.yml recover --ct 200 --at-boot\n"
+        "ExecStart=-/usr/local/bin/ddops -i /etc/ddops/site.yml recover --ct 201 --at-boot\n"
         "\n"
         "[Install]\n"
         "WantedBy=multi-user.target\n"
     )
-    assert "--host local recover --ct 200\n" in render(RecoverUnit(vmids=(200,)))
+    assert "--host local recover --ct 200 --at-boot\n" in render(RecoverUnit(vmids=(200,)))
 
 
 def test_engine_unit():

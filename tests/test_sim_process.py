@@ -9,6 +9,7 @@ real containers.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,31 @@ def test_exec_push_pull_stop_and_exit_codes_behave_like_pct(host):
     )
     gpu_nodes = [n["node"] for n in report["nodes"] if n["node"][-1].isdigit()]
     assert gpu_nodes == ["/dev/nvidia0"]  # the host has 2 GPUs; the config passes through one
+
+
+def gone(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    return not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_destroy_stops_what_the_cts_processes_started_with_a_clean_environment(tmp_path):
+    """As the supervisor starts the engine: a child with only the unit's environment."""
+    root = tmp_path / "pve"
+    init_host(root, gpus=1, uvm_major=511, containers="process")
+    t = LocalTransport(sysroot=str(root))
+    start_ct(t, RAW_GPU_CONF.format(uvm=511))
+    # A detached keeper (like the supervisor) whose child has a clean environment (the engine).
+    spawn = "sh -c 'env -i sleep 600 & echo $! > tmp/child.pid; wait' </dev/null >/dev/null 2>&1 &"
+    t.run(["pct", "exec", "200", "--", "sh", "-c", spawn]).check("spawn")
+    pidfile = root / "var/lib/ddops-sim/rootfs/200/tmp/child.pid"
+    for _ in range(100):
+        if pidfile.exists() and pidfile.read_text().strip():
+            break
+        time.sleep(0.05)
+    grandchild = int(pidfile.read_text())
+    assert not gone(grandchild)
+    destroy_host(root)
+    assert gone(grandchild)
 
 
 def test_reboot_empties_shm_and_drops_uvm_nodes_until_nvidia_modprobe(host):

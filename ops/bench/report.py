@@ -6,8 +6,9 @@
 Rows are the run's finished cells with their figures and `speedup`: the cell's decode tok/s over
 that of `ar` in the same scenario and length (None without an ar cell). The first table has one
 row per method and one column per scenario and length (decode tok/s and speedup); the second
-lists every figure. Plots (matplotlib, Agg): decode tok/s by method and length; tau and decode
-tok/s by ddtree budget. `ddops bench report RUN_DIR` re-renders all of it from the stored cells.
+lists every figure. Plots (matplotlib, Agg), one question each: speedup over ar by method and
+length (ar drawn at 1x); tau and decode tok/s by ddtree budget (ar and the DFlash chain drawn as
+references). `ddops bench report RUN_DIR` re-renders all of it from the stored cells.
 """
 
 from __future__ import annotations
@@ -200,7 +201,8 @@ def render_report(run_dir: Path) -> ReportFiles:
 
 # -- plots ---------------------------------------------------------------------------------------
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
-    """PNG plots of the measured rows: tok/s by method and length; tau and tok/s by budget."""
+    """PNG plots of the measured rows, one question each: how much faster than ar is each method
+    at each output length; how tau and decode tok/s move with the ddtree budget."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -208,62 +210,92 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     if not measured:
         return []
     out_dir.mkdir(exist_ok=True)
-    paths = [_plot_by_method(measured, out_dir / "tok_s_by_method_length.png")]
+    paths = []
+    if any(r["speedup"] and r["method"] != "ar" for r in measured):
+        paths.append(_plot_speedup(measured, out_dir / "speedup_by_method_length.png"))
     if any(parse_method(r["method"]).budget for r in measured):
         paths.append(_plot_by_budget(measured, out_dir / "tau_tok_s_by_budget.png"))
     return paths
 
 
-def _plot_by_method(rows: list[dict], path: Path) -> Path:
+def _plot_speedup(rows: list[dict], path: Path) -> Path:
+    """Grouped bars: speedup over ar per method, one group per (scenario, length); ar at 1x."""
     import matplotlib.pyplot as plt
 
-    columns, methods = _columns(rows), _methods(rows)
-    rate = {(r["method"], r["scenario"], r["length"]): r["decode_tok_s"] for r in rows}
+    columns = _columns(rows)
+    methods = [m for m in _methods(rows) if m != "ar"]
+    speedup = {(r["method"], r["scenario"], r["length"]): r["speedup"] for r in rows}
+    ar_rate = {(r["scenario"], r["length"]): r["decode_tok_s"] for r in rows if r["method"] == "ar"}
     width = 0.8 / len(methods)
-    figure, axes = plt.subplots(figsize=(max(6, 1.6 * len(columns)), 4))
+    figure, axes = plt.subplots(figsize=(max(7, 1.2 * len(columns) * len(methods) ** 0.5), 4.5))
     for i, method in enumerate(methods):
-        heights = [rate.get((method, s, n)) or 0 for s, n in columns]
-        axes.bar([c + i * width for c in range(len(columns))], heights, width, label=method)
-    axes.set_xticks([c + width * (len(methods) - 1) / 2 for c in range(len(columns))])
-    axes.set_xticklabels([f"{s} {n}" for s, n in columns])
-    axes.set_ylabel("decode tok/s")
-    axes.set_title("decode tok/s by method and output length")
-    axes.legend()
+        xs = [c + (i - (len(methods) - 1) / 2) * width for c in range(len(columns))]
+        heights = [speedup.get((method, s, n)) or 0 for s, n in columns]
+        bars = axes.bar(xs, heights, width, label=method)
+        axes.bar_label(bars, labels=[f"{h:.2f}x" if h else "" for h in heights], fontsize=7)
+    axes.axhline(1.0, color="black", linestyle="--", linewidth=1, label="ar (baseline)")
+    axes.set_xticks(range(len(columns)))
+    axes.set_xticklabels(
+        [f"{s} {n}\nar {ar_rate.get((s, n)) or 0:.1f} tok/s" for s, n in columns], fontsize=8
+    )
+    axes.set_xlabel("scenario and output length (new tokens)")
+    axes.set_ylabel("speedup over ar (decode tok/s ratio, x)")
+    axes.set_ylim(0, max(1.2, *(h or 0 for h in speedup.values())) * 1.15)
+    axes.set_title("How much faster than autoregressive decoding, by method and length")
+    axes.legend(fontsize=8, ncols=2)
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
 
 
 def _plot_by_budget(rows: list[dict], path: Path) -> Path:
+    """tau and decode tok/s against the ddtree budget, one colour per (scenario, length), with the
+    same cell's ar (dashed) and DFlash chain (dotted) drawn as flat references."""
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.lines import Line2D
 
-    figure, (tau_axes, rate_axes) = plt.subplots(1, 2, figsize=(10, 4))
-    for scenario, length in _columns(rows):
+    figure, (tau_axes, rate_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    budgets_seen: set[int] = set()
+    handles = []
+    for index, (scenario, length) in enumerate(_columns(rows)):
+        cell = [r for r in rows if (r["scenario"], r["length"]) == (scenario, length)]
         points = sorted(
-            (
-                (parse_method(r["method"]).budget, r)
-                for r in rows
-                if (r["scenario"], r["length"]) == (scenario, length)
-                and parse_method(r["method"]).budget
-            ),
-            key=lambda point: point[0],
+            (parse_method(r["method"]).budget, r) for r in cell if parse_method(r["method"]).budget
         )
+        if not points:
+            continue
+        colour = f"C{index}"
         budgets = [b for b, _ in points]
-        tau_axes.plot(
-            budgets, [r["tau"] or 0 for _, r in points], "o-", label=f"{scenario} {length}"
-        )
-        rate_axes.plot(
-            budgets, [r["decode_tok_s"] for _, r in points], "o-", label=f"{scenario} {length}"
-        )
-    for axes, label in ((tau_axes, "tau (tokens per round)"), (rate_axes, "decode tok/s")):
-        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-        axes.set_xlabel("ddtree budget (nodes)")
+        budgets_seen.update(budgets)
+        tau_axes.plot(budgets, [r["tau"] or 0 for _, r in points], "o-", color=colour)
+        rate_axes.plot(budgets, [r["decode_tok_s"] for _, r in points], "o-", color=colour)
+        handles.append(Line2D([], [], color=colour, marker="o", label=f"{scenario} {length}"))
+        for method, style in (("ar", "--"), ("linear", ":")):
+            ref = next((r for r in cell if r["method"] == method), None)
+            if ref is not None:
+                tau_axes.axhline(ref["tau"] or 0, color=colour, linestyle=style, linewidth=1)
+                rate_axes.axhline(ref["decode_tok_s"], color=colour, linestyle=style, linewidth=1)
+    handles += [
+        Line2D([], [], color="grey", marker="o", label="ddtree"),
+        Line2D([], [], color="grey", linestyle=":", label="DFlash chain (linear)"),
+        Line2D([], [], color="grey", linestyle="--", label="ar (baseline)"),
+    ]
+    for axes, label in (
+        (tau_axes, "tau (tokens committed per round)"),
+        (rate_axes, "decode tok/s (tokens per second)"),
+    ):
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(sorted(budgets_seen), [str(b) for b in sorted(budgets_seen)])
+        axes.minorticks_off()
+        axes.set_xlabel("ddtree budget (draft tree nodes, log scale)")
         axes.set_ylabel(label)
-        axes.legend()
-    figure.suptitle("ddtree: tau and decode tok/s by budget")
+        axes.set_ylim(bottom=0)
+        axes.grid(alpha=0.3)
+    tau_axes.set_title("Tokens per round by budget")
+    rate_axes.set_title("Decode speed by budget")
+    rate_axes.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    figure.savefig(path, dpi=110)
     plt.close(figure)
     return path

@@ -4,7 +4,9 @@
     ddops demo --workdir /tmp/demo
     ddops --json demo               # stage output to stderr, one JSON document on stdout
 
-Ends with the bench table (ar vs DFlash chain vs DDTree budget 15) and where the report is.
+One screen: a line per stage, what the boot-time recovery repaired after the reboot, the bench
+table (ar vs DFlash chain vs DDTree at budgets 4-32) with the winner, and where the report is.
+On a terminal a live line shows the running stage; in a pipe each stage's line prints as it ends.
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 
 import click
+from rich.console import Console
 
-from ops.demo import run_demo, summary_lines
+from ops.demo import HEADER, DemoResult, Stage, run_demo, stage_line, story_lines
 
 
 def default_workdir() -> Path:
@@ -33,6 +35,38 @@ def _invoke_ddops(argv: Sequence[str]) -> int:
     return code if isinstance(code, int) else 0
 
 
+class DemoProgress:
+    """A live line on a terminal (stderr) while a stage runs; in a pipe, each stage's line as it
+    ends. With -v, every check of the chain stages too."""
+
+    def __init__(self, verbose: bool, quiet: bool) -> None:
+        self.stderr = Console(stderr=True)
+        self.live = self.stderr.is_terminal and not quiet
+        self.plain = not self.live and not quiet
+        self.verbose, self._status, self._count = verbose and not quiet, None, 0
+
+    def __call__(self, stage: Stage, done: bool) -> None:
+        if not done:
+            self._count += 1
+            if self.plain and self._count == 1:
+                click.echo(HEADER)
+            if self.live:
+                self._status = self.stderr.status(f"demo, stage {self._count}: {stage.name}")
+                self._status.start()
+            return
+        if self._status is not None:
+            self._status.stop()
+        if self.plain:
+            click.echo(stage_line(stage))
+        if self.verbose:
+            from ops.output import check_line
+            from ops.recover import CheckResult
+
+            for ct in (stage.document or {}).get("cts", []):
+                for check in ct["checks"]:
+                    click.echo(check_line(CheckResult(**check)), err=True)
+
+
 @click.command("demo")
 @click.option(
     "--workdir",
@@ -42,13 +76,24 @@ def _invoke_ddops(argv: Sequence[str]) -> int:
 @click.pass_context
 def demo_command(ctx: click.Context, workdir: Path | None) -> None:
     """Provision, reboot, recover and bench a simulated Proxmox host, on CPU."""
-    result = run_demo(workdir or default_workdir(), _invoke_ddops, quiet_stdout=ctx.obj.json)
+    progress = DemoProgress(verbose=ctx.obj.verbose > 0, quiet=ctx.obj.json)
+    result = run_demo(workdir or default_workdir(), _invoke_ddops, progress)
     if ctx.obj.json:
-        document = {
-            "workdir": str(result.workdir),
-            "stages": [asdict(s) for s in result.stages],
-            "report": str(result.report) if result.report else None,
-        }
-        click.echo(json.dumps(document, indent=1))
-    else:
-        click.echo("\n".join(summary_lines(result)))
+        click.echo(json.dumps(_document(result), indent=1))
+        return
+    lines = story_lines(result)
+    if progress.plain:  # the header and the stage lines were printed as the stages ended
+        printed = {HEADER, *(stage_line(s) for s in result.stages)}
+        lines = [line for line in lines if line not in printed]
+    click.echo("\n".join(lines))
+
+
+def _document(result: DemoResult) -> dict:
+    return {
+        "workdir": str(result.workdir),
+        "stages": [
+            {"name": s.name, "argv": s.argv, "exit_code": s.exit_code, "seconds": s.seconds}
+            for s in result.stages
+        ],
+        "report": str(result.report) if result.report else None,
+    }

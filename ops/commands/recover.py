@@ -5,8 +5,9 @@
     ddops -i site.yml recover --ct 200 --unlock   # also clear a CT lock (lock: backup, ...)
     ddops --host sim:/tmp/pve1 --json recover --ct 200
 
-Exit 0 only when every CT ends healthy. `run_chain_command` is shared with `health` and
-`provision`.
+Exit 0 only when every CT ends healthy. Each run records what it did on the host
+(/var/lib/ddops/last-recover/<vmid>.json), which `ddops health` shows. `run_chain_command` is
+shared with `health` and `provision`.
 """
 
 from __future__ import annotations
@@ -16,17 +17,11 @@ from collections.abc import Sequence
 
 import click
 
-from ops.checks import Policy
+from ops import last_recover
+from ops.checks import ChainContext, Policy
+from ops.output import chain_output
 from ops.provision import provision
-from ops.recover import (
-    ChainReport,
-    CheckResult,
-    contexts,
-    health,
-    recover,
-    render_reports,
-    reports_json,
-)
+from ops.recover import ChainReport, contexts, health, recover, reports_json
 from ops.site import open_site
 from ops.steps import FAILED
 
@@ -48,9 +43,12 @@ def run_chain_command(
     dry_run: bool = False,
     via: str = "direct",
     api_key: str | None = None,
+    trigger: str = "manual",
 ) -> None:
-    """Resolve the site, run the chain per CT, print a table (or --json); when a check failed,
-    its cause as one `Error:` line on stderr and exit 1. `api_key`: provision's key to install."""
+    """Resolve the site, run the chain per CT, report as it goes (a live line on a terminal,
+    plain lines in a pipe) then a summary (or --json); when a check failed, its cause as one
+    `Error:` line on stderr and exit 1. `api_key`: provision's key to install; `trigger`: why a
+    recover runs (its record says "manual" or "boot")."""
     app = ctx.obj
     with open_site(
         inventory=app.inventory,
@@ -62,27 +60,33 @@ def run_chain_command(
             from ops.commands.via_ansible import chain_via_ansible
 
             return chain_via_ansible(ctx, opened, mode, policy, dry_run)
-        progress = None if app.json else _progress
+        output = None if app.json else chain_output()
         reports = []
         for c in contexts(opened, policy, api_key):
-            if mode == "health":
-                reports.append(health(c, on_result=progress))
-            elif mode == "provision":
-                reports.append(provision(c, dry_run=dry_run, on_result=progress))
-            else:
-                reports.append(recover(c, dry_run=dry_run, on_result=progress))
-    if app.json:
-        click.echo(json.dumps(reports_json(reports), indent=2))
+            if output:
+                output.start(c, mode)
+            reports.append(_run(c, mode, dry_run, trigger, output.result if output else None))
+    if output:
+        output.finish(reports)
     else:
-        render_reports(reports)
+        click.echo(json.dumps(reports_json(reports), indent=2))
     if failure := _first_failure(reports):
         click.echo(f"Error: {failure}", err=True)
         ctx.exit(1)
 
 
-def _progress(result: CheckResult) -> None:
-    """One line per check as it finishes (stderr), so a long provision shows where it is."""
-    click.echo(f"{result.status:>12}  {result.title} ({result.seconds:.1f}s)", err=True)
+def _run(c: ChainContext, mode: str, dry_run: bool, trigger: str, on_result) -> ChainReport:
+    """One CT's chain in `mode`; a recover leaves its record on the host, health shows it."""
+    if mode == "health":
+        report = health(c, on_result=on_result)
+        report.last_recover = last_recover.read(c.t, c.vmid)
+    elif mode == "provision":
+        report = provision(c, dry_run=dry_run, on_result=on_result)
+    else:
+        report = recover(c, dry_run=dry_run, on_result=on_result)
+        if not dry_run and report.results and report.results[0].status != FAILED:
+            last_recover.record(c.t, report, trigger)
+    return report
 
 
 def _first_failure(reports: Sequence[ChainReport]) -> str | None:
@@ -97,10 +101,17 @@ def _first_failure(reports: Sequence[ChainReport]) -> str | None:
 @click.option("--ct", "vmids", type=VMID, multiple=True, help="The CT (repeat; default: all).")
 @click.option("--dry-run", is_flag=True, help="Show what would be done; change nothing.")
 @click.option("--unlock", is_flag=True, help="Clear a CT lock (pct unlock) before starting it.")
+@click.option(
+    "--at-boot",
+    is_flag=True,
+    help="Record this run as the boot-time recovery (ddops-recover.service passes it).",
+)
 @VIA
 @click.pass_context
 def recover_command(
-    ctx: click.Context, vmids: tuple[int, ...], dry_run: bool, unlock: bool, via: str
+    ctx: click.Context, vmids: tuple[int, ...], dry_run: bool, unlock: bool, at_boot: bool, via: str
 ) -> None:
-    """Repair GPU containers after reboots and faults: probe, remedy, re-probe, in chain order."""
-    run_chain_command(ctx, "recover", vmids, Policy(unlock=unlock), dry_run, via)
+    """Repair GPU containers after reboots and faults: probe, remedy, re-probe, in chain order.
+    Each run leaves its record on the host; `ddops health` shows the last one."""
+    trigger = "boot" if at_boot else "manual"
+    run_chain_command(ctx, "recover", vmids, Policy(unlock=unlock), dry_run, via, trigger=trigger)

@@ -27,7 +27,8 @@ from ops.ansible import (
 from ops.bench.matrix import BenchConfig
 from ops.bench.report import summary_table
 from ops.checks import Policy
-from ops.recover import render_reports, reports_json
+from ops.output import render_reports
+from ops.recover import reports_json
 from ops.site import OpenedSite, open_site, results_dir
 
 

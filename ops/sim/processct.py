@@ -5,7 +5,8 @@ argv on the host with that directory as cwd, `DDOPS_CT_ROOT` pointing at it (the
 /dev nodes below it) and its bin/ first on PATH. An argv element that is an absolute path
 existing in the CT (e.g. a file `pct push`ed to /tmp) is mapped into the CT directory. Device
 nodes are copied into the CT's dev/ at start, a missing devN node still fails the start, and
-dev/shm is emptied at stop, and the processes `pct exec` started there are killed. Device
+dev/shm is emptied at stop, and the processes `pct exec` started there (and their descendants)
+are killed. Device
 cgroup rules are not enforced (there is no cgroup).
 """
 
@@ -113,17 +114,28 @@ class ProcessContainers:
 
 
 def ct_processes(rootfs: Path) -> list[int]:
-    """The processes `pct exec` started in this CT (and their children): those whose
-    environment carries DDOPS_CT_ROOT=<rootfs>. Only they are stopped with the CT."""
+    """The processes `pct exec` started in this CT and all their descendants: those whose
+    environment carries DDOPS_CT_ROOT=<rootfs>, and their children even where those were given a
+    clean environment (the supervisor starts the engine with the unit's environment only). Only
+    they are stopped with the CT."""
     marker = f"{CT_ROOT_ENV}={rootfs}".encode()
-    found = []
+    marked, children = set(), {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
             environ = Path(f"/proc/{entry}/environ").read_bytes()
+            stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:  # gone meanwhile, or not ours to read
             continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])  # the name in (...) may hold spaces
+        children.setdefault(parent, []).append(int(entry))
         if marker in environ.split(b"\0"):
-            found.append(int(entry))
+            marked.add(int(entry))
+    found, todo = [], sorted(marked)
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.append(pid)
+            todo += children.get(pid, [])
     return found

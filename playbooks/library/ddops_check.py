@@ -13,7 +13,8 @@ chain is skipped) travels between tasks in the host fact `ddops_chain_state`
 ({vmid: {"checks": {check: status}, "failed": "CT 200: ...: why" or null}}), which each call
 reads (`state`) and returns updated. A check whose
 needs were left out (`--tags`) counts as passed. In check mode a remedy only plans (its diff is
-the task's --diff output) and the checks after it that need it are skipped, as in --dry-run.
+the task's --diff output) and the checks after it that need it are skipped, as in --dry-run:
+such a task reports "skipping".
 
 A CT that fails does not fail the task: the play's last task (ddops_verdict) fails the host
 when any CT failed, after every CT has gone as far as it could.
@@ -98,21 +99,35 @@ def chain_context(params: dict, vmid_filter: list[int]):
     ]
 
 
-def blocked_by(check, statuses: dict[str, str]) -> str | None:
+def unmet_needs(check, statuses: dict[str, str], checks: dict) -> list[str]:
+    """The needs of `check` that did not pass. A need with no status (left out with --tags, or
+    skipped: Ansible keeps no facts from a skipped task) passes when its own needs do."""
+    unmet = []
+    for need in check.needs:
+        status = statuses.get(need)
+        if status is None:
+            if need in checks and unmet_needs(checks[need], statuses, checks):
+                unmet.append(need)
+        elif status not in PASSED:
+            unmet.append(need)
+    return unmet
+
+
+def blocked_by(check, statuses: dict[str, str], checks: dict) -> str | None:
     """Why this CT's chain does not reach `check` (None: it does), from the earlier statuses."""
     if "failed" in statuses.values():
         return "an earlier check failed"
-    missing = [need for need in check.needs if statuses.get(need, "ok") not in PASSED]
+    missing = unmet_needs(check, statuses, checks)
     return f"needs {', '.join(missing)}" if missing else None
 
 
-def run_check(check, c, statuses: dict[str, str], dry_run: bool):
+def run_check(check, c, statuses: dict[str, str], dry_run: bool, checks: dict):
     """The chain's probe -> remedy -> re-probe for one CT: ops.recover.run_check, under the
     host lock when it may change something (as ops.recover.run_chain runs it)."""
     from ops.recover import CheckResult, host_lock
     from ops.recover import run_check as run_one
 
-    if (why := blocked_by(check, statuses)) is not None:
+    if (why := blocked_by(check, statuses, checks)) is not None:
         return CheckResult(check.key, check.title, "skipped", 0.0, why)
     if dry_run:
         return run_one(check, c, repair=True, dry_run=True)
@@ -161,7 +176,8 @@ def main() -> None:
     try:
         for c in contexts:
             ct = state.setdefault(str(c.vmid), _ct_state({}))
-            result = run_check(checks[params["check"]], c, ct["checks"], module.check_mode)
+            check = checks[params["check"]]
+            result = run_check(check, c, ct["checks"], module.check_mode, checks)
             ct["checks"][result.key] = result.status
             if result.status == "failed":
                 ct["failed"] = f"CT {c.vmid}: {result.title}: {result.action or result.evidence}"
@@ -170,6 +186,9 @@ def main() -> None:
         t.close()
     diff = "".join(r["diff"] for r in results)
     module.exit_json(
+        # "skipping", as Ansible users expect, when no CT reached this check (e.g. in check mode
+        # after a planned `pct create`); its statuses are rebuilt from the needs (unmet_needs).
+        skipped=bool(results) and all(r["status"] == "skipped" for r in results),
         changed=any(r["status"] in ("changed", "would change") for r in results),
         results=results,
         diff={"prepared": diff} if diff else {},
