@@ -242,9 +242,7 @@ class SSHTransport(Transport):
             self._sftp_client = None
 
     def close(self) -> None:
-        if self._sftp_client is not None:
-            self._sftp_client.close()
-            self._sftp_client = None
+        self._drop_sftp()
         if self._client is not None:
             self._client.close()
             self._client = None
