@@ -69,7 +69,7 @@ def build_chat_prompt(
     template = renderer.chat_template or ""
     variables = template_variables(template) if template else frozenset()
     messages = [_template_message(i, m, template) for i, m in enumerate(body.messages)]
-    choice = _tool_choice(body)
+    choice, forced_tool = _tool_choice(body)
     if body.tools and "tools" not in variables:
         raise ApiError(400, "this model's chat template does not render tools", param="tools")
     if body.documents and "documents" not in variables:
@@ -80,7 +80,7 @@ def build_chat_prompt(
     if parse_tools and parsing.tool_format is None:
         raise ApiError(
             400,
-            f"tool_choice '{choice}' needs a tool-call parser, and none matches this model's chat "
+            f"tool_choice '{forced_tool or choice}' needs a tool-call parser, and none matches this model's chat "
             "template; start serve with --tool-call-parser",
             param="tool_choice",
         )
@@ -92,10 +92,10 @@ def build_chat_prompt(
     except (ChatTemplateError, ValueError) as exc:
         raise ApiError(400, f"messages: {exc}", param="messages") from None
     opening = ""
-    if choice not in ("auto", "none"):  # "required" or a tool's name
+    if choice in ("required", "named"):
         if prompt_opens_reasoning(text):
             text += CLOSE_OPEN_BLOCK
-        opening = parsing.tool_format.opening(None if choice == "required" else choice)
+        opening = parsing.tool_format.opening(forced_tool)
     reasoning = prompt_opens_reasoning(text) if parsing.reasoning else None
     return ChatPrompt(
         text=text + opening,
@@ -107,22 +107,22 @@ def build_chat_prompt(
     )
 
 
-def _tool_choice(body: ChatTemplateInputs) -> str:
-    """'auto' | 'none' | 'required' | the name of the one tool to call."""
+def _tool_choice(body: ChatTemplateInputs) -> tuple[str, str | None]:
+    """('auto' | 'none' | 'required', None) or ('named', the one tool to call)."""
     choice = body.tool_choice
     if choice is None:
-        return "auto" if body.tools else "none"
+        return ("auto" if body.tools else "none"), None
     names = [tool["function"]["name"] for tool in body.tools or []]
     if choice != "none" and not names:
         raise ApiError(400, "tool_choice needs a non-empty 'tools' list", param="tool_choice")
     if isinstance(choice, str):
-        return choice
+        return choice, None
     name = choice.function.name
     if name not in names:
         raise ApiError(
             400, f"tool_choice names '{name}', which is not in tools", param="tool_choice"
         )
-    return name
+    return "named", name
 
 
 def _template_message(index: int, message: Message, template: str) -> dict[str, Any]:

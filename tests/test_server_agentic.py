@@ -142,6 +142,13 @@ def test_tools_and_a_tool_call_history_reach_the_model_as_tokenize_shows(agent):
     assert "<tool_response>\n24 C, clear\n</tool_response>" in prompt
 
 
+def test_a_developer_message_is_the_system_turn_of_a_template_without_that_role(agent):
+    engine, _, client = agent
+    messages = [{"role": "developer", "content": "Be terse."}, *ASK]
+    client.chat.completions.create(model="tiny", messages=messages)
+    assert prompt_text(engine.prompts[-1]).startswith("<|im_start|>system\nBe terse.<|im_end|>\n")
+
+
 def test_the_thinking_switch_reaches_the_template(agent):
     engine, _, client = agent
     engine.reply = "Sunny."
