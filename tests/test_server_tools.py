@@ -12,11 +12,12 @@ import random
 
 import pytest
 
+from engine.server import ServerConfig, output_parsing
 from engine.server_chat import ChatOutput, ChatPrompt, OutputParsing, build_chat_prompt
 from engine.server_reasoning import ReasoningSplitter, prompt_opens_reasoning
-from engine.server_schemas import ChatRequest, parse_body
+from engine.server_schemas import ApiError, ChatRequest, parse_body
 from engine.server_tools import FORMATS, ToolCallExtractor, detect_format
-from tests.test_chat_template import TEMPLATES, TOOLS
+from tests.test_chat_template import DEMO_TARGET, TEMPLATES, TOOLS
 from tests.test_server_http import CharTokenizer
 
 SCHEMAS = {
@@ -290,3 +291,35 @@ def test_a_forced_call_first_closes_the_think_block_the_prompt_opened():
         "name": "search",
         "arguments": '{"query": "qwen"}',
     }
+
+
+def test_the_serve_flags_override_what_the_template_teaches():
+    demo = (DEMO_TARGET / "chat_template.jinja").read_text()
+    auto = output_parsing(ServerConfig(model_name="m"), demo)
+    assert (auto.tool_format.name, auto.reasoning) == ("hermes", True)
+    chosen = ServerConfig(model_name="m", tool_call_parser="qwen3_coder", reasoning_parser="none")
+    assert (
+        output_parsing(chosen, demo).tool_format.name,
+        output_parsing(chosen, demo).reasoning,
+    ) == (
+        "qwen3_coder",
+        False,
+    )
+    off = output_parsing(ServerConfig(model_name="m", tool_call_parser="none"), demo)
+    assert off.tool_format is None
+    plain = output_parsing(ServerConfig(model_name="m"), "{{ messages }}")
+    assert (plain.tool_format, plain.reasoning) == (None, False)
+
+
+def test_tools_without_a_parser_are_refused_unless_tool_choice_is_none():
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+    no_parser = OutputParsing(None, reasoning=False)
+    with pytest.raises(ApiError, match="tool_choice 'auto' needs a tool-call parser"):
+        build_chat_prompt(
+            parse_body(ChatRequest, json.dumps(body).encode()), ThinkingRenderer(), no_parser
+        )
+    body["tool_choice"] = "none"
+    prompt = build_chat_prompt(
+        parse_body(ChatRequest, json.dumps(body).encode()), ThinkingRenderer(), no_parser
+    )
+    assert "<name>search</name>" in prompt.text and prompt.tool_format is None
