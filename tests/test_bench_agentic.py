@@ -56,7 +56,8 @@ def test_every_turn_is_the_demo_templates_rendering_of_the_conversation():
 def test_the_agentic_scenario_runs_per_method_against_serve(tmp_path):
     demo_draft = DEMO_TARGET.parent / "draft"
     extra = ["--max-model-len", "2048", "--budget", "8"]
-    server = start_engine_server(DEMO_TARGET, demo_draft, extra_args=extra)
+    log = tmp_path / "serve.log"
+    server = start_engine_server(DEMO_TARGET, demo_draft, extra_args=extra, log_path=log)
     try:
         config = BenchConfig(
             methods=parse_methods("ar,ddtree:8"),
