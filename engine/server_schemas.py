@@ -24,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 log = logging.getLogger(__name__)
 
 METHODS = ("ar", "linear", "ddtree")
+# torch.Generator.manual_seed takes a 64-bit integer; a seed is accepted as a signed one (as vLLM).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 # Fields of OpenAI's API (openai-python's CompletionCreateParams, chat and legacy).
 CHAT_API_FIELDS = frozenset(
@@ -177,7 +179,7 @@ class _Sampling(_Request):
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = Field(None, max_length=4)
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -230,6 +230,9 @@ BAD_BODIES = [
     (b'{"prompt": "hi", "speculative": {"budget": 0}}', "speculative.budget"),
     (b'{"prompt": "hi", "n": 2}', "n: Input should be less than or equal to 1"),
     (b'{"prompt": [1, -3]}', "prompt token ids must be in"),
+    (b'{"prompt": "hi", "seed": 9223372036854775808}', "seed: Input should be less than or equal"),
+    (b'{"prompt": "hi", "seed": -9223372036854775809}', "seed: Input should be greater than"),
+    (b'{"prompt": "hi", "seed": 1e30}', "seed: Input should be a valid integer"),
 ]
 
 
@@ -241,6 +244,17 @@ def test_bad_input_is_a_400_with_a_clear_message(server, raw, message):
     error = response.json()["error"]
     assert message in error["message"]
     assert error["type"] == "invalid_request_error"
+
+
+def test_a_seed_is_bounded_to_64_bits_on_both_endpoints(server, engine):
+    url, _ = server
+    messages = [{"role": "user", "content": "hi"}]
+    for seed in (2**63 - 1, -(2**63)):
+        assert complete(url, seed=seed, temperature=1.0).status_code == 200
+        assert engine.configs[-1].seed == seed
+    refused = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "seed": 2**64})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "seed"
 
 
 def test_context_limit_names_the_numbers(server):
