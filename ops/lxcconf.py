@@ -18,8 +18,8 @@ What ddops owns there, the GPU block:
     major ddops marked as its own when it wrote the rule: a rule left behind when the uvm major
     moved. A rule for any other major is the user's (`c 240:* rwm`), whatever it looks like;
   - the mark itself, one description line `#ddops owns devices.allow majors 195 509`. Proxmox
-    keeps `#` lines as the CT's description (moved to the top, %-encoding all but letters,
-    digits, spaces and `-_.~!*'()`; the mark uses none of the others), so it survives `pct set`;
+    keeps `#` lines as the CT's description (moved to the top, with `:` and non-printable
+    characters %-encoded; the mark has none), so it survives `pct set`;
   - `lxc.mount.entry` lines that bind /dev/nvidia* or mount the CT's /dev/shm.
 Everything else stays byte for byte and in place. The block ddops wants is rendered from
 templates/ct-gpu.conf.j2, the template the playbooks render too.
