@@ -456,3 +456,25 @@ def test_the_loadtest_fails_on_server_errors(engine, capsys):
 def test_serve_refuses_bad_flags_before_loading_anything(tmp_path, capsys, argv, problem):
     assert engine_main(["serve", "--model", str(tmp_path), *argv]) == 2
     assert problem in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "problem"),
+    [
+        (["--api-key", ""], None, "is empty"),
+        ([], "", "is empty"),
+        ([], "  ", "is empty"),
+        (["--api-key", "k3y "], "good", "padded with whitespace"),
+    ],
+)
+def test_serve_refuses_an_empty_api_key(tmp_path, capsys, monkeypatch, argv, env, problem):
+    # An empty key used to mean "no authentication", silently: the server must not start.
+    monkeypatch.setattr(uvicorn.Server, "run", lambda *a, **k: pytest.fail("the server started"))
+    if env is None:
+        monkeypatch.delenv("DDOPS_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("DDOPS_API_KEY", env)
+    assert engine_main(["serve", "--model", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("Error: the API key")
+    assert problem in err and "DDOPS_API_KEY" in err

@@ -69,7 +69,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else the environment's; None (neither given) serves without authentication."""
+    return args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+
+
 def _usage_problem(args: argparse.Namespace, method: str) -> str | None:
+    key = _api_key(args)
+    if key is not None and (not key or key != key.strip()):
+        what = "empty" if not key.strip() else "padded with whitespace"
+        return (
+            f"the API key (--api-key or {API_KEY_ENV}) is {what}; "
+            f"give a real key, or unset {API_KEY_ENV} to serve without authentication"
+        )
     if method != "ar" and not args.draft:
         return f"--method {method} needs --draft (a DFlash drafter directory)"
     if args.budget < 1 or args.max_waiting < 1:
@@ -82,20 +94,21 @@ def _usage_problem(args: argparse.Namespace, method: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from engine.server import ServerConfig, create_app, load_engine
-
     method = args.method or ("ddtree" if args.draft else "ar")
     if problem := _usage_problem(args, method):
         print(f"Error: {problem}", file=sys.stderr)
         return 2
+
+    import uvicorn
+
+    from engine.server import ServerConfig, create_app, load_engine
+
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     config = ServerConfig(
         model_name=args.served_model_name or args.model.resolve().name,
         default_method=method,
         default_budget=args.budget,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=_api_key(args),
         max_waiting=args.max_waiting,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
