@@ -191,13 +191,11 @@ def _verified_manifest(
     from huggingface_hub.hf_api import RepoFile
 
     commit = snapshot.name
-    remote = {
-        f.path: f
-        for f in HfApi(endpoint=endpoint, token=token).list_repo_tree(
+    with hub_errors(ref):
+        tree = HfApi(endpoint=endpoint, token=token).list_repo_tree(
             ref.repo, revision=commit, recursive=True
         )
-        if isinstance(f, RepoFile)
-    }
+        remote = {f.path: f for f in tree if isinstance(f, RepoFile)}
     files = []
     for path, info in sorted(remote.items()):
         local = snapshot / path

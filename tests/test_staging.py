@@ -221,3 +221,18 @@ def test_the_agent_reports_a_hub_failure_as_one_json_error(tmp_path):
     assert "Traceback" not in proc.stderr
     (line,) = proc.stdout.splitlines()
     assert json.loads(line)["error"].startswith("model ddops/tiny: hub unreachable")
+
+
+def test_the_hub_going_down_between_download_and_its_file_list_is_one_error(
+    hub, tmp_path, monkeypatch
+):
+    from huggingface_hub import HfApi
+
+    def unreachable(self, *args, **kwargs):
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(HfApi, "list_repo_tree", unreachable)
+    with pytest.raises(
+        DdopsError, match=r"^model ddops/tiny: hub error \(ConnectionRefusedError\)"
+    ):
+        stage(hub, tmp_path)
