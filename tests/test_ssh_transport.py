@@ -267,7 +267,7 @@ def test_a_quiet_command_on_a_live_connection_is_not_taken_for_lost(ssh_fast):
 @pytest.fixture
 def ssh_fast(sshd_server, tmp_path, monkeypatch):
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
-    t = connect(sshd_server, tmp_path, keepalive_s=0.5, liveness_s=1.0, sftp_timeout_s=2.0)
+    t = connect(sshd_server, tmp_path, keepalive_s=0.5, liveness_s=3.0, sftp_timeout_s=2.0)
     yield t
     t.close()
 
