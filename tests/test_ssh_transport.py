@@ -261,7 +261,7 @@ def test_a_connection_gone_silent_is_lost_after_keepalive_and_grace(
 
 def test_a_quiet_command_on_a_live_connection_is_not_taken_for_lost(ssh_fast):
     """Keepalive requests are answered (OpenSSH says "unsupported", which proves it is there)."""
-    assert ssh_fast.run(["sh", "-c", "sleep 3; echo done"]).stdout == "done\n"
+    assert ssh_fast.run(["sh", "-c", "sleep 5; echo done"]).stdout == "done\n"
 
 
 @pytest.fixture
