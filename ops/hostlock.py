@@ -72,7 +72,9 @@ def host_lock(t: Transport, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
             try:
                 yield
             finally:
-                t.write_file(OWNER_PATH, "", backup=False)
+                # best effort: a record left (the connection just died) is broken next time
+                with contextlib.suppress(DdopsError, OSError):
+                    t.write_file(OWNER_PATH, "", backup=False)
     except LockTimeout as exc:
         holder = host_lock_owner(t) or "another ddops"
         raise DdopsError(
