@@ -144,3 +144,31 @@ def test_streaming_attention_matches_the_reference(T, prefix, tree, dtype) -> No
     out = batched.tree_attention(*args)
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out, reference.tree_attention(*args), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_chain_conv_is_one_depthwise_conv_matching_the_reference(dtype, bias) -> None:
+    gen = torch.Generator().manual_seed(2)
+    x, state = torch.randn(30, 6, generator=gen), torch.randn(6, 5, generator=gen)
+    weight, b = torch.randn(6, 4, generator=gen), torch.randn(6, generator=gen)
+    args = (x.to(dtype), torch.arange(-1, 29), state.to(dtype), weight.to(dtype))
+    args = (*args, b.to(dtype) if bias else None)
+    out = batched.tree_causal_conv1d(*args)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, reference.tree_causal_conv1d(*args), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("tree", [None, "ddtree_like"])
+def test_cpu_attention_runs_the_streaming_kernel_not_the_math_one(tree) -> None:
+    """The math fallback is what materialises [Hq, T, S] scores (and calls softmax)."""
+    from torch.profiler import profile
+
+    T = 16
+    q, k, v = torch.randn(T, 6, 32), torch.randn(40 + T, 2, 32), torch.randn(40 + T, 2, 32)
+    visible = None if tree is None else batched.ancestor_matrix(torch.tensor(TREES[tree]))
+    with profile() as prof:
+        batched.tree_attention(q, k, v, 40, visible, 32**-0.5)
+    ops = {event.key for event in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
+    assert not {"aten::_softmax", "aten::softmax"} & ops

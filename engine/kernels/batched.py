@@ -27,7 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.reference import compute_dtype, tree_causal_conv1d
+from engine.kernels import reference
+from engine.kernels.reference import compute_dtype
 
 CHAIN_PIECE = 64
 
@@ -188,6 +189,29 @@ def chain_gated_delta_rule(
     return out, states.state_after(q.shape[0] - 1)
 
 
+def tree_causal_conv1d(
+    x: torch.Tensor,  # [T, C]
+    parents: torch.Tensor,  # [T] int64
+    conv_state: torch.Tensor,  # [C, W]
+    weight: torch.Tensor,  # [C, K]
+    bias: torch.Tensor | None,  # [C]
+    activation: str | None = "silu",
+) -> torch.Tensor:  # [T, C]
+    """Same contract as `reference.tree_causal_conv1d`; a chain (a prefill chunk) runs as one
+    depthwise conv1d instead of gathering a [C, T, K] window per token."""
+    if not is_chain(parents):
+        return reference.tree_causal_conv1d(x, parents, conv_state, weight, bias, activation)
+    K = weight.shape[-1]
+    dt = compute_dtype(x.dtype)
+    columns = torch.cat([conv_state[:, conv_state.shape[1] - (K - 1) :].to(dt), x.to(dt).T], 1)
+    out = F.conv1d(columns[None], weight.to(dt)[:, None, :], groups=x.shape[1])[0].T  # [T, C]
+    if bias is not None:
+        out = out + bias.to(dt)
+    if activation == "silu":
+        out = F.silu(out)
+    return out.to(x.dtype)
+
+
 def tree_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [S, Hkv, D], S = prefix_len + T
@@ -198,25 +222,23 @@ def tree_attention(
 ) -> torch.Tensor:  # [T, Hq, D]
     """Same contract as `reference.tree_attention`, streaming over the keys.
 
-    torch's scaled_dot_product_attention (its flash kernel on the CPU, with a boolean mask or
-    the lower-right causal bias) keeps a running softmax over key blocks: no [Hq, T, S] score
-    tensor, whose size grows with the square of a prefill. A tree passes a [T, S] bool mask
-    (tiny: T is a verify round); a chain passes none.
+    torch's scaled_dot_product_attention (its flash kernel on the CPU, under a [T, S] boolean
+    mask) keeps a running softmax over key blocks: no [Hq, T, S] score tensor, whose size grows
+    with the square of a prefill. The mask costs T bytes per key (a chunk of 2048: 2 KiB per
+    prompt token, against 64 KiB of KV cache at Qwen3.6-27B shapes); torch's lower-right causal
+    bias would avoid it but imports triton, which a CPU process should not pay ~150 MB for.
     """
-    # Imported here: torch.nn.attention.bias imports triton, which must not happen before a
-    # test process has set TRITON_INTERPRET (see engine/kernels/__init__.py).
-    from torch.nn.attention.bias import causal_lower_right
-
     T, S = q.shape[0], k.shape[0]
-    if tree_visible is None:
-        mask = causal_lower_right(T, S)
+    if tree_visible is None:  # causal: query i sees the prefix and the chunk up to itself
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(prefix_len)
     else:
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device)
         mask[:, prefix_len:] = tree_visible
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale=scale, enable_gqa=True
-    )  # [Hq, T, D]
-    return out.transpose(0, 1)
+    # [1, heads, tokens, D] views: without the batch dimension torch falls back to its math
+    # kernel, which materialises the scores.
+    q, k, v = (x[None].transpose(1, 2) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)  # [T, Hq, D]
 
 
 __all__ = [
