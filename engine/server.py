@@ -22,7 +22,9 @@ Beyond OpenAI's fields, a request may carry `"speculative": {"method": "ar"|"lin
 
 Boundary: this module knows HTTP, JSON and text; the engine (`engine.decode.generate`) knows
 token ids only. Generations run one at a time on the worker thread (engine/server_worker.py);
-`load` runs there too, so /health answers while a large model loads.
+`load` runs there too, so /health answers while a large model loads. A request body is read up
+to `max_request_bytes` (else 413, engine/server_body.py), then parsed, rendered with the chat
+template and tokenised on a small thread pool, so a large prompt never holds up the event loop.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import statistics
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +47,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.decode import GenerationConfig
-from engine.server_chat import ChatOutput, OutputParsing, build_chat_prompt
+from engine.server_body import DEFAULT_MAX_REQUEST_BYTES, read_body
+from engine.server_chat import ChatOutput, ChatPrompt, OutputParsing, build_chat_prompt
 from engine.server_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.server_metrics import ServerMetrics
 from engine.server_schemas import (
@@ -60,6 +64,9 @@ from engine.server_tools import FORMATS, detect_format
 from engine.server_worker import Delta, Done, Failed, GenerateFn, GenerationWorker, Job, QueueFull
 
 log = logging.getLogger(__name__)
+
+# Threads that parse, render and tokenise request bodies (the tokenizer releases the GIL).
+PREPARE_THREADS = 4
 
 
 class Tokenizer(Protocol):
@@ -93,6 +100,7 @@ class ServerConfig:
     default_budget: int = 15
     api_key: str | None = None
     max_waiting: int = 32
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     tool_call_parser: str = "auto"  # "auto" (from the chat template), "none" or a FORMATS name
     reasoning_parser: str = "auto"  # "auto" (if the template thinks), "none" or "qwen3"
 
@@ -160,6 +168,7 @@ def create_app(
         server.worker.start(lambda: server.start_engine(load), on_fatal)
         yield
         await asyncio.to_thread(server.worker.stop)
+        server.prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     # No /docs or /openapi.json: they would be the only unauthenticated pages.
     app = FastAPI(
@@ -222,6 +231,7 @@ class _Server:
         self.config = config
         self.metrics = ServerMetrics()
         self.worker = GenerationWorker(config.max_waiting)
+        self.prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="engine-prepare")
         self.engine: LoadedEngine | None = None
         self.parsing = OutputParsing(None, False)
         self.started = int(time.time())
@@ -305,7 +315,24 @@ class _Server:
         return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     async def tokenize(self, request: Request) -> dict:
-        raw = await request.body()
+        return await self._prepare(self._tokenize_body, request)
+
+    async def completions(self, request: Request) -> Response:
+        body, prompt_ids = await self._prepare(self._completion_prompt, request)
+        return await self._serve(request, _COMPLETIONS, body, prompt_ids)
+
+    async def chat_completions(self, request: Request) -> Response:
+        body, prompt_ids, chat = await self._prepare(self._chat_prompt, request)
+        return await self._serve(request, _CHAT, body, prompt_ids, ChatOutput(chat))
+
+    # -- request bodies (on the prepare pool) -----------------------------------------------
+
+    async def _prepare(self, prepare: Callable[[bytes], Any], request: Request) -> Any:
+        """Read the body within the size limit, then run `prepare(raw)` off the event loop."""
+        raw = await read_body(request, self.config.max_request_bytes)
+        return await asyncio.get_running_loop().run_in_executor(self.prepare_pool, prepare, raw)
+
+    def _tokenize_body(self, raw: bytes) -> dict:
         body = parse_body(TokenizeRequest, raw)
         engine = self._ready_engine()
         self._check_model(body.model)
@@ -320,21 +347,23 @@ class _Server:
             ids = engine.tokenizer.encode(chat.text)
         return {"count": len(ids), "tokens": ids, "max_model_len": engine.max_model_len}
 
-    async def completions(self, request: Request) -> Response:
-        body = parse_body(CompletionRequest, await request.body())
+    def _completion_prompt(self, raw: bytes) -> tuple[CompletionRequest, list[int]]:
+        body = parse_body(CompletionRequest, raw)
         engine = self._ready_engine()
         if isinstance(body.prompt, str):
             prompt_ids = engine.tokenizer.encode(body.prompt)
         else:
             prompt_ids = list(body.prompt)
-        return await self._serve(request, _COMPLETIONS, body, prompt_ids)
+        _check_prompt_ids(prompt_ids, engine.vocab_size)
+        return body, prompt_ids
 
-    async def chat_completions(self, request: Request) -> Response:
-        body = parse_body(ChatRequest, await request.body())
+    def _chat_prompt(self, raw: bytes) -> tuple[ChatRequest, list[int], ChatPrompt]:
+        body = parse_body(ChatRequest, raw)
         engine = self._ready_engine()
         chat = build_chat_prompt(body, engine.tokenizer, self.parsing)
         prompt_ids = engine.tokenizer.encode(chat.text)
-        return await self._serve(request, _CHAT, body, prompt_ids, ChatOutput(chat))
+        _check_prompt_ids(prompt_ids, engine.vocab_size)
+        return body, prompt_ids, chat
 
     # -- generation -------------------------------------------------------------------------
 
@@ -359,7 +388,6 @@ class _Server:
         """Validate against the engine, queue the job, or raise an ApiError."""
         engine = self._ready_engine()
         self._check_model(body.model)
-        _check_prompt_ids(prompt_ids, engine.vocab_size)
         max_tokens = self._max_tokens(body.requested_max_tokens(), len(prompt_ids), engine)
         method, budget = self._speculative(body, engine)
         stop_ids = tuple(engine.tokenizer.eos_token_ids)
