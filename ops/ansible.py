@@ -34,7 +34,7 @@ from ops.bench.matrix import BenchConfig
 from ops.checks import Policy
 from ops.errors import DdopsError
 from ops.hosts import parse_target
-from ops.inventory import Site
+from ops.inventory import Site, site_document
 from ops.recover import ChainReport, CheckResult
 from ops.resources import playbooks_dir
 from ops.site import OpenedSite
@@ -90,28 +90,15 @@ def connection_vars(target: str) -> dict:
     return {"ansible_host": parsed.host, "ansible_port": parsed.port, "ansible_user": parsed.user}
 
 
-def _plain(value) -> object:
-    """Dataclasses as YAML-safe data (tuples become lists)."""
-    return json.loads(json.dumps(dataclasses.asdict(value)))
-
-
 def site_inventory(site: Site) -> dict:
     """An inventory document for a site that came from `--host` (no inventory file)."""
-    hosts = {
-        host.name: {
+    document = site_document(site)
+    for host in site.hosts:
+        document["all"]["hosts"][host.name] = {
             **connection_vars(host.target),
-            "ddops_target": host.target,
-            "ddops_containers": [_plain(ct) for ct in host.containers],
+            **document["all"]["hosts"][host.name],
         }
-        for host in site.hosts
-    }
-    model = {k: v for k, v in _plain(site.model).items() if v is not None}
-    return {
-        "all": {
-            "vars": {"ddops_model": model, "ddops_engine": _plain(site.engine)},
-            "hosts": hosts,
-        }
-    }
+    return document
 
 
 def with_local_connections(document: dict) -> dict:
@@ -261,7 +248,6 @@ def run_chain_playbook(
             "ddops_vmids": vmids,
             "ddops_unlock": policy.unlock,
             "ddops_remove_api_key": policy.remove_api_key,
-            "ddops_inventory_path": opened.inventory_path,
         },
         mode=mode,
         on_progress=on_progress,

@@ -7,7 +7,8 @@ when nothing can fix it automatically). A remedy takes `dry_run` and returns an 
 with the plan and any file diff; it raises DdopsError when it cannot act.
 
     host -> modules -> nodes -> ct-exists -> ct-config -> ct-running -> cuda -> model -> service
-    -> engine -> bench          (+ capacity, boot, engine-installed, api-key under provision)
+    -> engine -> bench -> host-ddops
+                    (+ capacity, boot, hookscript, engine-installed, api-key under provision)
 
 The runner that applies them is ops/recover.py. Tests: tests/test_checks.py (one check at a time
 on a sim host) and the provision/recover tests (the whole chain).
@@ -22,11 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ops import deploy, host_setup
+from ops import deploy, host_install, host_setup
 from ops.bench.store import find_stale_runs, quarantine_run
 from ops.errors import DdopsError
 from ops.gpu import driver_version, gpu_facts, loaded_modules, parse_char_majors
-from ops.inventory import ContainerSpec, EngineSpec, ModelRef, ModelSpec
+from ops.inventory import ContainerSpec, EngineSpec, HostSpec, ModelRef, ModelSpec
 from ops.lxcconf import GpuBlock, GpuDevice, find_stale_rules, plan_gpu_block, unified_diff
 from ops.pve import (
     ct_config_lock,
@@ -71,8 +72,7 @@ class ChainContext:
     model: ModelSpec
     engine: EngineSpec
     policy: Policy = Policy()
-    host_vmids: tuple[int, ...] = ()  # every GPU CT of this host (the boot unit recovers them all)
-    inventory_path: str | None = None
+    host: HostSpec | None = None  # the CT's host as the inventory has it (None: this CT alone)
     results_dir: Path | None = None
     hf_token: str | None = field(default=None, repr=False)
     api_key: str | None = field(default=None, repr=False)  # the operator's, for provision only
@@ -84,6 +84,11 @@ class ChainContext:
     @property
     def name(self) -> str:
         return f"CT {self.ct.vmid}"
+
+    @property
+    def host_vmids(self) -> tuple[int, ...]:
+        """Every GPU CT of this host: the boot unit recovers them all."""
+        return tuple(ct.vmid for ct in self.host.containers) if self.host else (self.vmid,)
 
     @property
     def models(self) -> list[ModelRef]:
@@ -199,7 +204,7 @@ def probe_capacity(c: ChainContext) -> Finding:
 
 
 def _boot_specs(c: ChainContext) -> list[TemplateSpec]:
-    return host_setup.boot_specs(c.ct.gpus, c.host_vmids or (c.vmid,), c.inventory_path)
+    return host_setup.boot_specs(c.ct.gpus, c.host_vmids)
 
 
 def probe_boot(c: ChainContext) -> Finding:
@@ -211,6 +216,24 @@ def probe_boot(c: ChainContext) -> Finding:
 
 def install_boot(c: ChainContext, dry_run: bool) -> Outcome:
     return host_setup.install_boot(c.t, _boot_specs(c), dry_run)
+
+
+# -- the CT hookscript (provision only): device nodes before each start, recovery after ------
+def _hookscript(c: ChainContext):
+    return host_setup.hookscript(c.t, c.ct.gpus)
+
+
+def probe_hookscript(c: ChainContext) -> Finding:
+    problems, other = host_setup.hookscript_problems(c.t, c.vmid, _hookscript(c))
+    if other:
+        return _ok(f"{c.name} has its own hookscript {other}: ddops leaves it")
+    if problems:
+        return _bad(f"{c.name}: {'; '.join(problems)}")
+    return _ok(f"{c.name}: hookscript {_hookscript(c).PVE_VOLUME} attached")
+
+
+def install_hookscript(c: ChainContext, dry_run: bool) -> Outcome:
+    return host_setup.install_hookscript(c.t, c.vmid, _hookscript(c), dry_run)
 
 
 # -- 4. the CT config grants the current majors ----------------------------------------------
@@ -456,6 +479,31 @@ def quarantine_runs(c: ChainContext, dry_run: bool) -> Outcome:
     return Outcome(True, f"marked crashed, partial files moved to {', '.join(moved)}")
 
 
+# -- ddops itself on the host, for the boot units (repaired by provision only) ---------------
+def _host_site_text(c: ChainContext) -> str:
+    host = c.host or HostSpec("this", host_install.local_target(c.t), (c.ct,))
+    return host_install.host_site_text(c.t, host, c.model, c.engine)
+
+
+def probe_host_ddops(c: ChainContext) -> Finding:
+    problems = host_install.host_problems(c.t, _host_site_text(c))
+    if problems:
+        return _bad(f"{c.t.label}: {'; '.join(problems)}")
+    return _ok(f"ddops {host_install.ddops_version()} and {host_install.HOST_SITE} on the host")
+
+
+def install_host_ddops(c: ChainContext, dry_run: bool) -> Outcome:
+    done = [
+        step
+        for step in (
+            host_install.install_host_ddops(c.t, dry_run),
+            host_install.write_host_site(c.t, _host_site_text(c), dry_run),
+        )
+        if step
+    ]
+    return Outcome(bool(done), "; ".join(done) or "in step")
+
+
 # -- the chain -------------------------------------------------------------------------------
 CHAIN: tuple[Check, ...] = (
     Check("host", "host reachable", probe_host, None),
@@ -494,6 +542,14 @@ CHAIN: tuple[Check, ...] = (
     ),
     Check("ct-running", "CT unlocked and running", probe_ct_running, start_ct, ("ct-exists",)),
     Check(
+        "hookscript",
+        "CT hookscript attached",
+        probe_hookscript,
+        install_hookscript,
+        ("ct-running",),  # after the lock check: `pct set` is refused on a locked CT
+        provision_only=True,
+    ),
+    Check(
         "cuda",
         "CUDA initialises in the CT",
         probe_cuda,
@@ -520,6 +576,15 @@ CHAIN: tuple[Check, ...] = (
     Check("service", "engine service running", probe_service, ensure_service, ("model", "cuda")),
     Check("engine", "engine answers a generation", probe_engine, restart_engine, ("service",)),
     Check("bench", "no stale bench runs", probe_bench, quarantine_runs),
+    # Last, so that a stale host-side ddops never keeps recover from repairing the CT.
+    Check(
+        "host-ddops",
+        "ddops and its site file on the host",
+        probe_host_ddops,
+        install_host_ddops,
+        ("host",),
+        remedy_needs_provision=True,
+    ),
 )
 
 

@@ -20,17 +20,13 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import importlib.metadata
 import json
 import re
 import secrets
-import subprocess
-import sys
-import tempfile
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 
 from ops import supervise
 from ops.errors import DdopsError
@@ -39,6 +35,7 @@ from ops.pve import ct_exec, ct_push, validate_vmid
 from ops.render import EngineUnit, render
 from ops.steps import Outcome
 from ops.transport import Result, Transport
+from ops.wheel import built_wheel, ddops_version
 
 API_KEY_ENV = "DDOPS_API_KEY"
 ENV_FILE = "/etc/ddops/engine.env"
@@ -140,10 +137,6 @@ def install_engine(t: Transport, vmid: int | str, engine: EngineSpec) -> Outcome
     return Outcome(True, f"installed ddops[engine] {ddops_version()} into {venv}")
 
 
-def ddops_version() -> str:
-    return importlib.metadata.version("ddops")
-
-
 def _managed_venv(t: Transport, vmid: int | str, python: str, problem: str) -> str:
     """The venv directory of `python` when ddops may create or update it (absent, or a venv)."""
     path = PurePosixPath(python)
@@ -163,17 +156,11 @@ _PATH_KIND = 'if [ ! -e "$1" ]; then echo absent; elif [ -f "$1/pyvenv.cfg" ]; t
 
 
 def _push_wheel(t: Transport, vmid: int | str) -> str | None:
-    """Build this ddops as a wheel (from its source tree, when it runs from one), push it into the
-    CT and return the pip requirement naming it; None when there is no source tree."""
-    project = Path(__file__).resolve().parents[1]
-    if not (project / "pyproject.toml").is_file():
-        return None
-    with tempfile.TemporaryDirectory(prefix="ddops-wheel-") as out:
-        build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
-        proc = subprocess.run([*build, "-w", out, str(project)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise DdopsError(str(project), f"building the ddops wheel failed: {proc.stderr[-500:]}")
-        wheel = next(Path(out).glob("ddops-*.whl"))
+    """Push this ddops, as a wheel built from its source tree, into the CT and return the pip
+    requirement naming it; None when there is no source tree."""
+    with built_wheel() as wheel:
+        if wheel is None:
+            return None
         dest = f"/tmp/{wheel.name}"
         _push(t, vmid, wheel.read_bytes(), dest)
     return f"{dest}[engine]"

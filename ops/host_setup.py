@@ -2,7 +2,7 @@
 and the check that the CT's memory can hold the model at all.
 
     pct_create_argv(ct)                              # `pct create` from the inventory
-    specs = boot_specs(gpu_minors, vmids, inventory)  # what recovery at boot needs:
+    specs = boot_specs(gpu_minors, vmids)            # what recovery at boot needs:
         /etc/modules-load.d/ddops-nvidia.conf          nvidia + nvidia_uvm load at boot
         /etc/systemd/system/ddops-gpu-nodes.service    nvidia-modprobe, Before=pve-guests.service
         /etc/systemd/system/ddops-recover.service      `ddops recover --ct N`, After=pve-guests
@@ -15,9 +15,11 @@ The chain (ops/checks.py) wraps these into its provision-only checks.
 
 from __future__ import annotations
 
+from ops.host_install import HOST_DDOPS, HOST_SITE
 from ops.inventory import ContainerSpec, ModelRef
 from ops.lxcconf import unified_diff
-from ops.render import GpuNodesUnit, NvidiaModules, RecoverUnit, TemplateSpec, render
+from ops.pve import ct_config, validate_vmid
+from ops.render import GpuNodesUnit, Hookscript, NvidiaModules, RecoverUnit, TemplateSpec, render
 from ops.staging import hub_errors
 from ops.steps import Outcome
 from ops.transport import Transport
@@ -46,14 +48,13 @@ def pct_create_argv(ct: ContainerSpec) -> list[str]:
 
 
 # -- recovery at boot --------------------------------------------------------------------------
-def boot_specs(
-    gpu_minors: tuple[int, ...], vmids: tuple[int, ...], inventory: str | None
-) -> list[TemplateSpec]:
-    """The files that make a booted host recover its GPU CTs without a person."""
+def boot_specs(gpu_minors: tuple[int, ...], vmids: tuple[int, ...]) -> list[TemplateSpec]:
+    """The files that make a booted host recover its GPU CTs without a person: the recover unit
+    runs the host's own ddops on the host's own site file (ops/host_install.py)."""
     return [
         NvidiaModules(),
         GpuNodesUnit(gpu_minors=gpu_minors),
-        RecoverUnit(vmids=vmids, inventory=inventory),
+        RecoverUnit(vmids=vmids, ddops=HOST_DDOPS, inventory=HOST_SITE),
     ]
 
 
@@ -99,6 +100,49 @@ def _enable(t: Transport, unit: str) -> None:
     wants = t.host_path(WANTS_DIR)
     t.run(["mkdir", "-p", wants]).check(t.label)
     t.run(["ln", "-sfn", f"../{unit}", f"{wants}/{unit}"]).check(t.label)
+
+
+# -- the CT hookscript: nodes before every CT start, recovery after it ---------------------------
+def hookscript(t: Transport, gpu_minors: tuple[int, ...]) -> Hookscript:
+    """The hookscript for this host. Its paths are where the files live on the machine that runs
+    it (a simulated host's own tools and ddops below its root)."""
+    return Hookscript(
+        nvidia_modprobe=t.host_path("/usr/bin/nvidia-modprobe"),
+        gpu_minors=gpu_minors,
+        ddops=t.host_path(HOST_DDOPS),
+        inventory=t.host_path(HOST_SITE),
+    )
+
+
+def hookscript_problems(t: Transport, vmid: int, spec: Hookscript) -> tuple[list[str], str | None]:
+    """(what is missing or stale, another hookscript the CT already has: ddops leaves it be)."""
+    problems = []
+    if not t.exists(spec.INSTALL_PATH) or t.read_text(spec.INSTALL_PATH) != render(spec):
+        problems.append(f"{spec.INSTALL_PATH} is missing or stale")
+    attached = ct_config(t, vmid).get("hookscript")
+    if attached is None:
+        problems.append(f"CT {vmid} has no hookscript")
+    elif attached != spec.PVE_VOLUME:
+        return problems, attached
+    return problems, None
+
+
+def install_hookscript(t: Transport, vmid: int, spec: Hookscript, dry_run: bool) -> Outcome:
+    """Write the snippet (0755, backed up) and attach it (`pct set --hookscript`) where missing."""
+    text, vmid = render(spec), validate_vmid(vmid)
+    current = t.read_text(spec.INSTALL_PATH) if t.exists(spec.INSTALL_PATH) else ""
+    diff = unified_diff(current, text, spec.INSTALL_PATH) if current != text else ""
+    attach = ct_config(t, vmid).get("hookscript") is None
+    actions = ([f"write {spec.INSTALL_PATH}"] if diff else []) + (
+        [f"pct set {vmid} --hookscript {spec.PVE_VOLUME}"] if attach else []
+    )
+    if dry_run:
+        return Outcome(bool(actions), "would " + ", ".join(actions), diff)
+    if diff:
+        t.write_file(spec.INSTALL_PATH, text, mode=0o755)
+    if attach:
+        t.run(["pct", "set", vmid, "--hookscript", spec.PVE_VOLUME]).check(f"CT {vmid}")
+    return Outcome(bool(actions), ", ".join(actions), diff)
 
 
 # -- capacity ----------------------------------------------------------------------------------

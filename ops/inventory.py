@@ -20,7 +20,9 @@ here, so later code can trust it.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
+import json
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -381,3 +383,22 @@ def load_site(path: str | Path) -> Site:
         first = " ".join(str(exc).split())
         raise InputError(str(path), f"not valid YAML: {first}") from exc
     return parse_site(data, str(path))
+
+
+def site_document(site: Site) -> dict:
+    """The inventory document that `parse_site` reads back as `site` (tuples become lists)."""
+
+    def plain(value) -> object:
+        return json.loads(json.dumps(dataclasses.asdict(value)))
+
+    hosts = {
+        host.name: {
+            "ddops_target": host.target,
+            "ddops_containers": [plain(ct) for ct in host.containers],
+        }
+        for host in site.hosts
+    }
+    model = {k: v for k, v in plain(site.model).items() if v is not None}
+    return {
+        "all": {"vars": {"ddops_model": model, "ddops_engine": plain(site.engine)}, "hosts": hosts}
+    }

@@ -21,7 +21,7 @@ from ops.checks import ChainContext, Check, Finding, Policy, chain_for, probe_ho
 from ops.errors import DdopsError
 from ops.hostlock import host_lock
 from ops.site import OpenedSite, results_dir
-from ops.steps import CHANGED, FAILED, SKIPPED, STYLE, UNCHANGED, WOULD_CHANGE
+from ops.steps import CHANGED, FAILED, SKIPPED, UNCHANGED, WOULD_CHANGE
 
 OK = "ok"  # health's word for a passing probe (a repair run says "unchanged")
 
@@ -192,8 +192,7 @@ def contexts(opened: OpenedSite, policy: Policy, api_key: str | None = None) -> 
             model=opened.site.model,
             engine=opened.site.engine,
             policy=policy,
-            host_vmids=tuple(ct.vmid for ct in target.host.containers),
-            inventory_path=opened.inventory_path,
+            host=target.host,
             results_dir=results_dir(),
             hf_token=os.environ.get("HF_TOKEN") or None,
             api_key=api_key,

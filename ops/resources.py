@@ -6,15 +6,17 @@ packages ops.templates and ops.playbooks (see pyproject.toml).
 
 from __future__ import annotations
 
-from importlib import resources
 from pathlib import Path
 
 
 def _shipped(name: str) -> Path:
-    source = Path(__file__).resolve().parent.parent / name
+    here = Path(__file__).resolve().parent
+    source = here.parent / name
     if source.is_dir() and (source.parent / "pyproject.toml").is_file():
         return source
-    return Path(str(resources.files(f"ops.{name}")))
+    # Installed: ops/<name> in site-packages. (importlib.resources would hand back a
+    # MultiplexedPath for these namespace packages, whose str() is no path.)
+    return here / name
 
 
 def templates_dir() -> Path:

@@ -12,7 +12,6 @@ a host whose CT cannot be served fails with the CT named while the other host go
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import sys
@@ -53,7 +52,7 @@ pytestmark = pytest.mark.ansible
 
 LOCAL, REMOTE = "pve-local", "pve-ssh"
 VMIDS = {LOCAL: 200, REMOTE: 201}  # distinct: both hosts' LXC containers live on this machine
-BOOT_UNITS = [spec.INSTALL_PATH for spec in boot_specs((0,), (200,), None)]
+BOOT_UNITS = [spec.INSTALL_PATH for spec in boot_specs((0,), (200,))]
 
 
 # -- fast: inventories and events ----------------------------------------------------------------
@@ -239,7 +238,6 @@ class Fleet:
             with_local_connections(self.document()),
             check=check,
             tags=("host", "ct"),
-            extravars={"ddops_inventory_path": str(self.inventory)},
             mode=name,
         )
 
@@ -321,7 +319,6 @@ def cli_path_up_to_ct_config(fleet: Fleet, host: str, twin: Path) -> None:
     policy = Policy(provision=True)
     with open_site(inventory=str(twin_inventory), host=None) as opened:
         (c,) = contexts(opened, policy)
-        c = dataclasses.replace(c, inventory_path=str(fleet.inventory))
         for check in chain_for(policy):
             if not check.probe(c).ok:
                 check.remedy(c, False)

@@ -27,7 +27,7 @@ from ops.sim import faults
 from ops.sim.host import reboot_host
 from ops.steps import Outcome
 from ops.transport import LocalTransport
-from tests.helpers.simhost import RAW_GPU_CONF, sim_host, start_ct
+from tests.helpers.simhost import DEV_GPU_CONF, RAW_GPU_CONF, sim_host, start_ct
 
 MODEL = ModelSpec(ModelRef("ddops/tiny-target", name="target"))
 ENGINE = EngineSpec(dtype="float32", device="cpu", python="/usr/bin/python3")
@@ -296,6 +296,33 @@ def test_the_host_lock_makes_a_second_holder_wait(tmp_path):
     first.join()
     second.join()
     assert (tmp_path / "run/lock/ddops/recover.lock").exists()
+
+
+def test_the_hookscript_makes_a_start_with_missing_uvm_nodes_succeed(tmp_path):
+    """Attached by provision, its pre-start recreates the nodes a devN entry needs at start."""
+    for t in sim_host(tmp_path):
+        start_ct(t, DEV_GPU_CONF)
+        c = context(t, ct=ContainerSpec(200, shm_gib=1, device_style="devN"))
+        assert not checks.probe_hookscript(c).ok
+        done = checks.install_hookscript(c, dry_run=False)
+        assert done.detail == (
+            "write /var/lib/vz/snippets/ddops-hook.sh, "
+            "pct set 200 --hookscript local:snippets/ddops-hook.sh"
+        )
+        assert checks.probe_hookscript(c).ok and not checks.install_hookscript(c, False).changed
+        t.run(["pct", "stop", "200"]).check("stop")
+        faults.remove_host_node(root(t), "nvidia-uvm")
+        t.run(["pct", "start", "200"]).check("start")  # without the hook: devN node missing
+        assert t.exists("/dev/nvidia-uvm")
+
+
+def test_a_users_own_hookscript_is_left_as_it_is(tmp_path):
+    for t in sim_host(tmp_path):
+        t.write_file("/var/lib/vz/snippets/mine.sh", "#!/bin/sh\nexit 0\n", mode=0o755)
+        start_ct(t, DEV_GPU_CONF + "hookscript: local:snippets/mine.sh\n")
+        finding = checks.probe_hookscript(context(t))
+        assert finding.ok and finding.evidence.endswith("local:snippets/mine.sh: ddops leaves it")
+        assert "hookscript: local:snippets/mine.sh\n" in t.read_text("/etc/pve/lxc/200.conf")
 
 
 def test_in_a_pipe_each_check_is_one_plain_line_and_each_ct_one_verdict(monkeypatch):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -25,3 +28,22 @@ def test_every_package_is_listed_in_pyproject():
 def test_templates_and_playbooks_resolve_to_the_shipped_directories():
     assert templates_dir().resolve() == (ROOT / "templates").resolve()
     assert playbooks_dir().resolve() == (ROOT / "playbooks").resolve()
+
+
+def test_an_installed_ops_finds_its_templates_inside_the_package(tmp_path):
+    """The layout of an installed wheel (no pyproject beside it): ops/templates in site-packages."""
+    package = tmp_path / "site-packages" / "ops"
+    (package / "templates").mkdir(parents=True)
+    (package / "templates" / "x.j2").write_text("x")
+    (package / "__init__.py").write_text("")
+    shutil.copy(ROOT / "ops" / "resources.py", package / "resources.py")
+    code = "from ops.resources import templates_dir; print(templates_dir())"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(tmp_path / "site-packages")},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert out == str(package / "templates") and (Path(out) / "x.j2").is_file()

@@ -41,6 +41,7 @@ CHAIN_KEYS = [
     "ct-exists",
     "ct-config",
     "ct-running",
+    "hookscript",
     "cuda",
     "engine-installed",
     "model",
@@ -48,6 +49,7 @@ CHAIN_KEYS = [
     "service",
     "engine",
     "bench",
+    "host-ddops",
 ]
 
 
@@ -104,6 +106,7 @@ def test_dry_run_from_nothing_plans_and_changes_nothing(site):
         "ct-exists": "would change",
         "ct-config": "skipped",
         "ct-running": "skipped",
+        "hookscript": "skipped",
         "cuda": "skipped",
         "engine-installed": "skipped",
         "model": "skipped",
@@ -111,10 +114,11 @@ def test_dry_run_from_nothing_plans_and_changes_nothing(site):
         "service": "skipped",
         "engine": "skipped",
         "bench": "unchanged",
+        "host-ddops": "would change",
     }
     boot = check(document, "boot")
     assert "+Before=pve-guests.service" in boot["diff"]
-    assert f"-i {site.inventory} recover --ct 200" in boot["diff"]
+    assert "/usr/local/bin/ddops -i /etc/ddops/site.yml recover --ct 200 --at-boot" in boot["diff"]
     assert check(document, "ct-exists")["action"].startswith("would run `pct create 200 ")
     assert host_hashes(site.root) == before
     assert site.hub.bytes_served == 0

@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from ops.cli import cli
+from ops.host_install import install_host_ddops
 from ops.sim import faults, pveconf
 from ops.transport import LocalTransport
 
@@ -132,6 +133,11 @@ def test_reboot_runs_enabled_units_with_sim_commands_only(root: Path):
             (units / "multi-user.target.wants" / f"{name}.service").symlink_to(
                 units / f"{name}.service"
             )
+    rc, out = ddops("--json", "sim", "reboot", str(root), "--uvm-major", "240")
+    log = (root / "var/log/ddops-sim.log").read_text()
+    assert "boot: ddops-recover.service: skipped (not a command the sim host runs): " in log
+    assert "-/usr/local/bin/ddops --version" in log  # no ddops on the host: nothing to run
+    install_host_ddops(LocalTransport(sysroot=str(root)), dry_run=False)
     rc, out = ddops("--json", "sim", "reboot", str(root), "--uvm-major", "240")
     assert rc == 0 and json.loads(out)["units"] == ["ddops-recover"]
     assert LocalTransport(sysroot=str(root)).exists("/dev/nvidia-uvm")

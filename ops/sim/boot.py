@@ -9,18 +9,17 @@ order against the guests: a unit with `After=pve-guests.service` runs after the 
 have started, every other unit after the modules load and before the CTs start (as
 `Before=pve-guests.service` orders it on a real host). Only commands the simulated host can run
 are executed: its own tools (nvidia-modprobe, modprobe, ...), run from PATH/usr/{s,}bin, and
-`ddops`, whose `--host` (e.g. `local`: the PVE host itself) becomes `--host sim:PATH`. Any other
-command is logged as skipped: the sim runs on a real machine and never executes arbitrary boot
-commands on it.
+`ddops` as installed on the host (PATH/usr/local/bin/ddops, what `ddops provision` puts there),
+whose `--host` becomes `--host sim:PATH` and whose host paths (`-i /etc/ddops/site.yml`) are read
+below PATH. Any other command, and a ddops the host does not have, is logged as skipped: the sim
+runs on a real machine and never executes arbitrary boot commands on it.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 from ops.sim.commands import HOST_TOOLS
@@ -85,7 +84,9 @@ def _run_unit(root: Path, unit: Path) -> bool:
             continue
         ran_any = True
         proc = subprocess.run(argv, env=_boot_env(root), capture_output=True, text=True)
-        log(root, f"boot: {unit.name}: {command} -> exit {proc.returncode}")
+        said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+        why = f" ({said[-1]})" if proc.returncode != 0 and said else ""  # as the journal keeps it
+        log(root, f"boot: {unit.name}: {command} -> exit {proc.returncode}{why}")
         if proc.returncode != 0 and not command.startswith("-"):
             break
     return ran_any
@@ -97,10 +98,22 @@ def _sim_argv(root: Path, argv: list[str]) -> list[str] | None:
         bin_dir, _ = HOST_TOOLS[program]
         return [str(root / bin_dir / program), *argv[1:]]
     if program == "ddops":
-        ddops = shutil.which("ddops") or sys.executable
-        prefix = [ddops] if ddops != sys.executable else [ddops, "-m", "ops.cli"]
-        return [*prefix, "--host", f"sim:{root}", *_without_host_option(argv[1:])]
+        installed = root / argv[0].lstrip("/")  # the host's own ddops, as a real host runs it
+        if not (argv[0].startswith("/") and os.access(installed, os.X_OK)):
+            return None
+        args = [_on_host(root, arg) for arg in _without_host_option(argv[1:])]
+        return [str(installed), "--host", f"sim:{root}", *args]
     return None
+
+
+def _on_host(root: Path, arg: str) -> str:
+    """An absolute path that exists on the simulated host (e.g. -i /etc/ddops/site.yml), below
+    its root; anything else as it is."""
+    return (
+        str(root / arg.lstrip("/"))
+        if arg.startswith("/") and (root / arg.lstrip("/")).exists()
+        else arg
+    )
 
 
 def _without_host_option(args: list[str]) -> list[str]:

@@ -20,7 +20,6 @@ options:
   containers: {description: the host's ddops_containers, required: true, type: list, elements: dict}
   sysroot: {description: root of a simulated host, type: str}
   target: {description: the host's ddops_target (its sysroot is used when sysroot is unset), type: str}
-  inventory_path: {description: the site inventory the recover unit passes to ddops, type: str}
 """
 
 RETURN = r"""
@@ -28,7 +27,7 @@ files: {description: "a mapping name -> {template, dest, unit, variables}: name 
 """
 
 
-def boot_files(containers: list[dict], sysroot: str | None, inventory_path: str | None) -> dict:
+def boot_files(containers: list[dict], sysroot: str | None) -> dict:
     """{name: {template, dest, unit, variables}} for the host's containers."""
     from ops.host_setup import boot_specs
     from ops.inventory import ContainerSpec
@@ -36,7 +35,7 @@ def boot_files(containers: list[dict], sysroot: str | None, inventory_path: str 
     cts = [ContainerSpec(**ct) for ct in containers]
     gpus = tuple(sorted({gpu for ct in cts for gpu in ct.gpus}))
     files = {}
-    for spec in boot_specs(gpus, tuple(ct.vmid for ct in cts), inventory_path):
+    for spec in boot_specs(gpus, tuple(ct.vmid for ct in cts)):
         unit = spec.INSTALL_PATH.rsplit("/", 1)[1]
         files[spec.TEMPLATE.removesuffix(".j2")] = {
             "template": spec.TEMPLATE,
@@ -53,7 +52,6 @@ def main() -> None:
             "containers": {"type": "list", "elements": "dict", "required": True},
             "sysroot": {"type": "str"},
             "target": {"type": "str"},
-            "inventory_path": {"type": "str"},
         },
         supports_check_mode=True,
     )
@@ -62,7 +60,7 @@ def main() -> None:
     params = module.params
     try:
         sysroot = host_sysroot(params["sysroot"], params["target"])
-        files = boot_files(params["containers"], sysroot, params["inventory_path"])
+        files = boot_files(params["containers"], sysroot)
     except (DdopsError, TypeError) as exc:
         module.fail_json(msg=str(exc))
     module.exit_json(changed=False, files=files, sysroot=sysroot or "")

@@ -40,8 +40,8 @@ options:
   sysroot: {description: root of a simulated host (ddops_sysroot), type: str}
   target: {description: the host's ddops_target (its ?sysroot= or sim:PATH is used when sysroot is unset), type: str}
   vmids: {description: only these containers (default all), default: [], type: list, elements: int}
-  inventory_path: {description: the site inventory the boot units pass to ddops, type: str}
   state: {description: ddops_chain_state from the earlier steps, default: {}, type: dict}
+  host_name: {description: "the host's inventory name (inventory_hostname): the host's own site file names it", default: this, type: str}
   hf_token: {description: Hugging Face token for gated models, type: str}
   api_key: {description: "provision: the engine API key to install (DDOPS_API_KEY); without it the installed key is kept, or one is generated", type: str}
   remove_api_key: {description: "provision: remove the engine's API key (serve without authentication)", default: false, type: bool}
@@ -66,7 +66,12 @@ def chain_context(params: dict, vmid_filter: list[int]):
     document = {
         "all": {
             "vars": {"ddops_model": params["model"], "ddops_engine": params["engine"]},
-            "hosts": {"this": {"ddops_target": "local", "ddops_containers": params["containers"]}},
+            "hosts": {
+                params["host_name"]: {
+                    "ddops_target": "local",
+                    "ddops_containers": params["containers"],
+                }
+            },
         }
     }
     site = parse_site(document, "ansible host vars")
@@ -89,8 +94,7 @@ def chain_context(params: dict, vmid_filter: list[int]):
             model=site.model,
             engine=site.engine,
             policy=policy,
-            host_vmids=tuple(c.vmid for c in host.containers),
-            inventory_path=params["inventory_path"],
+            host=host,
             hf_token=params["hf_token"] or None,
             api_key=api_key,
         )
@@ -152,8 +156,8 @@ def main() -> None:
             "sysroot": {"type": "str"},
             "target": {"type": "str"},
             "vmids": {"type": "list", "elements": "int", "default": []},
-            "inventory_path": {"type": "str"},
             "state": {"type": "dict", "default": {}},
+            "host_name": {"type": "str", "default": "this"},
             "hf_token": {"type": "str", "no_log": True},
             "api_key": {"type": "str", "no_log": True},
             "remove_api_key": {"type": "bool", "default": False},
