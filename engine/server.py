@@ -61,7 +61,17 @@ from engine.server_schemas import (
 )
 from engine.server_text import TextAssembler
 from engine.server_tools import FORMATS, detect_format
-from engine.server_worker import Delta, Done, Failed, GenerateFn, GenerationWorker, Job, QueueFull
+from engine.server_worker import (
+    SHUTTING_DOWN,
+    Delta,
+    Done,
+    Failed,
+    GenerateFn,
+    GenerationWorker,
+    Job,
+    QueueFull,
+    ShuttingDown,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +111,7 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting: int = 32
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    shutdown_grace_s: float = 5.0  # at shutdown, requests in flight get this long, then a 503
     tool_call_parser: str = "auto"  # "auto" (from the chat template), "none" or a FORMATS name
     reasoning_parser: str = "auto"  # "auto" (if the template thinks), "none" or "qwen3"
 
@@ -262,6 +273,13 @@ class _Server:
         )
         return engine.generate
 
+    def begin_shutdown(self) -> None:
+        """The server is stopping (engine/server_shutdown.py): requests running or waiting get
+        `shutdown_grace_s` to finish, then the worker cuts them (each answered 503)."""
+        grace = self.config.shutdown_grace_s
+        log.info("shutting down: requests in flight get %g s to finish, then a 503", grace)
+        asyncio.get_running_loop().call_later(grace, self.worker.cut)
+
     # -- routes -----------------------------------------------------------------------------
 
     def open_routes(self) -> APIRouter:
@@ -409,6 +427,10 @@ class _Server:
             raise ApiError(
                 503, f"engine busy: {exc}; retry later", kind="server_error", code="queue_full"
             ) from None
+        except ShuttingDown:
+            raise ApiError(
+                503, f"{SHUTTING_DOWN}; retry later", kind="server_error", code="shutting_down"
+            ) from None
         return _Generation(
             shape=shape,
             job=job,
@@ -446,7 +468,7 @@ class _Server:
                 if isinstance(event, Delta):
                     pieces.append(event.text)
                 elif isinstance(event, Failed):
-                    raise ApiError(event.status, event.message, kind="server_error")
+                    raise _failure(event)
                 else:
                     return JSONResponse(self._final_body(generation, "".join(pieces), event))
         finally:
@@ -467,7 +489,7 @@ class _Server:
                         yield _sse(self._chunk(generation, shape.chunk_choice(delta, None)))
                 elif isinstance(event, Failed):
                     self._count_error(shape.endpoint, event.status)
-                    yield _sse(ApiError(event.status, event.message, kind="server_error").body())
+                    yield _sse(_failure(event).body())
                 elif event.result is not None:
                     for chunk in self._final_chunks(generation, event):
                         yield _sse(chunk)
@@ -623,6 +645,10 @@ def _check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
         raise ApiError(400, "the prompt is empty (0 tokens)", param="prompt")
     if not all(0 <= token < vocab_size for token in prompt_ids):
         raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+
+
+def _failure(event: Failed) -> ApiError:
+    return ApiError(event.status, event.message, kind="server_error", code=event.code)
 
 
 def _thread_safe_put(events: asyncio.Queue) -> Callable[[Any], None]:

@@ -5,10 +5,12 @@ this worker as a `Job` and awaits its events. A job is an ordinary value: the pr
 `GenerationConfig`, a `TextAssembler`, a cancel flag, and `emit`, a thread-safe callable the
 worker calls with `Delta` (text to show), then `Done` (the GenerationResult) or `Failed`.
 
-- `submit` raises `QueueFull` when `max_waiting` jobs already wait (the server answers 503).
+- `submit` raises `QueueFull` when `max_waiting` jobs already wait, `ShuttingDown` after a cut
+  (the server answers 503).
 - Setting `job.cancel` (client gone) makes the running generation stop at its next round
   (`should_stop`), or skips the job if it is still waiting.
-- `stop()` cancels the running job, fails every waiting one, and joins the thread.
+- `cut()` (shutdown) stops the running job at its next round and fails it and every waiting one
+  with a 503 `Failed` (SHUTTING_DOWN); `stop()` cuts, then joins the thread.
 
 Before taking jobs the thread runs `startup` (load the model, one 1-token generation): `ready`
 is set when it succeeded; when it raised, `startup_error` says why and `on_fatal` is called.
@@ -33,8 +35,15 @@ log = logging.getLogger(__name__)
 GenerateFn = Callable[..., Any]
 
 
+SHUTTING_DOWN = "server shutting down"
+
+
 class QueueFull(Exception):
     """Every waiting slot is taken."""
+
+
+class ShuttingDown(Exception):
+    """The worker was cut: it takes no more jobs."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,10 @@ class Done:
 class Failed:
     message: str
     status: int = 500
+    code: str | None = None
+
+
+_CUT = Failed(SHUTTING_DOWN, status=503, code="shutting_down")
 
 
 @dataclass
@@ -95,13 +108,14 @@ class GenerationWorker:
 
     def submit(self, job: Job) -> None:
         if self._stopping.is_set():
-            raise QueueFull("the server is shutting down")
+            raise ShuttingDown(SHUTTING_DOWN)
         try:
             self._jobs.put_nowait(job)
         except queue.Full:
             raise QueueFull(f"{self.max_waiting} requests are already waiting") from None
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def cut(self) -> None:
+        """Take no more jobs; fail the waiting ones and stop the running one (each a 503)."""
         self._stopping.set()
         current = self._current
         if current is not None:
@@ -109,6 +123,9 @@ class GenerationWorker:
         self._fail_waiting_jobs()
         with contextlib.suppress(queue.Full):  # then the thread sees _stopping after its next job
             self._jobs.put_nowait(_STOP)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.cut()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -131,7 +148,10 @@ class GenerationWorker:
         self._fail_waiting_jobs()
 
     def _run(self, job: Job) -> None:
-        if job.cancel.is_set() or self._stopping.is_set():
+        if self._stopping.is_set():
+            job.emit(_CUT)
+            return
+        if job.cancel.is_set():
             job.emit(Done(None))
             return
         try:
@@ -145,6 +165,9 @@ class GenerationWorker:
             log.exception("generation failed")
             job.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
             return
+        if result.finish_reason == "cancelled" and self._stopping.is_set() and not job.text.stopped:
+            job.emit(_CUT)  # cut short by the shutdown, not finished
+            return
         _emit_text(job, job.text.finish())
         job.emit(Done(result))
 
@@ -155,7 +178,7 @@ class GenerationWorker:
             except queue.Empty:
                 return
             if job is not _STOP:
-                job.emit(Failed("the server is shutting down", status=503))
+                job.emit(_CUT)
 
 
 def _emit_text(job: Job, text: str) -> None:

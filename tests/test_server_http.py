@@ -27,6 +27,7 @@ from engine.__main__ import main as engine_main
 from engine.chat_template import render
 from engine.decode import GenerationConfig, GenerationResult
 from engine.server import LoadedEngine, ServerConfig, create_app
+from engine.server_shutdown import draining_server
 
 EOS = 0
 WAIT_S = 10.0
@@ -99,11 +100,12 @@ def loaded(engine: ScriptedEngine, has_drafter: bool = True, max_model_len: int 
 
 @contextlib.contextmanager
 def serving(app) -> Iterator[str]:
-    """Serve `app` with uvicorn on a pre-bound loopback socket (connections queue until it runs)."""
+    """Serve `app` as `engine serve` does (uvicorn, draining at shutdown) on a pre-bound loopback
+    socket (connections queue until it runs)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = draining_server(app, log_config=None)  # uvicorn logs to the root logger (caplog)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
