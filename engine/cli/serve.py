@@ -4,11 +4,13 @@
         [--max-model-len N] [--api-key KEY | env DDOPS_API_KEY] [--dtype float32] [--device cpu] \\
         [--tp N] \\
         [--method ar|linear|ddtree] [--budget 15] [--max-waiting 32] [--served-model-name NAME] \\
-        [--tool-call-parser auto|none|hermes|qwen3_coder] [--reasoning-parser auto|none|qwen3]
+        [--tool-call-parser auto|none|hermes|qwen3_coder] [--reasoning-parser auto|none|qwen3] \\
+        [--max-request-bytes 8388608] [--shutdown-grace-s 5]
 
 The model loads after the port opens: `/health` answers at once, `/ready` once the model is
 loaded and a 1-token generation succeeded. A load failure stops the server with exit code 1.
-SIGTERM (or Ctrl-C) drains in-flight requests for a few seconds, cancels what is left, exits 0.
+SIGTERM (or Ctrl-C) lets requests in flight finish for --shutdown-grace-s seconds, then answers
+what is left 503 "server shutting down" (engine/server_shutdown.py). An empty API key is refused.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import os
 import sys
 from pathlib import Path
 
+from engine.server_body import DEFAULT_MAX_REQUEST_BYTES
 from engine.server_reasoning import REASONING_PARSERS
 from engine.server_tools import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "DDOPS_API_KEY"
-GRACEFUL_SHUTDOWN_S = 5
+GRACEFUL_SHUTDOWN_S = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +69,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=REASONING_PARSERS,
         help="<think> reasoning into reasoning_content (default: if the chat template thinks)",
     )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body; a larger one is a 413 (default: 8 MiB)",
+    )
+    parser.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=GRACEFUL_SHUTDOWN_S,
+        help="at SIGTERM, seconds requests in flight may finish in before a 503 (default: 5)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
 
 
@@ -90,6 +105,8 @@ def _usage_problem(args: argparse.Namespace, method: str) -> str | None:
         return "--tp must be at least 1"
     if args.max_model_len is not None and args.max_model_len < 2:
         return "--max-model-len must be at least 2 (a prompt token and a generated one)"
+    if args.max_request_bytes < 1 or not 0 <= args.shutdown_grace_s <= 3600:
+        return "--max-request-bytes must be at least 1, --shutdown-grace-s within 0..3600"
     return None
 
 
@@ -99,9 +116,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"Error: {problem}", file=sys.stderr)
         return 2
 
-    import uvicorn
-
     from engine.server import ServerConfig, create_app, load_engine
+    from engine.server_shutdown import draining_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     config = ServerConfig(
@@ -110,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
         default_budget=args.budget,
         api_key=_api_key(args),
         max_waiting=args.max_waiting,
+        max_request_bytes=args.max_request_bytes,
+        shutdown_grace_s=args.shutdown_grace_s,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
     )
@@ -119,20 +137,12 @@ def run(args: argparse.Namespace) -> int:
             args.model, args.draft, args.dtype, args.device, args.max_model_len, args.tp
         )
 
-    server: uvicorn.Server | None = None
+    server = None
 
     def stop_server() -> None:
         server.should_exit = True
 
     app = create_app(load, config, on_fatal=stop_server)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        )
-    )
+    server = draining_server(app, host=args.host, port=args.port, log_level=args.log_level)
     server.run()
     return 1 if app.state.server.worker.startup_error else 0
