@@ -1,4 +1,4 @@
-"""`python -m engine <command>`: generate, serve, bench, train-demo.
+"""`python -m engine <command>`: generate, serve, bench, train-demo, plan.
 
 Each command is a module in engine/cli/ with `add_arguments(parser)` and `run(args) -> int`;
 a command is listed only when its module exists, and imported only when it runs, so
@@ -17,6 +17,7 @@ COMMANDS = {
     "serve": "Serve an OpenAI-compatible HTTP API.",
     "bench": "Benchmark ar / linear / ddtree on held-out prompts.",
     "train-demo": "Train the tiny demo target and its DFlash drafter.",
+    "plan": "Memory plan: weights, KV per token, the longest context that fits a device.",
 }
 
 

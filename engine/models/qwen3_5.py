@@ -48,9 +48,9 @@ from engine.models.gated_deltanet import (
     RecurrentState,
     StateStrategy,
 )
+from engine.plan import FULL, LINEAR, hybrid_layer_types
 from engine.tree import tree_layout
 
-LINEAR, FULL = "linear_attention", "full_attention"
 MULTIMODAL_TEXT_PREFIX = "model.language_model."  # `qwen3_5` checkpoints (vision + text)
 TEXT_PREFIX = "model."  # `qwen3_5_text` checkpoints
 
@@ -91,13 +91,9 @@ class Qwen3_5Config:
         rope = text.get("rope_parameters") or {}
         if "partial_rotary_factor" in rope:
             fields["partial_rotary_factor"] = rope["partial_rotary_factor"]
-        interval = text.get("full_attention_interval", 4)
-        layer_types = text.get("layer_types") or [
-            FULL if (i + 1) % interval == 0 else LINEAR for i in range(text["num_hidden_layers"])
-        ]
         return cls(
             **fields,
-            layer_types=tuple(layer_types),
+            layer_types=hybrid_layer_types(text),
             rope_theta=rope_theta(text),
             tie_word_embeddings=config.get(
                 "tie_word_embeddings", text.get("tie_word_embeddings", False)

@@ -1,0 +1,437 @@
+"""The memory plan: what serving a target (and its DFlash drafter) needs on one device, from the
+models' config.json files alone.
+
+Pure arithmetic, no torch import, so the ops control plane can hold a plan against a host's GPUs
+before anything is created:
+
+    plan = plan_from_dirs("Qwen3.6-27B", "Qwen3.6-27B-DFlash", "bfloat16", 96 * GIB, 40000)
+    plan.longest_context, plan.total_bytes(32768), plan.problem()  # None, or why not
+
+What it counts, per device (under tensor parallelism: rank 0, which also holds the embeddings,
+the whole lm_head and the drafter):
+- weights: every parameter the engine builds, at the dtype's width (embeddings and an untied
+  lm_head included; the vision tower and `mtp.*`, never loaded, are not);
+- KV bytes per token: the target's attention layers and the drafter's layers (K and V); while a
+  speculative prefill is in flight also the prompt's context features for the drafter (the
+  outputs of its target layers, kept until the first draft), so they count per token too;
+- recurrent state: each Gated DeltaNet layer's conv window (model dtype) and delta-rule state
+  (float32; float64 for float64), once per sequence;
+- the largest transient: a prefill chunk (the widest layer's live activations for
+  `prefill_chunk` tokens, and one row of float32 logits) or a verify round (`verify_tokens`
+  tokens through the widest layer, their logits, what the GDN layers keep for commit, the
+  drafter's block); an upper estimate, set against measurements in engine/NOTES.md;
+- RESERVE_BYTES for the runtime itself (CUDA context and allocator slack, the process).
+The longest context is what the rest leaves, divided by the bytes per token, less one draft
+block (the caches hold a round beyond the context), capped by the model's
+max_position_embeddings. Not counted: the CPU attention's [chunk, context] bool mask (2 KiB per
+token at the default chunk, ~1.5% of Qwen3.6-27B's per-token bytes).
+
+`python -m engine plan --model DIR [--draft DIR] --dtype bfloat16 --device-memory 96GiB
+[--max-model-len N] [--tp N] [--json]` prints it (engine/cli/plan.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}
+RESERVE_BYTES = GIB
+DEFAULT_PREFILL_CHUNK = 2048
+DEFAULT_VERIFY_TOKENS = 16  # a ddtree budget of 15, or a DFlash chain of 15, and the bonus
+FULL, LINEAR = "full_attention", "linear_attention"
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "k": KIB,
+    "kib": KIB,
+    "m": MIB,
+    "mib": MIB,
+    "g": GIB,
+    "gib": GIB,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in "96GiB", "80GB", "512M" (K/M/G/T alone are binary), "1024"; ValueError else."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match and match.group(2).lower()
+    if not match or unit not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (e.g. 96GiB, 80GB, 512MiB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def hybrid_layer_types(text_config: dict) -> tuple[str, ...]:
+    """A Qwen3.5/3.6 text config's layer types: its `layer_types`, else every
+    `full_attention_interval`-th layer (default 4) full attention and the rest GDN."""
+    interval = text_config.get("full_attention_interval", 4)
+    types = text_config.get("layer_types") or [
+        FULL if (i + 1) % interval == 0 else LINEAR for i in range(text_config["num_hidden_layers"])
+    ]
+    return tuple(types)
+
+
+def _local(count: int, tp: int, what: str, replicate: bool = False) -> int:
+    """This rank's share of `count` heads or rows; KV heads (`replicate`) are copied onto
+    several ranks when tp exceeds them."""
+    if replicate and tp >= count and tp % count == 0:
+        return 1
+    if count % tp:
+        raise ValueError(f"{what}: {count} is not divisible by tp {tp}")
+    return count // tp
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """The sizes of a dense Qwen3 or hybrid Qwen3.5/3.6 target that memory depends on."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layer_types: tuple[str, ...]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    gated_attention: bool  # Qwen3.5/3.6: q_proj also produces a sigmoid output gate
+    tied: bool
+    max_position_embeddings: int
+    gdn_key_heads: int = 0
+    gdn_value_heads: int = 0
+    gdn_key_dim: int = 0
+    gdn_value_dim: int = 0
+    conv_kernel: int = 0
+
+    @classmethod
+    def from_config(cls, config: dict) -> TargetShape:
+        """From a target's config.json: `qwen3`, `qwen3_5_text`, or `qwen3_5` (its text_config)."""
+        model_type = config.get("model_type")
+        text = config.get("text_config", config)
+        common = dict(
+            vocab=text["vocab_size"],
+            hidden=text["hidden_size"],
+            intermediate=text["intermediate_size"],
+            heads=text["num_attention_heads"],
+            kv_heads=text["num_key_value_heads"],
+            head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
+            tied=config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
+            max_position_embeddings=text.get("max_position_embeddings", 32768),
+        )
+        if model_type == "qwen3":
+            return cls(
+                **common, layer_types=(FULL,) * text["num_hidden_layers"], gated_attention=False
+            )
+        if model_type not in ("qwen3_5", "qwen3_5_text"):
+            raise ValueError(f"unsupported target model_type {model_type!r}")
+        return cls(
+            **common,
+            layer_types=hybrid_layer_types(text),
+            gated_attention=True,
+            gdn_key_heads=text.get("linear_num_key_heads", 16),
+            gdn_value_heads=text.get("linear_num_value_heads", 32),
+            gdn_key_dim=text.get("linear_key_head_dim", 128),
+            gdn_value_dim=text.get("linear_value_head_dim", 128),
+            conv_kernel=text.get("linear_conv_kernel_dim", 4),
+        )
+
+    def count(self, layer_type: str) -> int:
+        return sum(t == layer_type for t in self.layer_types)
+
+    def local(self, tp: int) -> dict[str, int]:
+        """Rank-local head and row counts."""
+        return {
+            "heads": _local(self.heads, tp, "num_attention_heads"),
+            "kv_heads": _local(self.kv_heads, tp, "num_key_value_heads", replicate=True),
+            "intermediate": _local(self.intermediate, tp, "intermediate_size"),
+            "key_heads": _local(self.gdn_key_heads, tp, "linear_num_key_heads")
+            if self.gdn_key_heads
+            else 0,
+            "value_heads": _local(self.gdn_value_heads, tp, "linear_num_value_heads")
+            if self.gdn_value_heads
+            else 0,
+        }
+
+    def conv_dim(self, tp: int = 1) -> int:
+        n = self.local(tp)
+        return 2 * n["key_heads"] * self.gdn_key_dim + n["value_heads"] * self.gdn_value_dim
+
+    def parameters(self, tp: int = 1) -> int:
+        """Parameters on rank 0: the embeddings, the whole lm_head, its share of every layer."""
+        n, H, D = self.local(tp), self.hidden, self.head_dim
+        q_width = (2 if self.gated_attention else 1) * n["heads"] * D
+        attention = H * q_width + 2 * H * n["kv_heads"] * D + n["heads"] * D * H + 2 * D
+        v_width = n["value_heads"] * self.gdn_value_dim
+        gdn = (
+            H * self.conv_dim(tp)  # in_proj_qkv
+            + H * v_width  # in_proj_z
+            + 2 * H * n["value_heads"]  # in_proj_a, in_proj_b
+            + self.conv_dim(tp) * self.conv_kernel  # conv1d
+            + 2 * n["value_heads"]  # A_log, dt_bias
+            + self.gdn_value_dim  # the gated norm
+            + v_width * H  # out_proj
+        )
+        per_layer = 3 * H * n["intermediate"] + 2 * H  # MLP and the two norms
+        layers = self.count(FULL) * (attention + per_layer) + self.count(LINEAR) * (gdn + per_layer)
+        head = 0 if self.tied else self.vocab * H
+        return self.vocab * H + head + layers + H
+
+    def kv_bytes_per_token(self, width: int, tp: int = 1) -> int:
+        return self.count(FULL) * 2 * self.local(tp)["kv_heads"] * self.head_dim * width
+
+    def recurrent_bytes(self, width: int, state_width: int, tp: int = 1) -> int:
+        """Conv windows and delta-rule states of every GDN layer: one sequence's."""
+        n = self.local(tp)
+        conv = self.conv_dim(tp) * (self.conv_kernel - 1) * width
+        state = n["value_heads"] * self.gdn_key_dim * self.gdn_value_dim * state_width
+        return self.count(LINEAR) * (conv + state)
+
+    def activation_bytes_per_token(self, width: int, compute: int, tp: int = 1) -> int:
+        """Live activations of one token in the widest layer: the residual stream (and its
+        normed copy and the mixer's output) plus the widest of the MLP, attention and GDN."""
+        n, H, D = self.local(tp), self.hidden, self.head_dim
+        residual = 3 * H * width + H * compute
+        mlp = 3 * n["intermediate"] * width
+        q_width = (2 if self.gated_attention else 1) * n["heads"] * D
+        attention = (q_width + 2 * n["kv_heads"] * D) * width + 3 * n["heads"] * D * compute
+        v_width = n["value_heads"] * self.gdn_value_dim
+        gdn = (
+            self.conv_dim(tp) * (2 * width + 2 * compute)  # conv inputs, outputs, compute copies
+            + 2 * n["value_heads"] * self.gdn_key_dim * compute  # q, k per value head
+            + v_width * (2 * width + 2 * compute)  # v, z, the rule's output and its norm
+        )
+        return residual + max(mlp, attention, gdn if self.count(LINEAR) else 0)
+
+    def verify_pending_bytes(self, tokens: int, width: int, compute: int, tp: int = 1) -> int:
+        """What the GDN layers keep for commit over a verify round (replaying the accepted path:
+        conv inputs and outputs, beta, g per node)."""
+        n = self.local(tp)
+        per_node = 2 * self.conv_dim(tp) * width + n["value_heads"] * (width + compute)
+        return self.count(LINEAR) * per_node * tokens
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """The sizes of a z-lab DFlash drafter (it borrows the target's embeddings and lm_head)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    target_layers: int
+
+    @classmethod
+    def from_config(cls, config: dict) -> DraftShape:
+        dflash = config.get("dflash_config", {})
+        return cls(
+            hidden=config["hidden_size"],
+            intermediate=config["intermediate_size"],
+            layers=config["num_hidden_layers"],
+            heads=config["num_attention_heads"],
+            kv_heads=config["num_key_value_heads"],
+            head_dim=config.get("head_dim")
+            or config["hidden_size"] // config["num_attention_heads"],
+            block_size=dflash.get("block_size", config.get("block_size", 16)),
+            target_layers=len(dflash.get("target_layer_ids", config.get("target_layer_ids", ()))),
+        )
+
+    def parameters(self) -> int:
+        H, D = self.hidden, self.head_dim
+        attention = 2 * H * self.heads * D + 2 * H * self.kv_heads * D + 2 * D
+        layer = attention + 3 * H * self.intermediate + 2 * H
+        return self.target_layers * H * H + 2 * H + self.layers * layer  # fc, two norms, layers
+
+    def kv_bytes_per_token(self, width: int) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * width
+
+    def context_bytes_per_token(self, width: int) -> int:
+        """The target features one prompt token gives the drafter (held until the first draft)."""
+        return self.target_layers * self.hidden * width
+
+    def block_bytes(self, vocab: int, width: int, compute: int) -> int:
+        """One draft: the block through the widest layer, and its float32 logits."""
+        per_token = 3 * self.hidden * width + 3 * self.intermediate * width
+        return self.block_size * (per_token + vocab * compute)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Bytes on one device (rank 0 under tensor parallelism); see the module docstring."""
+
+    dtype: str
+    tp: int
+    device_memory: int
+    target_weights: int
+    draft_weights: int
+    target_kv_per_token: int
+    draft_kv_per_token: int
+    context_features_per_token: int
+    recurrent_state: int
+    prefill_transient: int
+    verify_transient: int
+    reserve: int
+    draft_block: int  # tokens the caches hold beyond the context
+    model_limit: int  # the target's max_position_embeddings
+    prefill_chunk: int
+    verify_tokens: int
+    max_model_len: int | None = None  # the context asked for, if any (see `problem`)
+
+    @property
+    def weights(self) -> int:
+        return self.target_weights + self.draft_weights
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.target_kv_per_token + self.draft_kv_per_token + self.context_features_per_token
+
+    @property
+    def transient(self) -> int:
+        return max(self.prefill_transient, self.verify_transient)
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Everything that does not grow with the context."""
+        return self.weights + self.recurrent_state + self.transient + self.reserve
+
+    @property
+    def longest_fit(self) -> int:
+        """The longest context the device's memory holds, whatever the model's own limit."""
+        room = self.device_memory - self.fixed_bytes
+        return max(0, room // self.bytes_per_token - self.draft_block)
+
+    @property
+    def longest_context(self) -> int:
+        return min(self.longest_fit, self.model_limit)
+
+    def total_bytes(self, context: int) -> int:
+        """The peak at a context of `context` tokens."""
+        return self.fixed_bytes + (context + self.draft_block) * self.bytes_per_token
+
+    def problem(self, max_model_len: int | None = None) -> str | None:
+        """Why a context of `max_model_len` tokens (default: the one asked for) does not fit,
+        with the numbers; None if it does (or none was asked for)."""
+        max_model_len = max_model_len or self.max_model_len
+        if max_model_len is None or max_model_len <= self.longest_fit:
+            return None
+        return (
+            f"max_model_len {max_model_len} needs {self.total_bytes(max_model_len) / GIB:.2f} GiB "
+            f"but the device has {self.device_memory / GIB:.2f} GiB (weights "
+            f"{self.weights / GIB:.2f} GiB, {self.bytes_per_token / KIB:.1f} KiB per token); "
+            f"the longest context that fits is {self.longest_fit} tokens"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            **asdict(self),
+            "weights": self.weights,
+            "bytes_per_token": self.bytes_per_token,
+            "transient": self.transient,
+            "longest_fit": self.longest_fit,
+            "longest_context": self.longest_context,
+        }
+
+    def lines(self) -> list[str]:
+        """The plan as text, one figure a line."""
+
+        def size(n: int) -> str:
+            return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
+
+        return [
+            f"device memory        {size(self.device_memory)} ({self.dtype}, tp {self.tp}, rank 0)",
+            f"target weights       {size(self.target_weights)}",
+            f"drafter weights      {size(self.draft_weights)}",
+            f"KV per token         {self.target_kv_per_token / KIB:.1f} KiB target + "
+            f"{self.draft_kv_per_token / KIB:.1f} KiB drafter + "
+            f"{self.context_features_per_token / KIB:.1f} KiB drafter features",
+            f"recurrent state      {size(self.recurrent_state)} per sequence",
+            f"prefill transient    {size(self.prefill_transient)} (chunk of {self.prefill_chunk})",
+            f"verify transient     {size(self.verify_transient)} ({self.verify_tokens} tokens)",
+            f"runtime reserve      {size(self.reserve)}",
+            f"longest context      {self.longest_context} tokens (memory allows "
+            f"{self.longest_fit}, the model {self.model_limit})",
+        ]
+
+
+def plan_from_configs(
+    target_config: dict,
+    draft_config: dict | None,
+    dtype: str,
+    device_memory: int,
+    max_model_len: int | None = None,
+    tp: int = 1,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    verify_tokens: int = DEFAULT_VERIFY_TOKENS,
+) -> Plan:
+    """The plan for these config.json dicts (the drafter's may be None) on a device of
+    `device_memory` bytes."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, not {dtype!r}")
+    if tp < 1 or prefill_chunk < 1 or verify_tokens < 1:
+        raise ValueError("tp, prefill_chunk and verify_tokens must be at least 1")
+    width = DTYPE_BYTES[dtype]
+    compute = 8 if dtype == "float64" else 4
+    target = TargetShape.from_config(target_config)
+    draft = DraftShape.from_config(draft_config) if draft_config else None
+    activation = target.activation_bytes_per_token(width, compute, tp)
+    logits_row = target.vocab * compute
+    verify = (
+        verify_tokens * (activation + logits_row)
+        + target.verify_pending_bytes(verify_tokens, width, compute, tp)
+        + (draft.block_bytes(target.vocab, width, compute) if draft else 0)
+    )
+    return Plan(
+        dtype=dtype,
+        tp=tp,
+        device_memory=device_memory,
+        target_weights=target.parameters(tp) * width,
+        draft_weights=draft.parameters() * width if draft else 0,
+        target_kv_per_token=target.kv_bytes_per_token(width, tp),
+        draft_kv_per_token=draft.kv_bytes_per_token(width) if draft else 0,
+        context_features_per_token=draft.context_bytes_per_token(width) if draft else 0,
+        recurrent_state=target.recurrent_bytes(width, compute, tp),
+        prefill_transient=prefill_chunk * activation + logits_row,
+        verify_transient=verify,
+        reserve=RESERVE_BYTES,
+        draft_block=draft.block_size if draft else 0,
+        model_limit=target.max_position_embeddings,
+        prefill_chunk=prefill_chunk,
+        verify_tokens=verify_tokens,
+        max_model_len=max_model_len,
+    )
+
+
+def plan_from_dirs(
+    target_dir: str | Path,
+    draft_dir: str | Path | None,
+    dtype: str,
+    device_memory: int,
+    max_model_len: int | None = None,
+    tp: int = 1,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    verify_tokens: int = DEFAULT_VERIFY_TOKENS,
+) -> Plan:
+    """`plan_from_configs` with the config.json of each model directory."""
+
+    def config(path) -> dict:
+        return json.loads((Path(path) / "config.json").read_text())
+
+    return plan_from_configs(
+        config(target_dir),
+        config(draft_dir) if draft_dir else None,
+        dtype,
+        device_memory,
+        max_model_len,
+        tp,
+        prefill_chunk,
+        verify_tokens,
+    )
