@@ -2,10 +2,17 @@
 
     python -m engine serve --model DIR [--draft DIR] [--host 127.0.0.1] [--port 8000] \\
         [--max-model-len N] [--api-key KEY | env DDOPS_API_KEY] [--dtype float32] [--device cpu] \\
-        [--tp N] \\
+        [--tp N] [--prefill-chunk 2048] \\
         [--method ar|linear|ddtree] [--budget 15] [--max-waiting 32] [--served-model-name NAME] \\
         [--tool-call-parser auto|none|hermes|qwen3_coder] [--reasoning-parser auto|none|qwen3] \\
         [--max-request-bytes 8388608] [--shutdown-grace-s 5]
+
+Before anything loads, the memory plan (engine/plan.py) is held against the device's free
+memory, read at start: on CUDA what `torch.cuda.mem_get_info` reports free on the (rank 0)
+device; on the CPU the RAM the kernel reports available (MemAvailable), since the process has
+no other bound there. A --max-model-len that cannot fit refuses to start (one line, exit 2);
+without it the server serves the longest context that fits, or the model's own
+max_position_embeddings when that is smaller, and reports it on /v1/models.
 
 The model loads after the port opens: `/health` answers at once, `/ready` once the model is
 loaded and a 1-token generation succeeded. A load failure stops the server with exit code 1.
@@ -37,7 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-model-len",
         type=int,
-        help="context limit: prompt + max_tokens (default: the model's max_position_embeddings)",
+        help="context limit: prompt + max_tokens (default: the longest that fits the device's "
+        "free memory, at most the model's max_position_embeddings)",
+    )
+    parser.add_argument(
+        "--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill pass"
     )
     parser.add_argument(
         "--api-key", help=f"require 'Authorization: Bearer KEY' (default: env {API_KEY_ENV})"
@@ -107,12 +118,60 @@ def _usage_problem(args: argparse.Namespace, method: str) -> str | None:
         return "--max-model-len must be at least 2 (a prompt token and a generated one)"
     if args.max_request_bytes < 1 or not 0 <= args.shutdown_grace_s <= 3600:
         return "--max-request-bytes must be at least 1, --shutdown-grace-s within 0..3600"
+    if args.prefill_chunk < 1:
+        return "--prefill-chunk must be at least 1"
     return None
+
+
+def available_memory(device: str) -> int:
+    """Bytes the engine may use on `device`: free CUDA memory, or the CPU's MemAvailable."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return free
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemAvailable")
+
+
+def context_limit(args: argparse.Namespace) -> tuple[int, str | None]:
+    """(the context to serve, why it cannot be served or None), from the memory plan."""
+    from engine.plan import GIB, plan_from_dirs
+
+    plan = plan_from_dirs(
+        args.model,
+        args.draft,
+        args.dtype,
+        available_memory(args.device),
+        args.max_model_len,
+        args.tp,
+        args.prefill_chunk,
+        args.budget + 1,
+    )
+    if problem := plan.problem():
+        return 0, f"--max-model-len does not fit: {problem}"
+    limit = args.max_model_len or plan.longest_context
+    if limit < 2:
+        return 0, (
+            f"the model does not fit: it needs {plan.fixed_bytes / GIB:.2f} GiB before any "
+            f"context, the device has {plan.device_memory / GIB:.2f} GiB free"
+        )
+    return limit, None
 
 
 def run(args: argparse.Namespace) -> int:
     method = args.method or ("ddtree" if args.draft else "ar")
     if problem := _usage_problem(args, method):
+        print(f"Error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        max_model_len, problem = context_limit(args)
+    except (OSError, ValueError, KeyError) as error:
+        problem = f"cannot plan memory for {args.model}: {error}"
+    if problem:
         print(f"Error: {problem}", file=sys.stderr)
         return 2
 
@@ -133,9 +192,10 @@ def run(args: argparse.Namespace) -> int:
     )
 
     def load():
-        return load_engine(
-            args.model, args.draft, args.dtype, args.device, args.max_model_len, args.tp
+        engine = load_engine(
+            args.model, args.draft, args.dtype, args.device, max_model_len, args.tp
         )
+        return with_prefill_chunk(engine, args.prefill_chunk)
 
     server = None
 
@@ -144,5 +204,18 @@ def run(args: argparse.Namespace) -> int:
 
     app = create_app(load, config, on_fatal=stop_server)
     server = draining_server(app, host=args.host, port=args.port, log_level=args.log_level)
+    logging.getLogger(__name__).info("serving a context of up to %d tokens", max_model_len)
     server.run()
     return 1 if app.state.server.worker.startup_error else 0
+
+
+def with_prefill_chunk(engine, chunk: int):
+    """The loaded engine with every generation prefilling `chunk` prompt tokens at a time."""
+    from dataclasses import replace
+
+    generate = engine.generate
+
+    def chunked(prompt_ids, cfg, **callbacks):
+        return generate(prompt_ids, replace(cfg, prefill_chunk=chunk), **callbacks)
+
+    return replace(engine, generate=chunked)
