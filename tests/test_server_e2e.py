@@ -168,6 +168,8 @@ def test_context_limit_is_exact(http):
         (b'{"prompt": "x", "max_tokens": -5}', 400),
         (b'{"prompt": "x", "temperature": "hot"}', 400),
         (b'{"messages": "hi"}', 400),
+        # torch's generator takes 64 bits: this seed was a 500 that showed the exception
+        (b'{"prompt": "x", "temperature": 1, "seed": 18446744073709551616}', 400),
     ],
 )
 def test_bad_requests_are_4xx_never_5xx(http, body, status):
@@ -175,6 +177,13 @@ def test_bad_requests_are_4xx_never_5xx(http, body, status):
     response = http.post(path, content=body)
     assert response.status_code == status, response.text
     assert response.json()["error"]["message"]
+
+
+def test_a_body_over_the_default_limit_is_a_413(http):
+    body = b'{"prompt": "' + b"x" * (9 << 20) + b'"}'  # 9 MiB: over the 8 MiB default
+    response = http.post("/v1/completions", content=body)
+    assert response.status_code == 413
+    assert "at most 8388608 bytes" in response.json()["error"]["message"]
 
 
 def test_a_dropped_stream_cancels_the_generation(http):
