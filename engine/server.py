@@ -332,7 +332,7 @@ class _Server:
         self.metrics.queue_waiting.set(self.worker.waiting)
         return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
-    async def tokenize(self, request: Request) -> dict:
+    async def tokenize(self, request: Request) -> JSONResponse:
         return await self._prepare(self._tokenize_body, request)
 
     async def completions(self, request: Request) -> Response:
@@ -350,7 +350,8 @@ class _Server:
         raw = await read_body(request, self.config.max_request_bytes)
         return await asyncio.get_running_loop().run_in_executor(self.prepare_pool, prepare, raw)
 
-    def _tokenize_body(self, raw: bytes) -> dict:
+    def _tokenize_body(self, raw: bytes) -> JSONResponse:
+        """The whole answer, serialised here too: a long prompt's ids are megabytes of JSON."""
         body = parse_body(TokenizeRequest, raw)
         engine = self._ready_engine()
         self._check_model(body.model)
@@ -363,7 +364,9 @@ class _Server:
                 parse_body(ChatTemplateInputs, raw), engine.tokenizer, self.parsing
             )
             ids = engine.tokenizer.encode(chat.text)
-        return {"count": len(ids), "tokens": ids, "max_model_len": engine.max_model_len}
+        return JSONResponse(
+            {"count": len(ids), "tokens": ids, "max_model_len": engine.max_model_len}
+        )
 
     def _completion_prompt(self, raw: bytes) -> tuple[CompletionRequest, list[int]]:
         body = parse_body(CompletionRequest, raw)
