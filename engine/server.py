@@ -25,6 +25,7 @@ token ids only. Generations run one at a time on the worker thread (engine/serve
 `load` runs there too, so /health answers while a large model loads. A request body is read up
 to `max_request_bytes` (else 413, engine/server_body.py), then parsed, rendered with the chat
 template and tokenised on a small thread pool, so a large prompt never holds up the event loop.
+At shutdown, requests in flight get `shutdown_grace_s`, then a 503 (engine/server_shutdown.py).
 """
 
 from __future__ import annotations
