@@ -129,7 +129,8 @@ def test_held_bytes_are_what_the_gdn_layer_budgets_for() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("T", "prefix", "tree"), [(40, 0, None), (33, 70, None), (16, 50, "ddtree_like")]
+    ("T", "prefix", "tree"),
+    [(40, 0, None), (33, 70, None), (300, 70, None), (16, 50, "ddtree_like")],
 )
 def test_streaming_attention_matches_the_reference(T, prefix, tree, dtype) -> None:
     """The CPU attention (scaled_dot_product_attention, no score tensor) on a prefill chunk

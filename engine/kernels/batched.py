@@ -31,6 +31,7 @@ from engine.kernels import reference
 from engine.kernels.reference import compute_dtype
 
 CHAIN_PIECE = 64
+QUERY_BLOCK = 256  # prefill queries per attention call on the CPU (see tree_attention)
 
 
 def is_chain(parents: torch.Tensor) -> bool:
@@ -222,23 +223,35 @@ def tree_attention(
 ) -> torch.Tensor:  # [T, Hq, D]
     """Same contract as `reference.tree_attention`, streaming over the keys.
 
-    torch's scaled_dot_product_attention (its flash kernel on the CPU, under a [T, S] boolean
-    mask) keeps a running softmax over key blocks: no [Hq, T, S] score tensor, whose size grows
-    with the square of a prefill. The mask costs T bytes per key (a chunk of 2048: 2 KiB per
-    prompt token, against 64 KiB of KV cache at Qwen3.6-27B shapes); torch's lower-right causal
-    bias would avoid it but imports triton, which a CPU process should not pay ~150 MB for.
+    torch's scaled_dot_product_attention (its flash kernel on the CPU, under a boolean mask)
+    keeps a running softmax over key blocks: no [Hq, T, S] score tensor, whose size grows with
+    the square of a prefill. torch turns the mask into a float one, [rows, S] in the compute
+    dtype, so a prefill chunk's queries go QUERY_BLOCK at a time (each over the keys it can see):
+    1.25 KiB of mask per key instead of 5 per query row. torch's lower-right causal bias would
+    need no mask but imports triton, which a CPU process should not pay ~150 MB for.
     """
-    T, S = q.shape[0], k.shape[0]
-    if tree_visible is None:  # causal: query i sees the prefix and the chunk up to itself
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(prefix_len)
-    else:
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device)
+    if tree_visible is not None:  # a verify round: few rows
+        mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
         mask[:, prefix_len:] = tree_visible
+        return _attend(q, k, v, mask, scale)
+    out = torch.empty_like(q)
+    for start in range(0, q.shape[0], QUERY_BLOCK):
+        end = min(q.shape[0], start + QUERY_BLOCK)
+        keys = prefix_len + end  # the last query of the block sees up to itself
+        mask = torch.ones(end - start, keys, dtype=torch.bool, device=q.device)
+        out[start:end] = _attend(
+            q[start:end], k[:keys], v[:keys], mask.tril(prefix_len + start), scale
+        )
+    return out
+
+
+def _attend(q, k, v, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, Hq, D] over k, v [S, Hkv, D] under mask [T, S]: [T, Hq, D]."""
     # [1, heads, tokens, D] views: without the batch dimension torch falls back to its math
     # kernel, which materialises the scores.
     q, k, v = (x[None].transpose(1, 2) for x in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, mask, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)  # [T, Hq, D]
+    return out[0].transpose(0, 1)
 
 
 __all__ = [
