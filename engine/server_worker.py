@@ -9,6 +9,8 @@ worker calls with `Delta` (text to show), then `Done` (the GenerationResult) or 
   (the server answers 503).
 - Setting `job.cancel` (client gone) makes the running generation stop at its next round
   (`should_stop`), or skips the job if it is still waiting.
+- A generation that runs out of memory (CUDA or CPU) fails with a 503 "out_of_memory" `Failed`;
+  what it held is released and the worker takes the next job.
 - `cut()` (shutdown) stops the running job at its next round and fails it and every waiting one
   with a 503 `Failed` (SHUTTING_DOWN); `stop()` cuts, then joins the thread.
 
@@ -19,8 +21,10 @@ is set when it succeeded; when it raised, `startup_error` says why and `on_fatal
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -163,7 +167,13 @@ class GenerationWorker:
             )
         except Exception as exc:  # one failed generation must not end the worker
             log.exception("generation failed")
-            job.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
+            failed = _failure(exc)
+        else:
+            failed = None
+        if failed is not None:
+            if failed.code == "out_of_memory":
+                release_memory()  # outside the except block: the traceback holding it is gone
+            job.emit(failed)
             return
         if result.finish_reason == "cancelled" and self._stopping.is_set() and not job.text.stopped:
             job.emit(_CUT)  # cut short by the shutdown, not finished
@@ -179,6 +189,36 @@ class GenerationWorker:
                 return
             if job is not _STOP:
                 job.emit(_CUT)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch.OutOfMemoryError (CUDA), a CPU allocation torch could not make, a MemoryError."""
+    text = str(exc)
+    return (
+        isinstance(exc, MemoryError)
+        or type(exc).__name__ == "OutOfMemoryError"
+        or "can't allocate memory" in text
+        or "out of memory" in text.lower()
+    )
+
+
+def _failure(exc: Exception) -> Failed:
+    if is_out_of_memory(exc):
+        return Failed(
+            f"out of memory during this generation ({type(exc).__name__}: {exc}); its memory "
+            "was released and the server keeps serving: retry, or ask for fewer tokens",
+            status=503,
+            code="out_of_memory",
+        )
+    return Failed(f"generation failed: {type(exc).__name__}: {exc}")
+
+
+def release_memory() -> None:
+    """Give back what a failed generation held: its cache is garbage once its frames are."""
+    gc.collect()
+    torch = sys.modules.get("torch")  # a scripted engine (tests) runs without torch
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _emit_text(job: Job, text: str) -> None:
