@@ -157,3 +157,21 @@ def test_bfloat16_generate_at_27b_widths_peaks_within_its_weights(tmp_path):
         tmp_path / "single", layers=2, vocab_size=16384, shards=1, **QWEN36_27B_WIDTHS
     )
     assert generate_ids(single, "bfloat16") == ids
+
+
+def test_gpu_memory_check_writes_a_loadable_real_layout_checkpoint(tmp_path, monkeypatch):
+    """The checkpoint gpu_check loads on a GPU, written and loaded here at small widths."""
+    from engine.kernels import gpu_memory
+
+    config = gpu_memory.stack_config(layers=2, vocab=64)
+    config["text_config"].update(hidden_size=32, intermediate_size=64, head_dim=16)
+    config["text_config"].update(num_attention_heads=4, num_key_value_heads=2)
+    config["text_config"].update(linear_num_key_heads=2, linear_num_value_heads=4)
+    config["text_config"].update(linear_key_head_dim=8, linear_value_head_dim=8)
+    monkeypatch.setattr(gpu_memory, "SHARD_BYTES", 20_000)  # several shards
+    written = gpu_memory.write_checkpoint(tmp_path, config, torch.device("cpu"))
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    model = load_target(tmp_path, torch.bfloat16)
+    assert [layer.layer_type for layer in model.layers] == ["linear_attention", "full_attention"]
+    assert written == sum(p.numel() * 2 for p in model.parameters())
+    assert gpu_memory.main([]) == 2  # no CUDA here: nothing is run

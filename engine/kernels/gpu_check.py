@@ -1,8 +1,9 @@
 """GPU check of the Triton tree kernels: correctness against the references, verify-vs-decode time.
 
-Run on a CUDA machine (about 2 minutes on an H200, well under 8):
+Run on a CUDA machine (about 2 minutes on an H200 before the memory check, well under 8):
 
-    python -m engine.kernels.gpu_check [--out gpu_check.json] [--layers 4] [--prefix 4096]
+    python -m engine.kernels.gpu_check [--out gpu_check.json] [--layers 4] [--prefix 4096] \\
+        [--memory-layers 4] [--memory-prompt 32768]
 
 1. Correctness: each Triton kernel against its reference (engine/kernels/reference.py), both on
    CUDA, at Qwen3.6-27B layer shapes, float32 and bf16 (float64 at a small shape), on several
@@ -11,6 +12,9 @@ Run on a CUDA machine (about 2 minutes on an H200, well under 8):
 3. Layer times: a stack of Qwen3.6-27B-shaped layers (3 Gated DeltaNet + 1 gated attention per
    4, random bf16 weights, real sizes) running one verify of a 16-token tree vs one decode
    step, with the Triton kernels and with the references (DDOPS_KERNELS=reference).
+4. Memory (engine/kernels/gpu_memory.py): loading a Qwen3.6-27B-layout checkpoint of
+   --memory-layers layers peaks within 1.05x its weights, and a --memory-prompt-token prefill
+   (32k) on it stays within the memory plan (engine/plan.py). --memory-layers 0 skips it.
 
 Prints a report and writes it as JSON with --out. Exit status: 0 all checks passed, 1 a check
 failed, 2 no CUDA device or no triton (nothing was run).
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 
 from engine import kernels
 from engine.kernels import reference
+from engine.kernels.gpu_memory import check_memory, print_memory_report
 
 # Qwen3.6-27B text config (config.json "text_config").
 HIDDEN = 5120
@@ -404,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the report as JSON to this file")
     parser.add_argument("--layers", type=int, default=4, help="layers in the timed stack")
     parser.add_argument("--prefix", type=int, default=4096, help="committed tokens before the tree")
+    parser.add_argument("--memory-layers", type=int, default=4, help="0 skips the memory check")
+    parser.add_argument("--memory-prompt", type=int, default=32768, help="prefill tokens")
     args = parser.parse_args(argv)
     if reason := _no_device_reason():
         print(f"gpu_check: {reason}: nothing to check", file=sys.stderr)
@@ -419,12 +426,17 @@ def main(argv: list[str] | None = None) -> int:
         "prefix": args.prefix,
         "stack_ms": time_stack(device, args.layers, args.prefix),
     }
+    if args.memory_layers:
+        report["memory"] = check_memory(device, args.memory_layers, args.memory_prompt)
     report["seconds"] = round(time.monotonic() - started, 1)
     _print_report(report)
+    if "memory" in report:
+        print_memory_report(report["memory"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
-    return 0 if all(c.passed for c in comparisons) else 1
+    memory_ok = report.get("memory", {}).get("passed", True)
+    return 0 if memory_ok and all(c.passed for c in comparisons) else 1
 
 
 if __name__ == "__main__":
