@@ -1,7 +1,8 @@
 """Tensor parallelism for the engine over torch.distributed: NCCL on CUDA, gloo on CPU.
 
 Layout of the work (Megatron-style, one all-reduce after each row-parallel layer):
-- attention: q/k/v rows split by heads (GQA: each rank keeps whole groups, so kv_heads % tp == 0),
+- attention: q/k/v rows split by heads (GQA: each rank keeps whole groups, so kv_heads % tp == 0,
+  or, with more ranks than KV heads, each rank a copy of the one KV head its queries read),
   o_proj columns split the same way, then all-reduced; q_norm / k_norm act per head: replicated;
 - Gated DeltaNet: key and value heads split together (the q, k and v parts of in_proj_qkv and of
   the depthwise conv's channels, z / a / b rows, A_log and dt_bias), out_proj row-parallel;
@@ -141,10 +142,20 @@ def shard_mlp(mlp: SwiGLU, rank: int, world: int) -> None:
     mlp.down_proj = row_parallel(mlp.down_proj, columns)
 
 
+def owned_kv_heads(kv_heads: int, rank: int, world: int) -> range:
+    """The KV heads rank `rank` keeps: its share, or, when there are fewer KV heads than ranks,
+    a copy of the one head its query heads read (Qwen3.6-27B's 4 KV heads over TP8: each
+    head on two ranks)."""
+    if world > kv_heads and world % kv_heads == 0:
+        head = rank * kv_heads // world  # ranks split the query heads in order: group by group
+        return range(head, head + 1)
+    return owned(kv_heads, rank, world, "num_key_value_heads")
+
+
 def shard_attention(attn: nn.Module, rank: int, world: int, q_width: int) -> None:
     """Dense or gated attention: q rows of `q_width` per head (2 * head_dim with a gate)."""
     heads = owned(attn.heads, rank, world, "num_attention_heads")
-    kv_heads = owned(attn.kv_heads, rank, world, "num_key_value_heads")
+    kv_heads = owned_kv_heads(attn.kv_heads, rank, world)
     keep_rows(attn.q_proj, head_rows(heads, q_width))
     kv_rows = head_rows(kv_heads, attn.head_dim)
     keep_rows(attn.k_proj, kv_rows)
@@ -226,6 +237,7 @@ def shard_model(model: nn.Module, rank: int, world: int, lm_head: str = "replica
     elif rank != LEADER:
         model.lm_head = NoHead()
     split = {name: getattr(cfg, name) // world for name in SPLIT_FIELDS if hasattr(cfg, name)}
+    split["num_key_value_heads"] = len(owned_kv_heads(cfg.num_key_value_heads, rank, world))
     model.config = replace(cfg, **split)
     return model
 
