@@ -107,9 +107,20 @@ def head_rows(heads: range, width: int, offset: int = 0) -> torch.Tensor:
     return (starts[:, None] + torch.arange(width)).flatten()
 
 
+def part_of(tensor: torch.Tensor, dim: int, indices: torch.Tensor) -> nn.Parameter:
+    """A frozen parameter holding rows (dim 0) or columns (dim 1) `indices` of `tensor`.
+
+    It remembers which (`selection`): a shard cut from a model built on meta reads only
+    those from the checkpoint (`load_shard`).
+    """
+    part = nn.Parameter(tensor.data.index_select(dim, indices.to(tensor.device)), False)
+    part.selection = (dim, indices)
+    return part
+
+
 def rows_of(tensor: torch.Tensor, rows: torch.Tensor) -> nn.Parameter:
     """A frozen parameter holding rows `rows` (dim 0) of `tensor`."""
-    return nn.Parameter(tensor.data[rows.to(tensor.device)], requires_grad=False)
+    return part_of(tensor, 0, rows)
 
 
 def keep_rows(linear: nn.Linear, rows: torch.Tensor) -> None:
@@ -129,9 +140,9 @@ class RowParallelLinear(nn.Linear):
 
 def row_parallel(linear: nn.Linear, columns: torch.Tensor) -> RowParallelLinear:
     """The rank's RowParallelLinear holding input features `columns` of `linear` (no bias)."""
-    weight = linear.weight.data[:, columns.to(linear.weight.device)]
+    weight = part_of(linear.weight, 1, columns)
     sharded = RowParallelLinear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    sharded.weight = nn.Parameter(weight, requires_grad=False)
+    sharded.weight = weight
     return sharded
 
 
@@ -374,16 +385,56 @@ class TensorParallelTarget:
 
 def load_shard(
     model_dir: str | Path, dtype: torch.dtype, device: str, rank: int, world: int, lm_head: str
-) -> tuple[nn.Module, nn.Module, object]:
-    """This rank's shard on `device`, the whole lm_head (rank 0's drafter) and whole config."""
-    from engine.models import load_target
-    from engine.models.common import inference_ready
+) -> tuple[nn.Module, nn.Module | None, object]:
+    """This rank's shard on `device`, the whole lm_head (rank 0's, for the drafter; None on the
+    other ranks) and the whole model's config.
 
-    model = load_target(model_dir, dtype, "cpu")  # cut on the CPU: only the shard moves
-    whole_head, whole_config = model.lm_head, model.config
-    # Sharding copies weights row-major: re-lay them (on the CPU) for the shard's matmuls.
-    shard = inference_ready(shard_model(model, rank, world, lm_head).to(device))
-    return shard, whole_head.to(device), whole_config
+    The model is built and cut on the meta device, then materialised on `device`; each rank
+    reads from the checkpoint only its own rows and columns of each tensor.
+    """
+    from engine.models import target_checkpoint
+    from engine.models.common import finish_loading
+
+    model, rename = target_checkpoint(model_dir)
+    whole_config = model.config
+    shard_model(model, rank, world, lm_head)
+    selections = {n: p.selection for n, p in model.named_parameters() if hasattr(p, "selection")}
+    shard = finish_loading(
+        model, model_dir, _shard_rename(rename, model), dtype, device, selections.get
+    )
+    if rank != LEADER:
+        return shard, None, whole_config
+    whole_head = shard.lm_head if lm_head == "replicated" else _whole_head(model_dir, dtype, device)
+    return shard, whole_head, whole_config
+
+
+def _shard_rename(rename, shard: nn.Module):
+    """`rename` for a shard: a follower without a head reads no lm_head; a vocab-sharded head
+    of a tied model reads its rows from the embeddings."""
+    params = dict(shard.named_parameters())
+    tied_head = shard.config.tie_word_embeddings and "lm_head.weight" in params
+
+    def renamed(tensor_name: str):
+        name = rename(tensor_name)
+        if name == "embed_tokens.weight" and tied_head:
+            return (name, "lm_head.weight")
+        return name if name in params else None
+
+    return renamed
+
+
+def _whole_head(model_dir: str | Path, dtype: torch.dtype, device: str) -> nn.Linear:
+    """The whole lm_head on its own: an untied model's head tensor, else the embeddings."""
+    from engine.models import target_checkpoint
+    from engine.models.common import finish_loading
+
+    model, rename = target_checkpoint(model_dir)
+    source = "embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
+    vocab, hidden = model.embed_tokens.weight.shape
+    head = nn.Linear(hidden, vocab, bias=False, device="meta")
+    return finish_loading(
+        head, model_dir, lambda name: "weight" if rename(name) == source else None, dtype, device
+    )
 
 
 def launch_target(

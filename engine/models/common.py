@@ -254,33 +254,75 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
     return files
 
 
+Rename = Callable[[str], "str | tuple[str, ...] | None"]
+Select = Callable[[str], "tuple[int, torch.Tensor] | None"]
+
+
 def load_checkpoint(
-    module: nn.Module, model_dir: str | Path, rename: Callable[[str], str | None]
+    module: nn.Module, model_dir: str | Path, rename: Rename, select: Select | None = None
 ) -> None:
     """Copy every checkpoint tensor that `rename` maps to a parameter name into that parameter.
 
-    `rename(tensor_name)` gives the parameter's name, or None for a tensor the model does not
-    use (a vision tower, `mtp.*`, a tied lm_head): those are never read. Each tensor is read
-    from its memory-mapped shard and copied (cast to the parameter's dtype, moved to its device)
-    on its own, and each shard is closed once its tensors are in, so beyond the model at most
-    one tensor and one shard's mapped pages are resident. A parameter without a tensor, or a
-    tensor without a parameter, is an error.
+    `rename(tensor_name)` gives the parameter's name (or several: a tied head shard), or None
+    for a tensor the model does not use (a vision tower, `mtp.*`, a tied lm_head): those are
+    never read. `select(parameter_name)`, when given, may say that the parameter holds only
+    some rows (dim 0) or columns (dim 1) of its tensor, as (dim, indices): only those are read
+    (a tensor-parallel rank's share). Each tensor is read from its memory-mapped shard and
+    copied (cast to the parameter's dtype, moved to its device) on its own, so beyond the model
+    at most one tensor is resident. A parameter without a tensor, or a tensor without a
+    parameter, is an error.
     """
     params = dict(module.named_parameters())
-    sources: dict[Path, dict[str, str]] = {}  # shard -> {tensor name: parameter name}
+    sources: dict[Path, dict[str, tuple[str, ...]]] = {}  # shard -> {tensor: parameter names}
     for tensor_name, file in checkpoint_files(model_dir).items():
-        if (name := rename(tensor_name)) is not None:
-            sources.setdefault(file, {})[tensor_name] = name
-    named = {name for names in sources.values() for name in names.values()}
+        if (names := rename(tensor_name)) is not None:
+            names = (names,) if isinstance(names, str) else names
+            sources.setdefault(file, {})[tensor_name] = names
+    named = {name for shard in sources.values() for names in shard.values() for name in names}
     missing, unexpected = sorted(set(params) - named), sorted(named - set(params))
     if missing or unexpected:
         raise ValueError(
             f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     with torch.no_grad():
-        for file, names in sources.items():
-            for tensor_name, name in names.items():
-                # One mapping per tensor: a shard kept open would keep every page it had
-                # read resident (they count as this process's memory) until it closed.
-                with safe_open(str(file), "pt") as shard:
-                    params[name].copy_(shard.get_tensor(tensor_name))
+        for file, tensors in sources.items():
+            for tensor_name, names in tensors.items():
+                for name in names:
+                    part = select(name) if select else None
+                    # One mapping per tensor: a shard kept open would keep every page it had
+                    # read resident (they count as this process's memory) until it closed.
+                    with safe_open(str(file), "pt") as shard:
+                        if part is None:
+                            value = shard.get_tensor(tensor_name)
+                        else:
+                            value = read_part(shard.get_slice(tensor_name), *part)
+                        params[name].copy_(value)
+
+
+def read_part(piece, dim: int, indices: torch.Tensor) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) `indices` of a safetensors slice, read run by run."""
+    runs, start = [], 0
+    values = indices.tolist()
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[i - 1] + 1:
+            runs.append((values[start], values[i - 1] + 1))
+            start = i
+    parts = [piece[a:b] if dim == 0 else piece[:, a:b] for a, b in runs]
+    return torch.cat(parts, dim=dim)
+
+
+def finish_loading(
+    model: nn.Module,
+    model_dir: str | Path,
+    rename: Rename,
+    dtype: torch.dtype,
+    device,
+    select: Select | None = None,
+) -> nn.Module:
+    """A model built on meta, materialised in `dtype` on `device`, its ties restored (they come
+    undone), its weights read from `model_dir`, ready for inference."""
+    model = materialize(model, dtype, device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    load_checkpoint(model, model_dir, rename, select)
+    return inference_ready(model)

@@ -36,9 +36,7 @@ from engine.models.common import (
     Rotary,
     SwiGLU,
     compute_dtype,
-    inference_ready,
-    load_checkpoint,
-    materialize,
+    finish_loading,
     read_config,
     rope_theta,
 )
@@ -294,6 +292,4 @@ def load_dflash(
     cfg = DFlashConfig.from_dict(read_config(model_dir))
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg)
-    drafter = materialize(drafter, dtype, device)
-    load_checkpoint(drafter, model_dir, lambda name: name)
-    return inference_ready(drafter)
+    return finish_loading(drafter, model_dir, lambda name: name, dtype, device)

@@ -17,7 +17,7 @@ Interface shared by every target model (see engine/decode.py):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -32,9 +32,7 @@ from engine.models.common import (
     Rotary,
     SwiGLU,
     compute_dtype,
-    inference_ready,
-    load_checkpoint,
-    materialize,
+    finish_loading,
     read_config,
     rope_theta,
 )
@@ -114,8 +112,10 @@ class Qwen3Model(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
+            self.lm_head.weight = (
+                self.embed_tokens.weight
+            )  # (a tensor-parallel shard may have none)
 
     def new_cache(self, max_len: int) -> KVCache:
         weight = self.embed_tokens.weight
@@ -174,21 +174,24 @@ class Qwen3Model(nn.Module):
         cache.commit(accepted)
 
 
-def load_qwen3(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
-) -> Qwen3Model:
-    """A dense Qwen3 from an HF directory (config.json + safetensors, sharded or not), loaded
-    tensor by tensor in `dtype` on `device`."""
+def qwen3_checkpoint(model_dir: str | Path) -> tuple[Qwen3Model, Callable[[str], str | None]]:
+    """The model of an HF directory built on meta, and its checkpoint names' parameter names."""
     cfg = Qwen3Config.from_dict(read_config(model_dir))
     with torch.device("meta"):
         model = Qwen3Model(cfg)
-    model = materialize(model, dtype, device)
-    model.tie_weights()  # materialising meta parameters unties them
 
     def rename(name: str) -> str | None:
         if name.startswith("lm_head.") and cfg.tie_word_embeddings:
             return None
         return name.removeprefix("model.")
 
-    load_checkpoint(model, model_dir, rename)
-    return inference_ready(model)
+    return model, rename
+
+
+def load_qwen3(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> Qwen3Model:
+    """A dense Qwen3 from an HF directory (config.json + safetensors, sharded or not), loaded
+    tensor by tensor in `dtype` on `device`."""
+    model, rename = qwen3_checkpoint(model_dir)
+    return finish_loading(model, model_dir, rename, dtype, device)

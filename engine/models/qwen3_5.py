@@ -21,7 +21,7 @@ strategies). `load_qwen3_5(path)` reads `qwen3_5_text` checkpoints and the text 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,9 +34,7 @@ from engine.models.common import (
     Rotary,
     SwiGLU,
     compute_dtype,
-    inference_ready,
-    load_checkpoint,
-    materialize,
+    finish_loading,
     read_config,
     rope_theta,
 )
@@ -248,8 +246,10 @@ class Qwen3_5Model(nn.Module):
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.partial_rotary_factor)
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
+            self.lm_head.weight = (
+                self.embed_tokens.weight
+            )  # (a tensor-parallel shard may have none)
 
     def _layers_of(self, layer_type: str) -> list[HybridDecoderLayer]:
         return [layer for layer in self.layers if layer.layer_type == layer_type]
@@ -350,6 +350,25 @@ def hf_text_prefix(config: dict) -> str:
     return MULTIMODAL_TEXT_PREFIX if config.get("model_type") == "qwen3_5" else TEXT_PREFIX
 
 
+def qwen3_5_checkpoint(
+    path: str | Path, state_strategy: StateStrategy = "auto"
+) -> tuple[Qwen3_5Model, Callable[[str], str | None]]:
+    """The model of a `qwen3_5_text` or `qwen3_5` directory built on meta, and its checkpoint
+    names' parameter names (None for the vision tower, `mtp.*` and a tied lm_head)."""
+    hf_config = read_config(path)
+    config = Qwen3_5Config.from_hf(hf_config)
+    with torch.device("meta"):  # no random init of weights about to be overwritten
+        model = Qwen3_5Model(config, state_strategy)
+    prefix = hf_text_prefix(hf_config)
+
+    def rename(name: str) -> str | None:
+        if name == "lm_head.weight":
+            return None if config.tie_word_embeddings else name
+        return name[len(prefix) :] if name.startswith(prefix) else None
+
+    return model, rename
+
+
 def load_qwen3_5(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
@@ -358,18 +377,5 @@ def load_qwen3_5(
 ) -> Qwen3_5Model:
     """Load a `qwen3_5_text` checkpoint or the text part of a `qwen3_5` (multimodal) one,
     tensor by tensor in `dtype` on `device` (the vision tower and `mtp.*` are never read)."""
-    hf_config = read_config(path)
-    config = Qwen3_5Config.from_hf(hf_config)
-    with torch.device("meta"):  # no random init of weights about to be overwritten
-        model = Qwen3_5Model(config, state_strategy)
-    model = materialize(model, dtype, device)
-    model.tie_weights()  # materialising meta parameters unties them
-    prefix = hf_text_prefix(hf_config)
-
-    def rename(name: str) -> str | None:
-        if name == "lm_head.weight":
-            return None if config.tie_word_embeddings else name
-        return name[len(prefix) :] if name.startswith(prefix) else None
-
-    load_checkpoint(model, path, rename)
-    return inference_ready(model)
+    model, rename = qwen3_5_checkpoint(path, state_strategy)
+    return finish_loading(model, path, rename, dtype, device)

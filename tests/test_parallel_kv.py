@@ -1,0 +1,117 @@
+"""Tensor parallelism at real size (engine/parallel.py), on the CPU with gloo.
+
+More ranks than KV heads (Qwen3.6-27B: 4 KV heads, TP8): TP4 on a model of 2 KV heads decodes
+like one rank; and each rank reads only its own rows and columns of the checkpoint. Its own
+module: tests/test_parallel.py keeps a process group open for its module, and a process has one.
+
+Run: python -m pytest -q tests/test_parallel_kv.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.decode import GenerationConfig, generate
+from engine.models import load_target
+from engine.parallel import launch_target
+from tests.helpers.tiny_hybrid import save_tiny_hybrid
+from tests.helpers.tiny_qwen3 import save_tiny_qwen3
+from tests.test_parallel import PROMPT, TOLERANCE, Pair, oracle_for, prefill_tree_chain
+
+
+def test_four_ranks_over_two_kv_heads_decode_like_one(tmp_path):
+    """TP4 on a model of 2 KV heads: each KV head is copied onto the two ranks whose query
+    heads read it; logits, ar and ddtree output equal one rank's."""
+    model_dir = save_tiny_qwen3(tmp_path / "m", seed=3, tokenizer=False)
+    assert json.loads((model_dir / "config.json").read_text())["num_key_value_heads"] == 2
+    whole = load_target(model_dir)
+    sharded = launch_target(model_dir, torch.float32, "cpu", tp=4)
+    try:
+        assert sharded.shard.config.num_key_value_heads == 1
+        expected_outputs = prefill_tree_chain(whole, (0, 1))
+        for want, have in zip(expected_outputs, prefill_tree_chain(sharded, (0, 1)), strict=True):
+            torch.testing.assert_close(have, want, atol=TOLERANCE, rtol=0)
+        pair = Pair(whole, sharded)
+        for method, budget in (("ar", 1), ("ddtree", 6)):
+            cfg = GenerationConfig(method=method, budget=budget, max_new_tokens=16)
+            drafter = oracle_for(pair, seed=1)
+            expected = generate(whole, drafter, PROMPT, cfg).output_ids
+            assert generate(sharded, drafter, PROMPT, cfg).output_ids == expected
+    finally:
+        sharded.close()
+
+
+def elements_read(monkeypatch) -> list[int]:
+    """Elements of each tensor (or part) the loader reads from now on."""
+    from engine.models import common
+
+    counts: list[int] = []
+    real_open = common.safe_open
+
+    class Counting:
+        def __init__(self, *args, **kwargs) -> None:
+            self.inner = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_tensor(self, name):
+            tensor = self.inner.get_tensor(name)
+            counts.append(tensor.numel())
+            return tensor
+
+        def get_slice(self, name):
+            inner = self.inner.get_slice(name)
+
+            class Piece:
+                def __getitem__(self, index):
+                    part = inner[index]
+                    counts.append(part.numel())
+                    return part
+
+            return Piece()
+
+    monkeypatch.setattr(common, "safe_open", Counting)
+    return counts
+
+
+@pytest.mark.parametrize(
+    ("kind", "lm_head"), [("dense", "replicated"), ("hybrid", "sharded"), ("tied", "sharded")]
+)
+def test_each_rank_reads_only_its_own_slices(tmp_path, monkeypatch, kind, lm_head):
+    from engine.parallel import load_shard, shard_model
+
+    if kind == "hybrid":
+        model_dir = save_tiny_hybrid(tmp_path / "m", seed=3, tokenizer=False)
+    else:
+        model_dir = save_tiny_qwen3(
+            tmp_path / "m", seed=3, tokenizer=False, tie_word_embeddings=kind == "tied"
+        )
+    whole = load_target(model_dir)
+    whole_elements = sum(p.numel() for p in whole.parameters())
+    embeddings = whole.embed_tokens.weight.numel()
+    expected = [shard_model(load_target(model_dir), rank, 2, lm_head) for rank in range(2)]
+    counts = elements_read(monkeypatch)
+    for rank in range(2):
+        counts.clear()
+        shard, head, _ = load_shard(model_dir, torch.float32, "cpu", rank, 2, lm_head)
+        read = sum(counts) - (head.weight.numel() if rank == 0 and lm_head == "sharded" else 0)
+        params = dict(shard.named_parameters())
+        for name, param in expected[rank].named_parameters():
+            assert torch.equal(params[name], param), name
+        assert read == sum(p.numel() for p in shard.parameters())  # nothing more is read
+        assert read < whole_elements - embeddings / 2  # the layers are split
+        if rank == 0:
+            assert torch.equal(head.weight, whole.lm_head.weight)
+        else:
+            assert head is None
