@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from engine.decode import GenerationConfig, generate
-from engine.models import common, load_drafter, load_target
+from engine.models import load_drafter, load_target
+from tests.helpers.checkpoint_reads import record_reads
 from tests.helpers.qwen36_checkpoint import (
     QWEN36_27B_WIDTHS,
     TEXT_PREFIX,
@@ -47,38 +48,11 @@ def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def record_reads(monkeypatch) -> list[str]:
-    """Names of the tensors the loader reads from now on."""
-    reads: list[str] = []
-    real_open = common.safe_open
-
-    class Recording:
-        def __init__(self, *args, **kwargs) -> None:
-            self.inner = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.inner.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_tensor(self, name):
-            reads.append(name)
-            return self.inner.get_tensor(name)
-
-    monkeypatch.setattr(common, "safe_open", Recording)
-    return reads
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_multimodal_layout_loads_each_text_tensor_in_the_dtype_and_nothing_else(
     sharded, monkeypatch, dtype
 ):
-    reads = record_reads(monkeypatch)
+    reads = record_reads(monkeypatch).names
     model = load_target(sharded, dtype)
     tensors = checkpoint_tensors(sharded)
     params = dict(model.named_parameters())

@@ -17,6 +17,7 @@ import torch
 from engine.decode import GenerationConfig, generate
 from engine.models import load_target
 from engine.parallel import launch_target
+from tests.helpers.checkpoint_reads import record_reads
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_qwen3 import save_tiny_qwen3
 from tests.test_parallel import PROMPT, TOLERANCE, Pair, oracle_for, prefill_tree_chain
@@ -44,47 +45,6 @@ def test_four_ranks_over_two_kv_heads_decode_like_one(tmp_path):
         sharded.close()
 
 
-def elements_read(monkeypatch) -> list[int]:
-    """Elements of each tensor (or part) the loader reads from now on."""
-    from engine.models import common
-
-    counts: list[int] = []
-    real_open = common.safe_open
-
-    class Counting:
-        def __init__(self, *args, **kwargs) -> None:
-            self.inner = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.inner.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_tensor(self, name):
-            tensor = self.inner.get_tensor(name)
-            counts.append(tensor.numel())
-            return tensor
-
-        def get_slice(self, name):
-            inner = self.inner.get_slice(name)
-
-            class Piece:
-                def __getitem__(self, index):
-                    part = inner[index]
-                    counts.append(part.numel())
-                    return part
-
-            return Piece()
-
-    monkeypatch.setattr(common, "safe_open", Counting)
-    return counts
-
-
 @pytest.mark.parametrize(
     ("kind", "lm_head"), [("dense", "replicated"), ("hybrid", "sharded"), ("tied", "sharded")]
 )
@@ -101,11 +61,13 @@ def test_each_rank_reads_only_its_own_slices(tmp_path, monkeypatch, kind, lm_hea
     whole_elements = sum(p.numel() for p in whole.parameters())
     embeddings = whole.embed_tokens.weight.numel()
     expected = [shard_model(load_target(model_dir), rank, 2, lm_head) for rank in range(2)]
-    counts = elements_read(monkeypatch)
+    reads = record_reads(monkeypatch)
     for rank in range(2):
-        counts.clear()
+        reads.clear()
         shard, head, _ = load_shard(model_dir, torch.float32, "cpu", rank, 2, lm_head)
-        read = sum(counts) - (head.weight.numel() if rank == 0 and lm_head == "sharded" else 0)
+        read = sum(reads.elements) - (
+            head.weight.numel() if rank == 0 and lm_head == "sharded" else 0
+        )
         params = dict(shard.named_parameters())
         for name, param in expected[rank].named_parameters():
             assert torch.equal(params[name], param), name
