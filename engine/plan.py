@@ -19,7 +19,8 @@ the whole lm_head and the drafter):
 - the largest transient: a prefill chunk (the widest layer's live activations for
   `prefill_chunk` tokens, and one row of float32 logits) or a verify round (`verify_tokens`
   tokens through the widest layer, their logits, what the GDN layers keep for commit, the
-  drafter's block); an upper estimate, set against measurements in engine/NOTES.md;
+  drafter's block); the chunk's itemised activations are planned at TRANSIENT_SLACK (1.5x),
+  set against measurements in engine/NOTES.md;
 - RESERVE_BYTES for the runtime itself (CUDA context and allocator slack, the process).
 The longest context is what the rest leaves, divided by the bytes per token, less one draft
 block (the caches hold a round beyond the context), capped by the model's
@@ -42,6 +43,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}
 RESERVE_BYTES = GIB
 DEFAULT_PREFILL_CHUNK = 2048
 DEFAULT_VERIFY_TOKENS = 16  # a ddtree budget of 15, or a DFlash chain of 15, and the bonus
+SOLVE_PIECE = 64  # engine/kernels/batched.py CHAIN_PIECE: a chain's decay rows are this long
+# The itemised activations leave out the allocator's slack and short-lived copies: a 2048-token
+# chunk measured 1.3x them on the CPU (engine/NOTES.md), so a chunk is planned at 1.5x.
+TRANSIENT_SLACK = 1.5
 FULL, LINEAR = "full_attention", "linear_attention"
 _SIZE_UNITS = {
     "": 1,
@@ -206,6 +211,8 @@ class TargetShape:
             self.conv_dim(tp) * (2 * width + 2 * compute)  # conv inputs, outputs, compute copies
             + 2 * n["value_heads"] * self.gdn_key_dim * compute  # q, k per value head
             + v_width * (2 * width + 2 * compute)  # v, z, the rule's output and its norm
+            # the CPU's batched solve keeps, per token and head, its key, write and decay row
+            + n["value_heads"] * (self.gdn_key_dim + self.gdn_value_dim + SOLVE_PIECE) * compute
         )
         return residual + max(mlp, attention, gdn if self.count(LINEAR) else 0)
 
@@ -399,7 +406,7 @@ def plan_from_configs(
         draft_kv_per_token=draft.kv_bytes_per_token(width) if draft else 0,
         context_features_per_token=draft.context_bytes_per_token(width) if draft else 0,
         recurrent_state=target.recurrent_bytes(width, compute, tp),
-        prefill_transient=prefill_chunk * activation + logits_row,
+        prefill_transient=int(TRANSIENT_SLACK * prefill_chunk * activation) + logits_row,
         verify_transient=verify,
         reserve=RESERVE_BYTES,
         draft_block=draft.block_size if draft else 0,

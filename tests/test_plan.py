@@ -72,9 +72,9 @@ def test_qwen36_27b_longest_context_on_96_and_64_gib():
         plan = qwen36_plan(memory)
         fixed = 2 * (TARGET_PARAMS + DRAFT_PARAMS) + RECURRENT + plan.transient + GIB
         assert plan.longest_fit == (memory - fixed) // per_token - 16  # a draft block beyond
-    assert qwen36_plan(96 * GIB).longest_fit == 320_572
+    assert qwen36_plan(96 * GIB).longest_fit == 316_981
     assert qwen36_plan(96 * GIB).longest_context == 262_144  # the model's own limit binds
-    assert qwen36_plan(64 * GIB).longest_context == 70_166
+    assert qwen36_plan(64 * GIB).longest_context == 66_575
     alone = qwen36_plan(96 * GIB, draft=False)
     fixed = 2 * TARGET_PARAMS + RECURRENT + alone.transient + GIB
     assert alone.longest_fit == (96 * GIB - fixed) // KV_PER_TOKEN
@@ -84,8 +84,8 @@ def test_qwen36_27b_does_not_fit_48_gb_and_a_too_long_context_is_explained():
     assert qwen36_plan(48 * 10**9).longest_context == 0
     plan = qwen36_plan(64 * GIB, max_model_len=100_000)
     problem = plan.problem()
-    assert "max_model_len 100000" in problem and "70166 tokens" in problem
-    assert qwen36_plan(64 * GIB, max_model_len=70_166).problem() is None
+    assert "max_model_len 100000" in problem and "66575 tokens" in problem
+    assert qwen36_plan(64 * GIB, max_model_len=66_575).problem() is None
 
 
 def test_tensor_parallel_splits_layers_and_replicates_kv_heads_past_their_count():
@@ -200,7 +200,7 @@ def test_cli_refuses_a_context_that_cannot_fit_and_bad_input(tmp_path):
     done = run_plan("--model", str(QWEN36 / "target"), "--draft", str(QWEN36 / "draft"),
                     "--device-memory", "64GiB", "--max-model-len", "100000")  # fmt: skip
     assert done.returncode == 2
-    assert done.stderr.count("\n") == 1 and "the longest context that fits is 70166" in done.stderr
+    assert done.stderr.count("\n") == 1 and "the longest context that fits is 66575" in done.stderr
     for args in (
         ("--model", str(tmp_path), "--device-memory", "96GiB"),
         ("--model", str(QWEN36 / "target"), "--device-memory", "lots"),
