@@ -17,6 +17,7 @@ with that host; the others go on (Ansible's own behaviour, kept: no any_errors_f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -31,13 +32,14 @@ from rich.console import Console
 from rich.table import Table
 
 from ops.bench.matrix import BenchConfig
-from ops.checks import Policy
+from ops.checks import Policy, chain_for
 from ops.errors import DdopsError
 from ops.hosts import parse_target
 from ops.inventory import Site, site_document
 from ops.recover import ChainReport, CheckResult
 from ops.resources import playbooks_dir
 from ops.site import OpenedSite
+from ops.wheel import built_wheel
 
 PLAYBOOKS = {"provision": "provision.yml", "recover": "recover.yml", "bench": "bench.yml"}
 CHECK_MODULE = "ddops_check"
@@ -187,7 +189,9 @@ def _on_event(
     elif status in ("failed", "unreachable") and not data.get("ignore_errors"):
         outcome.status = status
         outcome.detail = outcome.detail or f"{data.get('task', '')}: {res.get('msg', '')}".strip()
-    if data.get("task_action") == CHECK_MODULE:
+    if data.get("task_action") == CHECK_MODULE and status == "skipped":
+        _record_skipped_check(run, host, data.get("task", ""), mode, on_progress)
+    elif data.get("task_action") == CHECK_MODULE:
         for item in res.get("results") or []:
             _record_check(run, host, item, mode, check, on_progress)
     elif on_progress:
@@ -201,6 +205,27 @@ def _task_status(status: str, res: dict) -> str:
     if status == "ok" and res.get("changed"):
         return "changed"
     return status
+
+
+def _record_skipped_check(
+    run: PlaybookRun, host: str, task: str, mode: str, on_progress: Progress | None
+) -> None:
+    """A check task Ansible reports as skipped: its event carries no results (Ansible drops a
+    skipped task's result), so each of the host's CTs gets the check as skipped, with the needs
+    that did not pass. A task its `when` skipped (not in this mode's chain) is no check here."""
+    chain = {c.title.lower(): c for c in chain_for(Policy(provision=mode == "provision"))}
+    found = chain.get(task.lower())
+    if found is None:
+        return
+    for (name, vmid), report in run.reports.items():
+        if name != host or any(r.key == found.key for r in report.results):
+            continue
+        done = {r.key: r.status for r in report.results}
+        unmet = [n for n in found.needs if done.get(n, "ok") not in ("ok", "unchanged", "changed")]
+        why = f"needs {', '.join(unmet)}" if unmet else "an earlier check failed"
+        report.results.append(CheckResult(found.key, found.title, "skipped", 0.0, why))
+        if on_progress:
+            on_progress(f"{host}: CT {vmid}: {'skipped':>12}  {found.title} (0.0s)")
 
 
 def _record_check(
@@ -236,22 +261,27 @@ def run_chain_playbook(
     inventory: str | None,
     on_progress: Progress | None = None,
 ) -> PlaybookRun:
-    """`ddops provision|recover --via ansible`: the selected CTs through playbooks/<mode>.yml."""
+    """`ddops provision|recover --via ansible`: the selected CTs through playbooks/<mode>.yml.
+    Provision first installs this ddops on each host, from a wheel built here."""
     vmids = sorted({target.ct.vmid for target in opened.targets})
     hosts = sorted({target.host.name for target in opened.targets})
-    return run_playbook(
-        mode,
-        chain_inventory(opened, inventory),
-        check=dry_run,
-        limit=hosts,
-        extravars={
-            "ddops_vmids": vmids,
-            "ddops_unlock": policy.unlock,
-            "ddops_remove_api_key": policy.remove_api_key,
-        },
-        mode=mode,
-        on_progress=on_progress,
-    )
+    extravars = {
+        "ddops_vmids": vmids,
+        "ddops_unlock": policy.unlock,
+        "ddops_remove_api_key": policy.remove_api_key,
+    }
+    with built_wheel() if mode == "provision" else contextlib.nullcontext() as wheel:
+        if wheel is not None:
+            extravars["ddops_wheel"] = str(wheel)
+        return run_playbook(
+            mode,
+            chain_inventory(opened, inventory),
+            check=dry_run,
+            limit=hosts,
+            extravars=extravars,
+            mode=mode,
+            on_progress=on_progress,
+        )
 
 
 # -- bench through its playbook -----------------------------------------------------------------

@@ -8,7 +8,7 @@ with the plan and any file diff; it raises DdopsError when it cannot act.
 
     host -> modules -> nodes -> ct-exists -> ct-config -> ct-running -> cuda -> model -> service
     -> engine -> bench -> host-ddops
-                    (+ capacity, boot, hookscript, engine-installed, api-key under provision)
+      (+ capacity, gpu-capacity, boot, hookscript, engine-installed, api-key under provision)
 
 The runner that applies them is ops/recover.py. Tests: tests/test_checks.py (one check at a time
 on a sim host) and the provision/recover tests (the whole chain).
@@ -55,12 +55,14 @@ class Policy:
     """What a run may do beyond repairing: `provision` creates the CT, installs boot persistence
     and the engine, and sets the engine's API key; `unlock` clears a CT lock (`pct unlock`)
     before starting it; `remove_api_key` (provision only) turns authentication off;
-    `verify_hashes` (health --hashes) checks the staged model's sha256, not only size + mtime."""
+    `verify_hashes` (health --hashes) checks the staged model's sha256, not only size + mtime;
+    `store_hf_token` (provision only) keeps HF_TOKEN on the host for the boot-time recovery."""
 
     provision: bool = False
     unlock: bool = False
     remove_api_key: bool = False
     verify_hashes: bool = False
+    store_hf_token: bool = False
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,11 @@ def probe_capacity(c: ChainContext) -> Finding:
     return (
         _bad(problem, fixable=False) if problem else _ok(f"{c.name}: memory holds model + engine")
     )
+
+
+def probe_gpu_capacity(c: ChainContext) -> Finding:
+    fit = host_setup.gpu_capacity(c.t, c.ct, c.model, c.engine, c.hf_token)
+    return _bad(fit.problem, fixable=False) if fit.problem else _ok(fit.evidence)
 
 
 def _boot_specs(c: ChainContext) -> list[TemplateSpec]:
@@ -485,8 +492,14 @@ def _host_site_text(c: ChainContext) -> str:
     return host_install.host_site_text(c.t, host, c.model, c.engine)
 
 
+def _stores_token(c: ChainContext) -> bool:
+    return c.policy.provision and c.policy.store_hf_token and c.hf_token is not None
+
+
 def probe_host_ddops(c: ChainContext) -> Finding:
     problems = host_install.host_problems(c.t, _host_site_text(c))
+    if _stores_token(c) and (problem := host_install.hf_token_problem(c.t, c.hf_token)):
+        problems.append(problem)
     if problems:
         return _bad(f"{c.t.label}: {'; '.join(problems)}")
     return _ok(f"ddops {host_install.ddops_version()} and {host_install.HOST_SITE} on the host")
@@ -498,6 +511,7 @@ def install_host_ddops(c: ChainContext, dry_run: bool) -> Outcome:
         for step in (
             host_install.install_host_ddops(c.t, dry_run),
             host_install.write_host_site(c.t, _host_site_text(c), dry_run),
+            host_install.store_hf_token(c.t, c.hf_token, dry_run) if _stores_token(c) else None,
         )
         if step
     ]
@@ -517,6 +531,14 @@ CHAIN: tuple[Check, ...] = (
     ),
     Check("modules", "nvidia kernel modules loaded", probe_modules, load_modules, ("host",)),
     Check("nodes", "/dev/nvidia* and uvm nodes", probe_nodes, create_nodes, ("modules",)),
+    Check(
+        "gpu-capacity",
+        "GPU memory holds the engine's plan",
+        probe_gpu_capacity,
+        None,
+        ("nodes",),
+        provision_only=True,  # before anything is created: nothing to undo when it fails
+    ),
     Check(
         "boot",
         "recovery at boot installed",

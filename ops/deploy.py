@@ -215,10 +215,7 @@ def engine_unit(
     on a real host, CPU + float32 on a simulated one (it has no GPU behind its device nodes).
     On CUDA the engine sees the CT's `gpu_count` GPUs as 0..gpu_count-1 (CUDA_VISIBLE_DEVICES);
     TP rank r uses GPU r."""
-    device = engine.device if engine.device != "auto" else ("cpu" if t.sysroot else "cuda")
-    dtype = (
-        engine.dtype if engine.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
-    )
+    device, dtype = engine_device_dtype(t, engine)
     return EngineUnit(
         python=engine.python,
         model=model_dir,
@@ -236,6 +233,16 @@ def engine_unit(
             ",".join(map(str, range(gpu_count))) if device == "cuda" and gpu_count else None
         ),
     )
+
+
+def engine_device_dtype(t: Transport, engine: EngineSpec) -> tuple[str, str]:
+    """EngineSpec's "auto" resolved: CUDA + bfloat16 on a real host, CPU + float32 on a simulated
+    one (no GPU behind its device nodes)."""
+    device = engine.device if engine.device != "auto" else ("cpu" if t.sysroot else "cuda")
+    dtype = (
+        engine.dtype if engine.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
+    )
+    return device, dtype
 
 
 # -- service managers: systemd, or the ddops supervisor ----------------------------------------

@@ -152,3 +152,16 @@ def gpu_facts(t: Transport) -> GpuFacts:
 def create_uvm_nodes(t: Transport) -> Result:
     """`nvidia-modprobe -u -c=0`: load nvidia_uvm and create /dev/nvidia-uvm{,-tools}."""
     return t.run(["nvidia-modprobe", "-u", "-c=0"]).check(t.label)
+
+
+def gpu_memory(t: Transport) -> dict[int, int]:
+    """Each GPU's total memory in bytes, by index (nvidia-smi); {} when nvidia-smi cannot tell."""
+    r = t.run(["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"])
+    if not r.ok:
+        return {}
+    memory = {}
+    for line in r.stdout.splitlines():
+        index, _, mib = line.partition(",")
+        if index.strip().isdigit() and mib.strip().isdigit():
+            memory[int(index)] = int(mib) << 20
+    return memory

@@ -30,6 +30,7 @@ from ops.wheel import built_wheel, ddops_version
 HOST_DDOPS = "/usr/local/bin/ddops"
 HOST_SITE = "/etc/ddops/site.yml"
 HOST_VENV = "/opt/ddops/venv"
+HF_TOKEN_FILE = "/etc/ddops/hf-token.env"  # only with `provision --store-hf-token` (root, 0600)
 WHEEL_DIR = "/var/lib/ddops/wheels"
 PIP_TIMEOUT_S = 1800.0
 SITE_HEADER = (
@@ -70,6 +71,28 @@ def host_problems(t: Transport, site_text: str) -> list[str]:
     elif t.read_text(HOST_SITE) != site_text:
         problems.append(f"{HOST_SITE} differs from the inventory's part for this host")
     return problems
+
+
+def hf_token_problem(t: Transport, token: str) -> str | None:
+    """Whether the stored token is this one (compared on the host side, never printed)."""
+    if t.exists(HF_TOKEN_FILE) and t.read_text(HF_TOKEN_FILE) == _token_text(token):
+        return None
+    return f"{HF_TOKEN_FILE} does not hold this HF_TOKEN"
+
+
+def store_hf_token(t: Transport, token: str, dry_run: bool) -> str | None:
+    """HF_TOKEN for the boot-time recovery (a gated model re-downloaded when the CT's cache is
+    damaged): root-only, written atomically; what was done, or None."""
+    if hf_token_problem(t, token) is None:
+        return None
+    if dry_run:
+        return f"would store HF_TOKEN in {HF_TOKEN_FILE} (0600)"
+    t.write_file(HF_TOKEN_FILE, _token_text(token), mode=0o600, backup=False)
+    return f"stored HF_TOKEN in {HF_TOKEN_FILE} (0600)"
+
+
+def _token_text(token: str) -> str:
+    return f"HF_TOKEN={token}\n"
 
 
 def write_host_site(t: Transport, site_text: str, dry_run: bool) -> str | None:

@@ -9,14 +9,21 @@ and the check that the CT's memory can hold the model at all.
       both units enabled (linked into multi-user.target.wants/, what `systemctl enable` does)
     boot_problems(t, specs); install_boot(t, specs, dry_run)
     capacity_problem(ct, models, endpoint, token)    # memory >= model + engine; /dev/shm >= model
+    gpu_capacity(t, ct, model, engine, token)        # the engine's memory plan fits the GPUs
 
 The chain (ops/checks.py) wraps these into its provision-only checks.
 """
 
 from __future__ import annotations
 
-from ops.host_install import HOST_DDOPS, HOST_SITE
-from ops.inventory import ContainerSpec, ModelRef
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ops.deploy import engine_device_dtype
+from ops.gpu import gpu_memory
+from ops.host_install import HF_TOKEN_FILE, HOST_DDOPS, HOST_SITE
+from ops.inventory import ContainerSpec, EngineSpec, ModelRef, ModelSpec
 from ops.lxcconf import unified_diff
 from ops.pve import ct_config, validate_vmid
 from ops.render import GpuNodesUnit, Hookscript, NvidiaModules, RecoverUnit, TemplateSpec, render
@@ -54,7 +61,7 @@ def boot_specs(gpu_minors: tuple[int, ...], vmids: tuple[int, ...]) -> list[Temp
     return [
         NvidiaModules(),
         GpuNodesUnit(gpu_minors=gpu_minors),
-        RecoverUnit(vmids=vmids, ddops=HOST_DDOPS, inventory=HOST_SITE),
+        RecoverUnit(vmids=vmids, ddops=HOST_DDOPS, inventory=HOST_SITE, env_file=HF_TOKEN_FILE),
     ]
 
 
@@ -146,6 +153,57 @@ def install_hookscript(t: Transport, vmid: int, spec: Hookscript, dry_run: bool)
 
 
 # -- capacity ----------------------------------------------------------------------------------
+def model_config(ref: ModelRef, endpoint: str | None, token: str | None) -> dict:
+    """A repo's config.json at the revision (one small file from the hub, cached)."""
+    from huggingface_hub import hf_hub_download
+
+    with hub_errors(ref):
+        path = hf_hub_download(
+            ref.repo, "config.json", revision=ref.revision, endpoint=endpoint, token=token
+        )
+    return json.loads(Path(path).read_text())
+
+
+@dataclass(frozen=True)
+class GpuFit:
+    """The engine's memory plan (engine/plan.py) held against the CT's smallest GPU."""
+
+    problem: str | None
+    evidence: str
+
+
+def gpu_capacity(
+    t: Transport, ct: ContainerSpec, model: ModelSpec, engine: EngineSpec, token: str | None
+) -> GpuFit:
+    """Whether the target and drafter, with engine.max_model_len tokens (or any context when it
+    is unset), fit each GPU the CT's engine runs on (under tensor parallelism, per rank)."""
+    from engine.plan import GIB, plan_from_configs  # arithmetic only: no torch
+
+    memory = gpu_memory(t)
+    missing = [gpu for gpu in ct.gpus if gpu not in memory]
+    if missing:
+        return GpuFit(f"{t.label}: nvidia-smi reports no memory for GPU {missing[0]}", "")
+    gpu = min(ct.gpus, key=lambda g: memory[g])
+    target = model_config(model.target, model.hub_endpoint, token)
+    draft = model_config(model.draft, model.hub_endpoint, token) if model.draft else None
+    _, dtype = engine_device_dtype(t, engine)
+    plan = plan_from_configs(target, draft, dtype, memory[gpu], engine.max_model_len, engine.tp)
+    where = f"CT {ct.vmid}: GPU {gpu} ({memory[gpu] / GIB:.1f} GiB, {dtype}, tp {engine.tp})"
+    if plan.longest_fit < 1:
+        return GpuFit(
+            f"{where}: {model.target.repo} does not fit: weights {plan.weights / GIB:.2f} GiB "
+            f"+ state, transient and runtime {(plan.fixed_bytes - plan.weights) / GIB:.2f} GiB",
+            "",
+        )
+    if problem := plan.problem():
+        return GpuFit(f"{where}: {problem}", "")
+    return GpuFit(
+        None,
+        f"{where}: weights {plan.weights / GIB:.2f} GiB, {plan.bytes_per_token / 1024:.1f} KiB per "
+        f"token, longest context {plan.longest_context} tokens",
+    )
+
+
 def model_bytes(ref: ModelRef, endpoint: str | None, token: str | None) -> int:
     """The size of a repo's files at the revision, from the hub's file list (nothing downloaded)."""
     from huggingface_hub import HfApi

@@ -165,6 +165,7 @@ class RecoverUnit(TemplateSpec):
     ddops: str = "/usr/local/bin/ddops"
     inventory: str | None = None
     timeout_s: int = 1800
+    env_file: str | None = None
 
     def __post_init__(self) -> None:
         if not self.vmids:
@@ -174,6 +175,7 @@ class RecoverUnit(TemplateSpec):
         _check_path(self.TEMPLATE, "ddops", self.ddops)
         _check_path(self.TEMPLATE, "inventory", self.inventory, optional=True)
         _check_int(self.TEMPLATE, "timeout_s", self.timeout_s, range(1, 86_401))
+        _check_path(self.TEMPLATE, "env_file", self.env_file, optional=True)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import os
 import subprocess
 import sys
 import tempfile
@@ -33,7 +34,11 @@ def built_wheel() -> Iterator[Path | None]:
         return
     with tempfile.TemporaryDirectory(prefix="ddops-wheel-") as out:
         build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
-        proc = subprocess.run([*build, "-w", out, str(PROJECT)], capture_output=True, text=True)
+        # Fixed zip timestamps: the same tree gives the same bytes, so a copy of it is unchanged.
+        env = {**os.environ, "SOURCE_DATE_EPOCH": "315532800"}
+        proc = subprocess.run(
+            [*build, "-w", out, str(PROJECT)], capture_output=True, text=True, env=env
+        )
         if proc.returncode != 0:
             raise DdopsError(str(PROJECT), f"building the ddops wheel failed: {proc.stderr[-500:]}")
         yield next(Path(out).glob("ddops-*.whl"))

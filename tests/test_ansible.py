@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import yaml
 from click.testing import CliRunner
 
 from ops.ansible import (
+    PLAYBOOKS,
     PlaybookRun,
     bench_args,
     connection_vars,
@@ -38,9 +40,11 @@ from ops.deploy import SUPERVISED_UNIT
 from ops.host_setup import boot_specs
 from ops.inventory import parse_site
 from ops.recover import contexts
-from ops.sim.host import destroy_host, init_host
+from ops.resources import playbooks_dir
+from ops.sim.host import destroy_host, init_host, reboot_host
 from ops.sim.hub import LocalHub
 from ops.site import open_site
+from ops.wheel import built_wheel, ddops_version
 from tests.helpers.site import (
     inventory_document,
     make_tiny_hub_root,
@@ -56,6 +60,16 @@ BOOT_UNITS = [spec.INSTALL_PATH for spec in boot_specs((0,), (200,))]
 
 
 # -- fast: inventories and events ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("playbook", sorted(PLAYBOOKS.values()))
+def test_every_playbook_and_task_file_parses(playbook, tmp_path):
+    inventory = tmp_path / "inventory.yml"
+    inventory.write_text("all:\n  hosts:\n    h:\n      ansible_connection: local\n")
+    ansible = Path(sys.executable).parent / "ansible-playbook"
+    argv = [str(ansible), "-i", str(inventory), str(playbooks_dir() / playbook), "--syntax-check"]
+    checked = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
 def test_site_inventory_round_trips_through_the_cli_reader(tmp_path):
@@ -141,6 +155,41 @@ def _check_item(vmid: int, key: str, status: str, evidence: str = "") -> dict:
         "action": "",
         "diff": "",
     }
+
+
+def test_a_skipped_check_task_is_a_skipped_check_of_each_ct_of_its_host():
+    """Ansible drops a skipped task's result (no `res`): the report names the unmet needs."""
+    from ops.ansible import _on_event
+
+    run = PlaybookRun()
+    planned = {"changed": True, "results": [_check_item(200, "ct-exists", "would change")]}
+    for event in (
+        _event("runner_on_ok", "a", "CT exists", "ddops_check", planned),
+        {"event": "runner_on_skipped", "event_data": {
+            "host": "a", "task": "CT config grants current majors", "task_action": "ddops_check"}},
+        {"event": "runner_on_skipped", "event_data": {
+            "host": "a", "task": "Engine installed in the CT", "task_action": "ddops_check"}},
+    ):  # fmt: skip
+        _on_event(run, event, "recover", True, None)
+    (report,) = run.reports.values()
+    assert [(r.key, r.status, r.evidence) for r in report.results] == [
+        ("ct-exists", "would change", ""),
+        ("ct-config", "skipped", "needs ct-exists"),
+    ]  # engine-installed is not in recover's chain: its `when` skipped it
+    assert run.hosts["a"].skipped_tasks == 2
+
+
+def test_every_check_task_is_named_as_its_check():
+    """The report maps a skipped task to its check by name (see the test above)."""
+    tasks_dir = playbooks_dir() / "roles/ddops_chain/tasks"
+    named = {
+        task["name"].lower(): task["ddops_check"]["check"]
+        for path in tasks_dir.glob("*.yml")
+        for task in yaml.safe_load(path.read_text()) or []
+        if "ddops_check" in task
+    }
+    chain = chain_for(Policy(provision=True))
+    assert named == {c.title.lower(): c.key for c in chain if c.key != "boot"}  # boot: templates
 
 
 def test_events_become_per_ct_reports_and_per_host_outcomes():
@@ -231,13 +280,15 @@ class Fleet:
             if p.is_file() and not p.is_symlink() and p.suffix != ".log"
         }
 
-    def playbook(self, name: str, *, check: bool = False) -> PlaybookRun:
-        """The playbook over the host and CT steps (the engine steps load torch in the CT)."""
+    def playbook(self, name: str, *, check: bool = False, wheel: Path | None = None) -> PlaybookRun:
+        """The playbook over the host and CT steps (the engine steps load torch in the CT);
+        with `wheel`, ddops itself is installed on each host first."""
         return run_playbook(
             name,
             with_local_connections(self.document()),
             check=check,
             tags=("host", "ct"),
+            extravars={"ddops_wheel": str(wheel)} if wheel else {},
             mode=name,
         )
 
@@ -245,7 +296,10 @@ class Fleet:
         result = CliRunner().invoke(cli, ["-i", str(self.inventory), "--json", *args])
         if result.exception and not isinstance(result.exception, SystemExit):
             raise result.exception
-        return result.exit_code, json.loads(result.stdout)
+        try:
+            return result.exit_code, json.loads(result.stdout)
+        except ValueError:
+            return result.exit_code, result.output
 
 
 @pytest.fixture(scope="module")
@@ -307,9 +361,10 @@ def twin_host(root: Path) -> Iterator[Path]:
         destroy_host(root)
 
 
-def cli_path_up_to_ct_config(fleet: Fleet, host: str, twin: Path) -> None:
-    """What `ddops -i INVENTORY provision` does for `host` up to the CT config, on a twin host:
-    the chain's own probes and remedies, in order, with the fleet's inventory."""
+def cli_path_through_the_ct_steps(fleet: Fleet, host: str, twin: Path) -> None:
+    """What `ddops -i INVENTORY provision` does for `host` through the CT's own steps (config,
+    start, hookscript), on a twin host: the chain's own probes and remedies, in order, with the
+    fleet's inventory."""
     document = fleet.document()
     document["all"]["hosts"] = {
         host: document["all"]["hosts"][host] | {"ddops_target": f"sim:{twin}"}
@@ -322,7 +377,7 @@ def cli_path_up_to_ct_config(fleet: Fleet, host: str, twin: Path) -> None:
         for check in chain_for(policy):
             if not check.probe(c).ok:
                 check.remedy(c, False)
-            if check.key == "ct-config":
+            if check.key == "hookscript":
                 return
 
 
@@ -345,10 +400,21 @@ def test_check_then_apply_then_apply_again_and_the_files_equal_the_cli_paths(fle
         assert checks["ct-config"] == "skipped" and checks["model"] == "skipped"
         assert checks["modules"] == checks["nodes"] == "unchanged"
         moot = [key for key, status in checks.items() if status == "skipped"]
-        assert skipped_tasks[ct["host"]] == len(moot), (ct["host"], moot)  # Ansible: "skipping"
+        assert skipped_tasks[ct["host"]] >= len(moot), (ct["host"], moot)  # Ansible: "skipping"
 
-    applied = fleet.playbook("provision")
-    assert {h: o.status for h, o in applied.hosts.items()} == {LOCAL: "changed", REMOTE: "changed"}
+    with built_wheel() as wheel:
+        applied = fleet.playbook("provision", wheel=wheel)
+        for host, root in fleet.roots.items():  # ddops itself, on the local and the SSH host
+            version = subprocess.run(
+                [root / "opt/ddops/venv/bin/ddops", "--version"], capture_output=True, text=True
+            )
+            assert version.stdout.split()[-1] == ddops_version(), (host, version)
+        again_with_wheel = fleet.playbook("provision", wheel=wheel)
+    assert {h: o.status for h, o in applied.hosts.items()} == {
+        LOCAL: "changed",
+        REMOTE: "changed",
+    }, applied.hosts
+    assert {h: o.changed_tasks for h, o in again_with_wheel.hosts.items()} == {LOCAL: 0, REMOTE: 0}
     for vmid, checks in statuses(applied).items():
         assert checks["ct-exists"] == checks["ct-config"] == checks["ct-running"] == "changed", vmid
         assert checks["cuda"] == "unchanged", vmid
@@ -364,7 +430,7 @@ def test_check_then_apply_then_apply_again_and_the_files_equal_the_cli_paths(fle
 
     for host, vmid in VMIDS.items():
         with twin_host(tmp_path / f"cli-{host}") as twin:
-            cli_path_up_to_ct_config(fleet, host, twin)
+            cli_path_through_the_ct_steps(fleet, host, twin)
             for path in [f"/etc/pve/lxc/{vmid}.conf", *BOOT_UNITS]:
                 ours = (fleet.roots[host] / path.lstrip("/")).read_bytes()
                 assert ours == (twin / path.lstrip("/")).read_bytes(), (host, path)
@@ -410,6 +476,13 @@ def test_the_whole_chain_via_ansible_then_recover_changes_nothing(tmp_path, hub_
         assert code == 0, again
         assert {c["status"] for ct in again["cts"] for c in ct["checks"]} == {"unchanged"}
         assert site.ct_sh("cat /etc/ddops/engine.env") == "DDOPS_API_KEY=sk-ansible-5e6f\n"
+        # The play installed ddops on the host, and the boot units run it: nobody acts here.
+        wrapper = (site.root / "usr/local/bin/ddops").read_text()
+        assert f"{site.root}/opt/ddops/venv/bin/python" in wrapper
+        reboot_host(site.root, uvm_major=509)
+        code, health = site.ddops("health", "--ct", str(site.vmid))
+        assert code == 0, health
+        assert health["cts"][0]["last_recover"]["trigger"] == "boot"
         code, benched = site.ddops(
             "bench",
             "--via",

@@ -14,6 +14,8 @@ import yaml
 
 from ops import host_install
 from ops.inventory import parse_site
+from ops.render import RecoverUnit, render
+from ops.sim.boot import unit_env
 from ops.sim.host import destroy_host, init_host
 from ops.transport import LocalTransport
 from ops.wheel import ddops_version
@@ -79,3 +81,21 @@ def test_a_stale_host_ddops_is_named_with_both_versions(host, monkeypatch):
     monkeypatch.setattr(host_install, "ddops_version", lambda: "9.9.9")
     problems = host_install.host_problems(host, site_text(host))
     assert problems[0] == f"/usr/local/bin/ddops is ddops {ddops_version()}, this is ddops 9.9.9"
+
+
+def test_hf_token_is_stored_root_only_and_reaches_the_boot_unit(host):
+    assert host_install.store_hf_token(host, "hf_secret_1", dry_run=True).startswith("would")
+    assert not host.exists(host_install.HF_TOKEN_FILE)
+    done = host_install.store_hf_token(host, "hf_secret_1", dry_run=False)
+    assert done == "stored HF_TOKEN in /etc/ddops/hf-token.env (0600)" and "hf_secret" not in done
+    stored = Path(host.host_path(host_install.HF_TOKEN_FILE))
+    assert stored.stat().st_mode & 0o777 == 0o600
+    assert host_install.hf_token_problem(host, "hf_secret_1") is None
+    assert host_install.store_hf_token(host, "hf_secret_1", dry_run=False) is None
+    assert host_install.hf_token_problem(host, "hf_other") is not None
+
+    unit = Path(host.sysroot) / "etc/systemd/system/ddops-recover.service"
+    unit.write_text(render(RecoverUnit(vmids=(200,), env_file=host_install.HF_TOKEN_FILE)))
+    assert unit_env(Path(host.sysroot), unit)["HF_TOKEN"] == "hf_secret_1"  # as systemd reads it
+    stored.unlink()
+    assert "HF_TOKEN" not in unit_env(Path(host.sysroot), unit)  # "-": optional

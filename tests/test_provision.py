@@ -37,6 +37,7 @@ CHAIN_KEYS = [
     "capacity",
     "modules",
     "nodes",
+    "gpu-capacity",
     "boot",
     "ct-exists",
     "ct-config",
@@ -102,6 +103,7 @@ def test_dry_run_from_nothing_plans_and_changes_nothing(site):
         "capacity": "unchanged",
         "modules": "unchanged",
         "nodes": "unchanged",
+        "gpu-capacity": "unchanged",
         "boot": "would change",
         "ct-exists": "would change",
         "ct-config": "skipped",
@@ -226,8 +228,9 @@ def test_the_api_key_survives_reboot_and_recover_and_provision_rotates_it(site, 
         ("", (), "DDOPS_API_KEY must be 1-4096 characters"),
         ("two words", (), "(got 9 characters, some not allowed)"),
         ("sk-1", ("--no-api-key",), "--no-api-key and DDOPS_API_KEY contradict each other"),
+        ("sk-1", ("--store-hf-token",), "--store-hf-token needs HF_TOKEN in the environment"),
     ],
-    ids=["empty", "not-a-token", "contradiction"],
+    ids=["empty", "not-a-token", "contradiction", "token-to-store-missing"],
 )
 def test_a_bad_api_key_is_a_usage_error_before_anything_runs(
     site, monkeypatch, env, flags, message

@@ -361,7 +361,9 @@ def test_hook_does_nothing_for_other_phases_or_bad_arguments(hook, args):
 SPECS: dict[str, TemplateSpec] = {
     "nvidia-modules": NvidiaModules(),
     "gpu-nodes": GpuNodesUnit(gpu_minors=(0, 1)),
-    "recover": RecoverUnit(vmids=(200, 201), inventory="/etc/ddops/it's.yml"),
+    "recover": RecoverUnit(
+        vmids=(200, 201), inventory="/etc/ddops/it's.yml", env_file="/etc/ddops/hf-token.env"
+    ),
     "hook": Hookscript(inventory="/etc/ddops/site.yml"),
     "engine": ENGINE,
     "engine-awkward-paths": AWKWARD,

@@ -9,6 +9,7 @@ nothing. Exit 0 only when the CT ends healthy.
 
 The engine's API key: DDOPS_API_KEY, when set, is installed (or rotated) in the CT; without it
 the installed key is kept, and a CT that has none gets a random one. `--no-api-key` removes it.
+`--store-hf-token` keeps HF_TOKEN on the host (root, 0600) for the boot-time recovery.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from ops.deploy import API_KEY_ENV, parse_api_key
 @click.option("--ct", "vmids", type=VMID, multiple=True, help="The CT (repeat; default: all).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and file diffs; change nothing.")
 @click.option(
+    "--store-hf-token",
+    is_flag=True,
+    help="Keep HF_TOKEN on the host (root, 0600) for the boot-time recovery of a gated model.",
+)
+@click.option(
     "--no-api-key",
     is_flag=True,
     help="Serve without authentication: remove the engine's API key (default: keep or create one).",
@@ -33,13 +39,22 @@ from ops.deploy import API_KEY_ENV, parse_api_key
 @VIA
 @click.pass_context
 def provision_command(
-    ctx: click.Context, vmids: tuple[int, ...], dry_run: bool, no_api_key: bool, via: str
+    ctx: click.Context,
+    vmids: tuple[int, ...],
+    dry_run: bool,
+    store_hf_token: bool,
+    no_api_key: bool,
+    via: str,
 ) -> None:
     """Set up GPU containers from the inventory and bring their engines up."""
     api_key = operator_api_key()
     if api_key is not None and no_api_key:
         raise click.UsageError(f"--no-api-key and {API_KEY_ENV} contradict each other")
-    policy = Policy(provision=True, remove_api_key=no_api_key)
+    if store_hf_token and not os.environ.get("HF_TOKEN"):
+        raise click.UsageError("--store-hf-token needs HF_TOKEN in the environment")
+    if store_hf_token and via == "ansible":
+        raise click.UsageError("--store-hf-token is not available with --via ansible yet")
+    policy = Policy(provision=True, remove_api_key=no_api_key, store_hf_token=store_hf_token)
     run_chain_command(ctx, "provision", vmids, policy, dry_run, via, api_key)
 
 

@@ -32,6 +32,13 @@ def sim() -> None:
 @sim.command()
 @click.argument("path", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--gpus", default=1, show_default=True, type=click.IntRange(1, 16))
+@click.option(
+    "--gpu-memory-mib",
+    default=97887,
+    show_default=True,
+    type=click.IntRange(1024, 4 << 20),
+    help="Each fake GPU's memory (nvidia-smi memory.total); 97887 is a 96 GB card.",
+)
 @click.option("--uvm-major", default=511, show_default=True, type=UVM_MAJOR)
 @click.option("--pve-version", default="8.2.4", show_default=True)
 @click.option("--driver", default="550.90.07", show_default=True, help="NVIDIA driver version.")
@@ -44,12 +51,13 @@ def sim() -> None:
 )
 @click.option("--ct", type=click.IntRange(100, 999999999), help="Also create and start this CT.")
 @click.pass_context
-def init(ctx, path: Path, gpus, uvm_major, pve_version, driver, containers, ct) -> None:
+def init(ctx, path: Path, gpus, gpu_memory_mib, uvm_major, pve_version, driver, containers, ct):
     """Make PATH a simulated Proxmox host (a no-op when it already is one)."""
     path = path.resolve()
     changed = init_host(
         path,
         gpus=gpus,
+        gpu_memory_mib=gpu_memory_mib,
         uvm_major=uvm_major,
         pve_version=pve_version,
         driver=driver,

@@ -83,7 +83,7 @@ def _run_unit(root: Path, unit: Path) -> bool:
             log(root, f"boot: {unit.name}: skipped (not a command the sim host runs): {command}")
             continue
         ran_any = True
-        proc = subprocess.run(argv, env=_boot_env(root), capture_output=True, text=True)
+        proc = subprocess.run(argv, env=unit_env(root, unit), capture_output=True, text=True)
         said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
         why = f" ({said[-1]})" if proc.returncode != 0 and said else ""  # as the journal keeps it
         log(root, f"boot: {unit.name}: {command} -> exit {proc.returncode}{why}")
@@ -129,7 +129,16 @@ def _without_host_option(args: list[str]) -> list[str]:
     return kept
 
 
-def _boot_env(root: Path) -> dict[str, str]:
+def unit_env(root: Path, unit: Path) -> dict[str, str]:
+    """The environment a unit's commands get: the sim host's tools first on PATH, and the unit's
+    EnvironmentFile= files read as systemd reads them (below the sim root; "-" optional)."""
+    from ops.supervise import read_env_file, unquote_systemd
+
     env = dict(os.environ)
     env["PATH"] = f"{root / 'usr/sbin'}:{root / 'usr/bin'}:{env.get('PATH', '')}"
+    for line in unit.read_text().splitlines():
+        if line.strip().startswith("EnvironmentFile="):
+            for path in unquote_systemd(line.strip().removeprefix("EnvironmentFile=")):
+                optional = "-" if path.startswith("-") else ""
+                env.update(read_env_file(optional + str(root / path.lstrip("-").lstrip("/"))))
     return env

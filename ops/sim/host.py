@@ -77,6 +77,7 @@ def init_host(
     containers: str = "auto",
     ct: int | None = None,
     device_nodes: str | None = None,
+    gpu_memory_mib: int = SimState.gpu_memory_mib,
 ) -> bool:
     """Make `root` a healthy sim host; False (nothing touched) when it already is one.
 
@@ -94,6 +95,7 @@ def init_host(
         pve_version=pve_version,
         driver_version=driver,
         gpus=gpus,
+        gpu_memory_mib=gpu_memory_mib,
         uvm_major=uvm_major,
         caps_major=_other_major(uvm_major),
         containers=choose_containers(containers),

@@ -20,7 +20,6 @@ from ops.sim import kernel
 from ops.sim.state import NVIDIA_MODULES, SimState, host_lock, load_state, save_state
 
 GPU_NAME = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
-GPU_MEMORY_MIB = 97887
 CUDA_VERSION = "12.4"
 CT_USERSPACE_FILE = "etc/ddops-sim/nvidia.json"
 NO_DRIVER = (
@@ -32,9 +31,9 @@ QUERY_FIELDS = {
     "name": lambda g: GPU_NAME,
     "uuid": lambda g: g["uuid"],
     "driver_version": lambda g: g["driver_version"],
-    "memory.total": lambda g: f"{GPU_MEMORY_MIB} MiB",
+    "memory.total": lambda g: f"{g['memory_mib']} MiB",
     "memory.used": lambda g: "0 MiB",
-    "memory.free": lambda g: f"{GPU_MEMORY_MIB} MiB",
+    "memory.free": lambda g: f"{g['memory_mib']} MiB",
     "utilization.gpu": lambda g: "0 %",
     "pci.bus_id": lambda g: f"00000000:{0x41 + g['index']:02X}:00.0",
 }
@@ -49,7 +48,8 @@ def nvidia_smi_host(root: Path, args: list[str]) -> int:
     if not state.module_loaded("nvidia"):
         print(NO_DRIVER)
         return 9
-    return _print_gpus(_gpus(state.node, state.gpus, state.driver_version), args)
+    gpus = _gpus(state.node, state.gpus, state.driver_version, state.gpu_memory_mib)
+    return _print_gpus(gpus, args)
 
 
 def nvidia_smi_ct(ct_root: Path, args: list[str]) -> int:
@@ -69,12 +69,16 @@ def nvidia_smi_ct(ct_root: Path, args: list[str]) -> int:
         print("Failed to initialize NVML: Driver/library version mismatch")
         print(f"NVML library version: {userspace['userspace_version']}")
         return 18
-    gpus = _gpus(userspace["node"], userspace["gpus"], userspace["userspace_version"])
+    memory = userspace.get("gpu_memory_mib", SimState.gpu_memory_mib)
+    gpus = _gpus(userspace["node"], userspace["gpus"], userspace["userspace_version"], memory)
     return _print_gpus(gpus, args)
 
 
-def _gpus(node: str, count: int, driver: str) -> list[dict]:
-    return [{"index": i, "uuid": gpu_uuid(node, i), "driver_version": driver} for i in range(count)]
+def _gpus(node: str, count: int, driver: str, memory_mib: int) -> list[dict]:
+    return [
+        {"index": i, "uuid": gpu_uuid(node, i), "driver_version": driver, "memory_mib": memory_mib}
+        for i in range(count)
+    ]
 
 
 def _print_gpus(gpus: list[dict], args: list[str]) -> int:
@@ -102,7 +106,7 @@ def _print_gpus(gpus: list[dict], args: list[str]) -> int:
             f"| NVIDIA-SMI {driver}    Driver Version: {driver}    CUDA Version: {CUDA_VERSION} |"
         )
         for g in gpus:
-            print(f"|   {g['index']}  {GPU_NAME}  |  0MiB / {GPU_MEMORY_MIB}MiB |")
+            print(f"|   {g['index']}  {GPU_NAME}  |  0MiB / {g['memory_mib']}MiB |")
     return 0
 
 
@@ -160,6 +164,7 @@ def ct_userspace(state: SimState, existing: dict | None) -> dict:
     return {
         "node": state.node,
         "gpus": state.gpus,
+        "gpu_memory_mib": state.gpu_memory_mib,
         "userspace_version": (existing or {}).get("userspace_version", state.driver_version),
         "kernel_module_version": state.driver_version if state.module_loaded("nvidia") else None,
     }

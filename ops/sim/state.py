@@ -45,6 +45,7 @@ class SimState:
     pve_version: str = "8.2.4"
     driver_version: str = "550.90.07"
     gpus: int = 1
+    gpu_memory_mib: int = 97887  # each GPU's memory.total, as nvidia-smi reports it (96 GB card)
     uvm_major: int = 511
     caps_major: int = 510
     modules: list[str] = field(default_factory=list)

@@ -31,6 +31,7 @@ options:
   args: {description: "ddops bench options, e.g. [--methods, 'ar,ddtree:15', --lengths, '256']", default: [], type: list, elements: str}
   out: {description: results directory on the host (default ddops' own), type: str}
   no_recover: {description: fail instead of recovering when a health check fails, default: false, type: bool}
+  host_name: {description: "the host's inventory name (inventory_hostname), as in its own site file", default: this, type: str}
 """
 
 RETURN = r"""
@@ -45,7 +46,7 @@ def local_inventory(params: dict, sysroot: str | None) -> dict:
         "ddops_containers": params["containers"],
     }
     group_vars = {"ddops_model": params["model"], "ddops_engine": params["engine"]}
-    return {"all": {"vars": group_vars, "hosts": {"this": host}}}
+    return {"all": {"vars": group_vars, "hosts": {params["host_name"]: host}}}
 
 
 def bench_argv(inventory: str, vmid: int, params: dict) -> list[str]:
@@ -82,6 +83,7 @@ def main() -> None:
             "args": {"type": "list", "elements": "str", "default": []},
             "out": {"type": "str"},
             "no_recover": {"type": "bool", "default": False},
+            "host_name": {"type": "str", "default": "this"},
         },
         supports_check_mode=True,
     )

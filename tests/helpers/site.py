@@ -160,12 +160,20 @@ def sim_site(
     uvm_major: int = 511,
     pve_version: str = "8.2.4",
     hub_token: str | None = None,
+    gpu_memory_mib: int = 97887,
     **ct,
 ) -> Iterator[SimSite]:
     """A fresh sim host (real LXC) + a running hub over `hub_root` (private with `hub_token`:
     it answers only `Authorization: Bearer <hub_token>`) + an inventory file."""
     root = tmp_path / "pve"
-    init_host(root, gpus=1, uvm_major=uvm_major, pve_version=pve_version, containers="lxc")
+    init_host(
+        root,
+        gpus=1,
+        uvm_major=uvm_major,
+        pve_version=pve_version,
+        containers="lxc",
+        gpu_memory_mib=gpu_memory_mib,
+    )
     with LocalHub(hub_root, token=hub_token) as hub:
         inventory = tmp_path / "inventory.yml"
         inventory.write_text(yaml.safe_dump(inventory_document(root, hub.url, **ct)))
