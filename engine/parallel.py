@@ -466,11 +466,33 @@ def launch_target(
         local = rank_device(device, LEADER)
         init_group(LEADER, tp, local, init_method)
     try:
-        shard, whole_head, whole_config = load_shard(model_dir, dtype, local, LEADER, tp, lm_head)
-    except BaseException:  # the followers fail alike; leave the group so a retry can join one
+        shard, whole_head, whole_config = load_on_every_rank(
+            model_dir, dtype, local, LEADER, tp, lm_head
+        )
+    except BaseException:  # leave the group so a retry can join one
         dist.destroy_process_group()
         raise
     return TensorParallelTarget(shard, whole_config, whole_head, followers, rendezvous)
+
+
+def load_on_every_rank(model_dir, dtype, device: str, rank: int, world: int, lm_head: str):
+    """`load_shard` on this rank, then every rank hears whether every other one loaded: a
+    failure anywhere (a missing file, out of memory on one GPU) ends all of them, each with the
+    failing ranks' messages, instead of leaving the others waiting on a dead rank."""
+    try:
+        loaded, failure = load_shard(model_dir, dtype, device, rank, world, lm_head), None
+    except Exception as error:
+        loaded, failure = None, f"rank {rank}: {type(error).__name__}: {error}"
+    agree_loaded(failure)
+    return loaded
+
+
+def agree_loaded(failure: str | None) -> None:
+    """Gather every rank's load failure (None: loaded); raise RuntimeError naming any."""
+    reports: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, failure)
+    if failed := [report for report in reports if report]:
+        raise RuntimeError("tensor-parallel load failed: " + "; ".join(failed))
 
 
 def _spawn_followers(
@@ -509,7 +531,11 @@ def _exit_with_parent() -> None:
 
 
 def _serve_as_follower(model_dir, dtype, device: str, rank: int, world: int, lm_head: str):
-    shard, _, _ = load_shard(model_dir, dtype, device, rank, world, lm_head)
+    try:
+        shard, _, _ = load_on_every_rank(model_dir, dtype, device, rank, world, lm_head)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
     try:
         with torch.inference_mode():
             follow(shard)

@@ -1,7 +1,8 @@
 """Tensor parallelism at real size (engine/parallel.py), on the CPU with gloo.
 
 More ranks than KV heads (Qwen3.6-27B: 4 KV heads, TP8): TP4 on a model of 2 KV heads decodes
-like one rank; and each rank reads only its own rows and columns of the checkpoint. Its own
+like one rank; each rank reads only its own rows and columns of the checkpoint; a load failure
+on one rank ends every rank with that rank's message. Its own
 module: tests/test_parallel.py keeps a process group open for its module, and a process has one.
 
 Run: python -m pytest -q tests/test_parallel_kv.py
@@ -77,3 +78,34 @@ def test_each_rank_reads_only_its_own_slices(tmp_path, monkeypatch, kind, lm_hea
             assert torch.equal(head.weight, whole.lm_head.weight)
         else:
             assert head is None
+
+
+def _failing_rank(init_method: str) -> None:
+    """Rank 1 of a two-rank gloo group whose load failed."""
+    from engine.parallel import agree_loaded, init_group
+
+    init_group(1, 2, "cpu", init_method)
+    try:
+        agree_loaded("rank 1: FileNotFoundError: model-00002-of-00002.safetensors")
+    except RuntimeError:
+        pass  # every rank ends; this one's message went to the others
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_load_failure_on_one_rank_ends_every_rank_with_its_message(tmp_path):
+    import torch.multiprocessing as mp
+
+    from engine.parallel import agree_loaded, init_group
+
+    init_method = f"file://{tmp_path / 'store'}"
+    follower = mp.get_context("spawn").Process(target=_failing_rank, args=(init_method,))
+    follower.start()
+    init_group(0, 2, "cpu", init_method)
+    try:
+        with pytest.raises(RuntimeError, match="rank 1: FileNotFoundError: model-00002"):
+            agree_loaded(None)
+    finally:
+        torch.distributed.destroy_process_group()
+        follower.join(60)
+    assert follower.exitcode == 0
