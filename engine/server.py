@@ -313,7 +313,8 @@ class _Server:
 
     async def ready(self) -> JSONResponse:
         if self.worker.ready.is_set():
-            return JSONResponse({"status": "ready", "model": self.config.model_name})
+            ready = {"status": "ready", "model": self.config.model_name}
+            return JSONResponse({**ready, "max_model_len": self.engine.max_model_len})
         if self.worker.startup_error:
             return JSONResponse({"status": "failed", "error": self.worker.startup_error}, 503)
         return JSONResponse({"status": "loading"}, 503)

@@ -337,7 +337,8 @@ def test_health_answers_while_loading_and_ready_waits_for_the_warm_up():
         assert complete(url).json()["error"]["code"] == "not_ready"
         release.set()
         assert state.worker.ready.wait(WAIT_S)
-        assert httpx.get(url + "/ready").json() == {"status": "ready", "model": "tiny"}
+        ready = {"status": "ready", "model": "tiny", "max_model_len": 64}
+        assert httpx.get(url + "/ready").json() == ready
         assert engine.configs[0].max_new_tokens == 1  # the warm-up generation
 
 
