@@ -12,7 +12,7 @@ memory, read at start: on CUDA what `torch.cuda.mem_get_info` reports free on th
 device; on the CPU the RAM the kernel reports available (MemAvailable), since the process has
 no other bound there. A --max-model-len that cannot fit refuses to start (one line, exit 2);
 without it the server serves the longest context that fits, or the model's own
-max_position_embeddings when that is smaller, and reports it on /v1/models.
+max_position_embeddings when that is smaller, and reports it on /v1/models and /ready.
 
 The model loads after the port opens: `/health` answers at once, `/ready` once the model is
 loaded and a 1-token generation succeeded. A load failure stops the server with exit code 1.
