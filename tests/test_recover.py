@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.lxc, pytest.mark.slow]
 RECOVER_UNIT = "ddops-recover.service"
 GPU_NODES_UNIT = "ddops-gpu-nodes.service"
 TARGET_WEIGHTS = "/dev/shm/models/target/model.safetensors"
+HOOKSCRIPT_LINE = "hookscript: local:snippets/ddops-hook.sh\n"
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +91,10 @@ def test_1_reboot_moves_the_uvm_major_under_raw_rules(site):
 def test_2_reboot_without_the_uvm_nodes(site):
     served = site.hub.bytes_served
     disable_boot_units(site.root, GPU_NODES_UNIT)
+    reboot_host(site.root, uvm_major=490)
+    assert site.t.exists("/dev/nvidia-uvm")  # the CT hookscript's pre-start made them
+    config = site.t.read_text("/etc/pve/lxc/200.conf")  # a CT set up without the hookscript:
+    site.t.write_file("/etc/pve/lxc/200.conf", config.replace(HOOKSCRIPT_LINE, ""))
     reboot_host(site.root, uvm_major=480)
     assert not site.t.exists("/dev/nvidia-uvm")
 
