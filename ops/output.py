@@ -7,6 +7,7 @@ finishes, then a verdict line per CT. `--json` prints neither (one document at t
     out = chain_output()              # live on a terminal, plain elsewhere
     out.start(c, "provision")         # before a CT's chain
     out.result(result)                # each check as it finishes (the runner's on_result)
+    out.stop()                        # the live line ends (also on an error)
     out.finish(reports)               # the summary
 """
 
@@ -60,7 +61,7 @@ def _print_diffs(report: ChainReport, console: Console) -> None:
 def check_line(result: CheckResult) -> str:
     """One plain line: status, title, time, what was found and what was done."""
     said = result.evidence + (f" -> {result.action}" if result.action else "")
-    return f"  {result.status:<12} {result.title:<34} {result.seconds:5.1f}s  {said}"
+    return f"  {result.status:<12} {result.title:<35} {result.seconds:5.1f}s  {said}"
 
 
 class PlainChainOutput:
@@ -74,6 +75,9 @@ class PlainChainOutput:
 
     def result(self, result: CheckResult) -> None:
         self.console.print(check_line(result), markup=False, highlight=False, soft_wrap=True)
+
+    def stop(self) -> None:
+        """Nothing is live in a pipe."""
 
     def finish(self, reports: Sequence[ChainReport]) -> None:
         for report in reports:
@@ -94,7 +98,7 @@ class LiveChainOutput:
         self._done = 0
 
     def start(self, c, mode: str) -> None:
-        self._stop()
+        self.stop()
         self._title, self._done = f"{mode} {c.name} on {c.t.label}", 0
         self._status = self.stderr.status(f"{self._title}: starting")
         self._status.start()
@@ -107,10 +111,10 @@ class LiveChainOutput:
             )
 
     def finish(self, reports: Sequence[ChainReport]) -> None:
-        self._stop()
+        self.stop()
         render_reports(reports, self.console)
 
-    def _stop(self) -> None:
+    def stop(self) -> None:
         if self._status is not None:
             self._status.stop()
             self._status = None

@@ -62,10 +62,14 @@ def run_chain_command(
             return chain_via_ansible(ctx, opened, mode, policy, dry_run)
         output = None if app.json else chain_output()
         reports = []
-        for c in contexts(opened, policy, api_key):
+        try:
+            for c in contexts(opened, policy, api_key):
+                if output:
+                    output.start(c, mode)
+                reports.append(_run(c, mode, dry_run, trigger, output.result if output else None))
+        finally:  # a live line never outlives an error
             if output:
-                output.start(c, mode)
-            reports.append(_run(c, mode, dry_run, trigger, output.result if output else None))
+                output.stop()
     if output:
         output.finish(reports)
     else:
