@@ -10,21 +10,20 @@ Layout of the work (Megatron-style, one all-reduce after each row-parallel layer
 - MLP: gate/up column-parallel, down row-parallel;
 - embeddings replicated; lm_head whole on rank 0 only (the default) or vocab-sharded and
   gathered to rank 0 (`lm_head="sharded"`). Why whole: the drafter borrows the target's lm_head,
-  so rank 0 holds all of it anyway, and sharding gained nothing consistent when measured
-  (`python -m engine.parallel_measure`, 2 gloo ranks on a shared 2-core CPU, vocab 151936,
-  hidden 256, seconds per 16-token verify round, whole vs sharded, three runs: 0.418 / 0.420,
-  0.213 / 0.157, 0.212 / 0.235). On GPUs at TP 8 the whole head is a large part of what rank 0
-  reads per verify (1.3 of 27 B parameters for Qwen3.6-27B): measure there with --device cuda.
+  so rank 0 holds all of it anyway, and sharding gained nothing consistent when measured on the
+  CPU (engine/NOTES.md). On GPUs at TP 8 the whole head is a large part of what rank 0 reads per
+  verify (1.3 of 27 B parameters for Qwen3.6-27B): measure there with
+  `python -m engine.tools.parallel_measure --device cuda`.
 
 Control: rank 0, the leader, runs engine/decode.py's round loop unchanged over a
 `TensorParallelTarget`. Every new_cache / forward / commit on it is first broadcast as a
 `Command` carrying the decisions already made on rank 0 (the bonus and drafted tree tokens,
 the tree's parents, the accepted path), then run by every rank on its shard; followers run
 `follow`. So sampling, the drafter, tree building and the walk happen once, on rank 0, and
-every rank commits the same path (a command costs ~1.5-2.5 ms to broadcast with gloo here).
-The drafter lives on rank 0 only: run on every rank at once, a draft took 0.69 / 0.25 / 0.44 s
-instead of 0.39 / 0.11 / 0.17 s in the same three runs (the ranks share the CPU), and on GPUs
-it would cost its memory on each one and still need the broadcast for identical state.
+every rank commits the same path (what a command costs to broadcast is in engine/NOTES.md).
+The drafter lives on rank 0 only: run on every rank at once it was slower on the CPU (the ranks
+share it), and on GPUs it would cost its memory on each one and still need the broadcast for
+identical state.
 
     target = launch_target(model_dir, torch.float32, "cpu", tp=2)  # spawns rank 1
     generate(target, drafter, prompt_ids, cfg)

@@ -397,7 +397,7 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the behaviour without CUDA")
 def test_gpu_check_without_cuda_says_so_and_runs_nothing(capsys: pytest.CaptureFixture) -> None:
-    from engine.kernels import gpu_check
+    from engine.tools import gpu_check
 
     assert gpu_check.main([]) == 2
     assert "no CUDA device" in capsys.readouterr().err

@@ -264,7 +264,7 @@ def test_auto_strategy_factors_on_cpu_and_sizes_snapshots_for_triton(hybrid_dir)
 
 
 def test_serving_defaults_to_the_configs_context_limit(hybrid_dir):
-    from engine.server import load_engine
+    from engine.server.app import load_engine
 
     assert load_engine(hybrid_dir).max_model_len == 512  # tests/helpers/tiny_hybrid.py
     assert load_engine(hybrid_dir, max_model_len=100).max_model_len == 100

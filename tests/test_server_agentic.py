@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from engine.server import LoadedEngine, ServerConfig, create_app
+from engine.server.app import LoadedEngine, ServerConfig, create_app
 from tests.test_chat_template import DEMO_TARGET, PARALLEL, TOOLS, openai_messages
 from tests.test_server_http import EOS, WAIT_S, CharTokenizer, ScriptedEngine, serving
 
@@ -261,10 +261,10 @@ def test_no_op_values_are_accepted_and_unknown_fields_logged(agent, caplog):
         "top_k": 20,
         "repetition_penalty": 1.1,
     }
-    with caplog.at_level(logging.WARNING, logger="engine.server_schemas"):
+    with caplog.at_level(logging.WARNING, logger="engine.server.schemas"):
         response = httpx.post(url + "/v1/chat/completions", json=body, timeout=WAIT_S)
     assert response.status_code == 200, response.text
-    warnings = [r.getMessage() for r in caplog.records if r.name == "engine.server_schemas"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "engine.server.schemas"]
     assert warnings == ["ignoring request fields outside the OpenAI API: top_k, repetition_penalty"]
 
 

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from engine.server import LoadedEngine
-from engine.server_body import DEFAULT_MAX_REQUEST_BYTES
+from engine.server.app import LoadedEngine
+from engine.server.body import DEFAULT_MAX_REQUEST_BYTES
 from engine.tokenizer import load_tokenizer
 from tests.helpers.tiny_tokenizer import save_byte_tokenizer
 from tests.test_server_http import WAIT_S, CharTokenizer, ScriptedEngine, complete, running

@@ -1,4 +1,4 @@
-"""The HTTP layer of engine/server.py over a scripted engine, served by a real uvicorn on loopback.
+"""The HTTP layer of engine/server/app.py over a scripted engine, served by a real uvicorn on loopback.
 
 The scripted engine has `engine.decode.generate`'s calling convention (on_tokens per round,
 should_stop polled per round) and events to hold, watch and release a generation, so queueing,
@@ -22,12 +22,12 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import loadtest
 from engine.__main__ import main as engine_main
-from engine.chat_template import render
 from engine.decode import GenerationConfig, GenerationResult
-from engine.server import LoadedEngine, ServerConfig, create_app
-from engine.server_shutdown import draining_server
+from engine.server.app import LoadedEngine, ServerConfig, create_app
+from engine.server.chat_template import render
+from engine.server.shutdown import draining_server
+from engine.tools import loadtest
 
 EOS = 0
 WAIT_S = 10.0

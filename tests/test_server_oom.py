@@ -1,5 +1,5 @@
 """A generation that runs out of memory answers 503 with a message, and the server keeps serving
-(engine/server_worker.py), over a scripted engine served by a real uvicorn on loopback."""
+(engine/server/worker.py), over a scripted engine served by a real uvicorn on loopback."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import httpx
 import pytest
 import torch
 
-from engine.server_worker import is_out_of_memory
+from engine.server.worker import is_out_of_memory
 from tests.test_server_http import WAIT_S, ScriptedEngine, running
 
 

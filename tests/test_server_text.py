@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from engine.server_text import TextAssembler
+from engine.server.text import TextAssembler
 from tests.helpers.tiny_tokenizer import BYTE_VOCAB_SIZE, byte_tokenizer
 
 TOKENIZER = byte_tokenizer()

@@ -12,11 +12,11 @@ import random
 
 import pytest
 
-from engine.server import ServerConfig, output_parsing
-from engine.server_chat import ChatOutput, ChatPrompt, OutputParsing, build_chat_prompt
-from engine.server_reasoning import ReasoningSplitter, prompt_opens_reasoning
-from engine.server_schemas import ApiError, ChatRequest, parse_body
-from engine.server_tools import FORMATS, ToolCallExtractor, detect_format
+from engine.server.app import ServerConfig, output_parsing
+from engine.server.chat import ChatOutput, ChatPrompt, OutputParsing, build_chat_prompt
+from engine.server.reasoning import ReasoningSplitter, prompt_opens_reasoning
+from engine.server.schemas import ApiError, ChatRequest, parse_body
+from engine.server.tools import FORMATS, ToolCallExtractor, detect_format
 from tests.test_chat_template import DEMO_TARGET, TEMPLATES, TOOLS
 from tests.test_server_http import CharTokenizer
 

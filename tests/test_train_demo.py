@@ -2,7 +2,7 @@
 
     python -m pytest -q tests/test_train_demo.py
 
-The mini run (engine.train_demo.MINI: tiny sizes and steps) trains once per module; its
+The mini run (engine.tools.train_demo.MINI: tiny sizes and steps) trains once per module; its
 directories must load in transformers and in our engine, and decode there like in transformers.
 """
 
@@ -17,11 +17,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine import train_demo as td
 from engine.__main__ import main
+from engine.data import corpus
+from engine.tools import train_demo as td
 from tests.helpers.tiny_hybrid import torch_threads
 
-DEMO_MODEL = Path(td.__file__).parent / "demo_model"
+DEMO_MODEL = td.DEMO_MODEL
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +35,17 @@ def mini(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, list[str
 
 
 def test_held_out_split_is_disjoint_deterministic_and_every_tenth_file():
-    train, held_out = td.stdlib_files()
-    assert td.stdlib_files() == (train, held_out)
+    train, held_out = corpus.stdlib_files()
+    assert corpus.stdlib_files() == (train, held_out)
     assert not set(train) & set(held_out)
     everything = sorted(train + held_out)
-    assert held_out == everything[:: td.HELD_OUT_EVERY]
+    assert held_out == everything[:: corpus.HELD_OUT_EVERY]
     assert all(f.suffix == ".py" for f in everything)
 
 
 def test_held_out_prompts_end_with_a_def_line_of_a_held_out_file():
-    prompts = td.held_out_prompts(4)
-    held_out_texts = td.read_texts(td.stdlib_files()[1])
+    prompts = corpus.held_out_prompts(4)
+    held_out_texts = corpus.read_texts(corpus.stdlib_files()[1])
     assert len(prompts) == 4
     for prompt in prompts:
         assert prompt.splitlines()[-1].lstrip().startswith("def ")
@@ -96,7 +97,7 @@ def test_accepted_everywhere_is_what_a_linear_decode_accepts(mini):
     out, _, _ = mini
     hf, tokenizer = td.load_target_for_training(out / "target")
     target, drafter = load_target(out / "target"), load_drafter(out / "draft")
-    prompt = tokenizer.encode(td.held_out_prompts(1)[0]).ids[-12:]
+    prompt = tokenizer.encode(corpus.held_out_prompts(1)[0]).ids[-12:]
     with torch.no_grad():
         result = generate(target, drafter, prompt, GenerationConfig("linear", max_new_tokens=40))
     sequence = torch.tensor([prompt + result.output_ids])

@@ -5,7 +5,7 @@
         [--tp 1]
 
 Prompts are Python code from the standard-library files the demo model never trained on
-(engine.train_demo.held_out_prompts). Every method runs in this one process, prompt by prompt
+(engine.data.corpus.held_out_prompts). Every method runs in this one process, prompt by prompt
 (all methods on prompt 1, then on prompt 2, ...) so a change in machine load hits them alike;
 each method first decodes one untimed warm-up. With --repeats N each method decodes each prompt
 N times (methods still interleaved) and the decode of median speed counts: that damps a noisy
@@ -171,12 +171,12 @@ def format_table(rows: list[dict]) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from engine.data.corpus import held_out_prompts
     from engine.decode import GenerationConfig, generate
     from engine.models import load_drafter
     from engine.models.common import DTYPES
     from engine.parallel import close_target, open_target
     from engine.tokenizer import load_tokenizer
-    from engine.train_demo import held_out_prompts
 
     dtype = DTYPES[args.dtype]
     target = open_target(args.model, dtype, args.device, args.tp)

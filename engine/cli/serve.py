@@ -17,7 +17,7 @@ max_position_embeddings when that is smaller, and reports it on /v1/models and /
 The model loads after the port opens: `/health` answers at once, `/ready` once the model is
 loaded and a 1-token generation succeeded. A load failure stops the server with exit code 1.
 SIGTERM (or Ctrl-C) lets requests in flight finish for --shutdown-grace-s seconds, then answers
-what is left 503 "server shutting down" (engine/server_shutdown.py). An empty API key is refused.
+what is left 503 "server shutting down" (engine/server/shutdown.py). An empty API key is refused.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import os
 import sys
 from pathlib import Path
 
-from engine.server_body import DEFAULT_MAX_REQUEST_BYTES
-from engine.server_reasoning import REASONING_PARSERS
-from engine.server_tools import TOOL_CALL_PARSERS
+from engine.server.body import DEFAULT_MAX_REQUEST_BYTES
+from engine.server.reasoning import REASONING_PARSERS
+from engine.server.tools import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "DDOPS_API_KEY"
 GRACEFUL_SHUTDOWN_S = 5.0
@@ -175,8 +175,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"Error: {problem}", file=sys.stderr)
         return 2
 
-    from engine.server import ServerConfig, create_app, load_engine
-    from engine.server_shutdown import draining_server
+    from engine.server.app import ServerConfig, create_app, load_engine
+    from engine.server.shutdown import draining_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     config = ServerConfig(

@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.train_demo import MINI, Recipe, train_demo
+    from engine.tools.train_demo import MINI, Recipe, train_demo
 
     torch.set_num_threads(args.threads)
     start = time.monotonic()

@@ -199,7 +199,7 @@ def input_major_linears(module: nn.Module) -> nn.Module:
 
     Shapes, names and values stay; only strides change. Why: on the CPU, MKL float32 multiplies
     x [T, in] by such a weight about twice as fast for T from a few to a few tens (a verify
-    round, a draft block; measured on the demo model's shapes, 2 threads) and as fast elsewhere.
+    round, a draft block) and as fast elsewhere (engine/NOTES.md).
     """
     linear_weights = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
     relaid: dict[int, nn.Parameter] = {}

@@ -26,10 +26,8 @@ the last accepted node. Three strategies, selectable per model, and "auto":
 `pending_bytes` gives the extra memory per round of each strategy for any config; for
 Qwen3.6-27B (48 GDN layers, bf16, 16-token verify; `python -m engine.models.gated_deltanet`):
 replay 30.2 MiB, factored 53.4 MiB, snapshot 2319 MiB, and snapshot's per-node states are also
-written every round (~2.3 GiB of memory traffic). On the demo model (engine/demo_model, 2 CPU
-threads, ddtree budget 15, back to back; DDOPS_KERNELS=reference for the loop) the batched
-solve with factored commits took a round's verify from ~10-14 ms to ~7.5-8.5 ms and the
-prefill of a 167-token prompt from ~60-90 ms to ~22 ms.
+written every round (~2.3 GiB of memory traffic). What the batched solve gains on the CPU is in
+engine/NOTES.md.
 Parameter names and the maths follow transformers' Qwen3_5GatedDeltaNet, so HF checkpoints load
 as they are.
 """

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from starlette.requests import Request
 
-from engine.server_schemas import ApiError
+from engine.server.schemas import ApiError
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 

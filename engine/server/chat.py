@@ -1,6 +1,6 @@
 """Chat completions for agents: OpenAI messages and tools -> the prompt; output -> message fields.
 
-`build_chat_prompt` renders a request with the model's own chat template (engine/chat_template.py):
+`build_chat_prompt` renders a request with the model's own chat template (engine/server/chat_template.py):
 assistant `tool_calls` (their JSON `arguments` read into objects, as templates expect), `tool`
 messages, `tools`, `documents` and `chat_template_kwargs` (e.g. `enable_thinking`). It refuses, as
 a 400, what the template or the server cannot honour instead of dropping it: tools for a template
@@ -15,7 +15,7 @@ the text comes back as content. A prompt left inside a think block is closed fir
 `parallel_tool_calls: false` keeps the first call only.
 
 `ChatOutput` turns the generated text, as it streams, into `reasoning_content`, `content` and
-`tool_calls` deltas (engine/server_reasoning.py, engine/server_tools.py); the non-streamed
+`tool_calls` deltas (engine/server/reasoning.py, engine/server/tools.py); the non-streamed
 message is built from the same deltas, so both agree.
 """
 
@@ -26,10 +26,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.chat_template import RESERVED_VARIABLES, ChatTemplateError, template_variables
-from engine.server_reasoning import CLOSE_OPEN_BLOCK, ReasoningSplitter, prompt_opens_reasoning
-from engine.server_schemas import ApiError, ChatTemplateInputs, Message
-from engine.server_tools import Schemas, ToolCall, ToolCallExtractor, ToolCallFormat
+from engine.server.chat_template import RESERVED_VARIABLES, ChatTemplateError, template_variables
+from engine.server.reasoning import CLOSE_OPEN_BLOCK, ReasoningSplitter, prompt_opens_reasoning
+from engine.server.schemas import ApiError, ChatTemplateInputs, Message
+from engine.server.tools import Schemas, ToolCall, ToolCallExtractor, ToolCallFormat
 
 log = logging.getLogger(__name__)
 

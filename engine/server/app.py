@@ -11,21 +11,21 @@ succeeded), `GET /metrics` (Prometheus text). With an API key, every endpoint bu
 Chat requests may carry `tools`, `tool_choice`, `parallel_tool_calls`, assistant `tool_calls`,
 `tool` messages and `chat_template_kwargs` (e.g. `{"enable_thinking": false}`), rendered by the
 model's own chat template; tool calls in the output come back as `tool_calls` (finish_reason
-"tool_calls") and `<think>` reasoning as `reasoning_content`, streamed or not (engine/server_chat.py;
+"tool_calls") and `<think>` reasoning as `reasoning_content`, streamed or not (engine/server/chat.py;
 the parsers follow the template, `--tool-call-parser` / `--reasoning-parser` override them).
 An OpenAI field the server does not implement is a 400 naming it; a field outside the API is
-ignored with a logged warning (engine/server_schemas.py).
+ignored with a logged warning (engine/server/schemas.py).
 
 Beyond OpenAI's fields, a request may carry `"speculative": {"method": "ar"|"linear"|"ddtree",
 "budget": N}` (defaults from the server's flags), and every response carries `"speculative":
 {"method", "budget", "rounds", "mean_acceptance_length", "decode_tokens_per_s", "ttft_s"}`.
 
 Boundary: this module knows HTTP, JSON and text; the engine (`engine.decode.generate`) knows
-token ids only. Generations run one at a time on the worker thread (engine/server_worker.py);
+token ids only. Generations run one at a time on the worker thread (engine/server/worker.py);
 `load` runs there too, so /health answers while a large model loads. A request body is read up
-to `max_request_bytes` (else 413, engine/server_body.py), then parsed, rendered with the chat
+to `max_request_bytes` (else 413, engine/server/body.py), then parsed, rendered with the chat
 template and tokenised on a small thread pool, so a large prompt never holds up the event loop.
-At shutdown, requests in flight get `shutdown_grace_s`, then a 503 (engine/server_shutdown.py).
+At shutdown, requests in flight get `shutdown_grace_s`, then a 503 (engine/server/shutdown.py).
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.decode import GenerationConfig
-from engine.server_body import DEFAULT_MAX_REQUEST_BYTES, read_body
-from engine.server_chat import ChatOutput, ChatPrompt, OutputParsing, build_chat_prompt
-from engine.server_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from engine.server_metrics import ServerMetrics
-from engine.server_schemas import (
+from engine.server.body import DEFAULT_MAX_REQUEST_BYTES, read_body
+from engine.server.chat import ChatOutput, ChatPrompt, OutputParsing, build_chat_prompt
+from engine.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from engine.server.metrics import ServerMetrics
+from engine.server.schemas import (
     ApiError,
     ChatRequest,
     ChatTemplateInputs,
@@ -60,9 +60,9 @@ from engine.server_schemas import (
     TokenizeRequest,
     parse_body,
 )
-from engine.server_text import TextAssembler
-from engine.server_tools import FORMATS, detect_format
-from engine.server_worker import (
+from engine.server.text import TextAssembler
+from engine.server.tools import FORMATS, detect_format
+from engine.server.worker import (
     SHUTTING_DOWN,
     Delta,
     Done,
@@ -275,7 +275,7 @@ class _Server:
         return engine.generate
 
     def begin_shutdown(self) -> None:
-        """The server is stopping (engine/server_shutdown.py): requests running or waiting get
+        """The server is stopping (engine/server/shutdown.py): requests running or waiting get
         `shutdown_grace_s` to finish, then the worker cuts them (each answered 503)."""
         grace = self.config.shutdown_grace_s
         log.info("shutting down: requests in flight get %g s to finish, then a 503", grace)

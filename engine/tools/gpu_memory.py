@@ -1,4 +1,4 @@
-"""The GPU side of the memory plan, at Qwen3.6-27B's layer widths (run by engine.kernels.gpu_check).
+"""The GPU side of the memory plan, at Qwen3.6-27B's layer widths (run by engine.tools.gpu_check).
 
 1. Load: a checkpoint in Qwen3.6-27B's layout (`qwen3_5` config, `model.language_model.*`,
    untied `lm_head.weight`, several shards with an index; random bf16 values) of `layers` layers
@@ -11,7 +11,7 @@
    max_memory_allocated does not count: the CUDA context, the allocator's slack), and the
    measured transient (peak less weights, caches and state) is reported next to the plan's.
 
-    python -m engine.kernels.gpu_memory [--layers 4] [--prompt 32768]   # or via gpu_check
+    python -m engine.tools.gpu_memory [--layers 4] [--prompt 32768]   # or via gpu_check
 """
 
 from __future__ import annotations

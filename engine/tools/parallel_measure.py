@@ -1,6 +1,6 @@
 """Measure engine/parallel.py's design choices on this machine (CPU/gloo or CUDA/NCCL).
 
-    python -m engine.parallel_measure --model DIR --draft DIR [--tp 2] [--rounds 20] [--device cpu]
+    python -m engine.tools.parallel_measure --model DIR --draft DIR [--tp 2] [--rounds 20] [--device cpu]
 
 Prints one JSON document of seconds (medians over `rounds`):
 - `verify`: one 16-token verify round (forward + commit of one token) of the whole model on one
@@ -139,7 +139,7 @@ def _draft_rank(rank, world, init_method, model_dir, draft_dir, rounds, device, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m engine.parallel_measure")
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.parallel_measure")
     parser.add_argument("--model", required=True, type=Path)
     parser.add_argument("--draft", required=True, type=Path)
     parser.add_argument("--tp", type=int, default=2)

@@ -2,7 +2,7 @@
 
 Run on a CUDA machine (about 2 minutes on an H200 before the memory check, well under 8):
 
-    python -m engine.kernels.gpu_check [--out gpu_check.json] [--layers 4] [--prefix 4096] \\
+    python -m engine.tools.gpu_check [--out gpu_check.json] [--layers 4] [--prefix 4096] \\
         [--memory-layers 4] [--memory-prompt 32768]
 
 1. Correctness: each Triton kernel against its reference (engine/kernels/reference.py), both on
@@ -12,7 +12,7 @@ Run on a CUDA machine (about 2 minutes on an H200 before the memory check, well 
 3. Layer times: a stack of Qwen3.6-27B-shaped layers (3 Gated DeltaNet + 1 gated attention per
    4, random bf16 weights, real sizes) running one verify of a 16-token tree vs one decode
    step, with the Triton kernels and with the references (DDOPS_KERNELS=reference).
-4. Memory (engine/kernels/gpu_memory.py): loading a Qwen3.6-27B-layout checkpoint of
+4. Memory (engine/tools/gpu_memory.py): loading a Qwen3.6-27B-layout checkpoint of
    --memory-layers layers peaks within 1.05x its weights, and a --memory-prompt-token prefill
    (32k) on it stays within the memory plan (engine/plan.py). --memory-layers 0 skips it.
 
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from engine import kernels
 from engine.kernels import reference
-from engine.kernels.gpu_memory import check_memory, print_memory_report
+from engine.tools.gpu_memory import check_memory, print_memory_report
 
 # Qwen3.6-27B text config (config.json "text_config").
 HIDDEN = 5120

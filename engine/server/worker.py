@@ -30,12 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.server_text import TextAssembler
+from engine.server.text import TextAssembler
 
 log = logging.getLogger(__name__)
 
 # generate(prompt_ids, cfg, on_tokens=..., should_stop=...) -> GenerationResult: the engine
-# with its models bound (see engine.server.bind_engine).
+# with its models bound (see engine.server.app.bind_engine).
 GenerateFn = Callable[..., Any]
 
 

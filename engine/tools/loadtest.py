@@ -1,6 +1,6 @@
 """Soak test of a running engine server: many mixed requests at a fixed concurrency.
 
-    python -m engine.loadtest --url http://127.0.0.1:8000 --requests 2000 --concurrency 8 \\
+    python -m engine.tools.loadtest --url http://127.0.0.1:8000 --requests 2000 --concurrency 8 \\
         [--pid PID] [--max-tokens 8] [--methods ar,linear,ddtree] [--api-key KEY | env DDOPS_API_KEY]
 
 Requests cycle through completions and chat completions, streamed and not, over the given
@@ -179,7 +179,7 @@ def passed(report: dict, max_rss_growth_mib: float) -> bool:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m engine.loadtest", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.loadtest", description=__doc__)
     parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=8)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.server_reasoning import partial_tag_length
+from engine.server.reasoning import partial_tag_length
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"

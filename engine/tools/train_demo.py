@@ -1,8 +1,8 @@
 """Train the tiny demo pair: a hybrid Qwen3.5-style target and its DFlash drafter, on CPU.
 
 Run: `python -m engine train-demo --out DIR` (`--mini`: a seconds-long smoke version). The
-shipped pair in engine/demo_model/ is this module's output with the default Recipe: 1570 s on
-a 2-core CPU (the target ~19.5 min; the drafter's data ~1.5 min, its training ~5 min).
+shipped pair in engine/demo_model/ is this module's output with the default Recipe (how long
+it takes is in engine/NOTES.md).
 `--reuse-target` trains only the drafter and gives the same drafter as a full run, bit for bit.
 
 Steps, each deterministic (fixed seeds, sorted files, fixed data order):
@@ -25,8 +25,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import re
-import sysconfig
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -36,6 +34,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from engine.data.corpus import held_out_prompts, read_texts, stdlib_files
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -48,10 +48,8 @@ MASK_TOKEN = "<|mask|>"
 SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>", MASK_TOKEN]
 # The shipped pair's template (Qwen3's structure: tools, tool calls, thinking switch); a plain
 # chat renders as the bare ChatML it always did.
-CHAT_TEMPLATE = (
-    Path(__file__).parent / "demo_model" / "target" / "chat_template.jinja"
-).read_text()
-HELD_OUT_EVERY = 10  # file i (sorted) is held out when i % HELD_OUT_EVERY == 0
+DEMO_MODEL = Path(__file__).parents[1] / "demo_model"  # the shipped pair, this module's output
+CHAT_TEMPLATE = (DEMO_MODEL / "target" / "chat_template.jinja").read_text()
 
 
 @dataclass(frozen=True)
@@ -109,18 +107,6 @@ Log = Callable[[str], None]
 # ---- corpus and tokenizer --------------------------------------------------------------------
 
 
-def stdlib_files(max_files: int | None = None) -> tuple[list[Path], list[Path]]:
-    """(training files, held-out files) among the running interpreter's Lib/*.py."""
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:max_files]
-    held_out = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY == 0]
-    train = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY != 0]
-    return train, held_out
-
-
-def read_texts(files: list[Path]) -> list[str]:
-    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
-
-
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     """A byte-level BPE tokenizer (tokenizers.Tokenizer) with the special tokens first."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -160,25 +146,6 @@ def encode_texts(tokenizer: Tokenizer, texts: list[str]) -> torch.Tensor:
         ids.extend(encoding.ids)
         ids.append(eos)
     return torch.tensor(ids, dtype=torch.long)
-
-
-def held_out_prompts(count: int, chars: int = 400) -> list[str]:
-    """`count` Python prompts from held-out files: the code before a `def` line, that line included.
-
-    Each prompt ends right after the signature of the first function defined past the middle
-    of its file, so the continuation is a function body the model never trained on.
-    """
-    prompts = []
-    for text in read_texts(stdlib_files()[1]):
-        middle = len(text) // 2
-        found = re.search(r"^ *def [^\n]*:\n", text[middle:], flags=re.MULTILINE)
-        if found:
-            end = middle + found.end()
-            start = text.find("\n", max(0, end - chars), end) + 1  # a whole first line
-            prompts.append(text[start:end])
-        if len(prompts) == count:
-            break
-    return prompts
 
 
 # ---- target ----------------------------------------------------------------------------------
