@@ -48,8 +48,9 @@ from ops.bench.store import (
 )
 from ops.cli import cli
 from ops.errors import DdopsError
+from tests.helpers import DATA as HELPERS_DATA
 
-DATA = Path(__file__).parent / "data" / "bench"
+DATA = HELPERS_DATA / "bench"
 GOLDEN_RUN = DATA / "run-golden"
 GOLDEN_MARKDOWN = DATA / "report-golden.md"
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO as ROOT
+
 WHOLE_PROJECT: list[str] = []
 CONTROL_PLANE = [
     "--optional-dependencies-dev-groups",

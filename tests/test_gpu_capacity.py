@@ -19,9 +19,10 @@ from ops.inventory import ContainerSpec, EngineSpec, ModelRef, ModelSpec
 from ops.sim.host import destroy_host, init_host
 from ops.sim.hub import LocalHub
 from ops.transport import LocalTransport
+from tests.helpers import DATA
 from tests.helpers.site import sim_site
 
-QWEN = Path(__file__).parent / "data" / "qwen36_27b"
+QWEN = DATA / "qwen36_27b"
 TARGET, DRAFT = "Qwen/Qwen3.6-27B", "z-lab/Qwen3.6-27B-DFlash"
 
 

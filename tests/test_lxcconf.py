@@ -6,7 +6,6 @@ python -m pytest -q tests/test_lxcconf.py
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -23,8 +22,9 @@ from ops.lxcconf import (
     unified_diff,
     validate,
 )
+from tests.helpers import DATA as HELPERS_DATA
 
-DATA = Path(__file__).parent / "data" / "lxc"
+DATA = HELPERS_DATA / "lxc"
 SAMPLES = sorted(p.name for p in DATA.glob("*.conf"))
 EDITABLE = [name for name in SAMPLES if name != "problems.conf"]
 

@@ -9,8 +9,7 @@ import tomllib
 from pathlib import Path
 
 from ops.resources import playbooks_dir, templates_dir
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO as ROOT
 
 
 def test_every_package_is_listed_in_pyproject():

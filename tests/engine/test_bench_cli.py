@@ -1,6 +1,6 @@
 """`python -m engine bench`: the summary arithmetic, and a whole run on a tiny random hybrid pair.
 
-python -m pytest -q tests/test_engine_bench.py
+python -m pytest -q tests/engine/test_bench_cli.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The engine server stopping with requests in flight: each is answered 503 "server shutting
 down" (a stream: an error event, then [DONE]), none a 500 or a traceback; those that finish within
 the grace period are served. A scripted engine in-process here; the real `python -m engine serve`
-process under SIGTERM in tests/test_server_e2e.py.
+process under SIGTERM in tests/engine/server/test_e2e.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.test_server_http import WAIT_S, ScriptedEngine, complete, running, wait_until
+from tests.engine.server.test_http import WAIT_S, ScriptedEngine, complete, running, wait_until
 
 
 def stream_events(url: str) -> list:

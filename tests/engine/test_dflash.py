@@ -1,6 +1,6 @@
 """The DFlash drafter (engine/models/dflash.py): z-lab layouts, cached drafting, training path.
 
-Run: python -m pytest -q tests/test_dflash.py
+Run: python -m pytest -q tests/engine/test_dflash.py
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from engine.tokenizer import load_tokenizer
+from tests.engine.server.test_chat_template import DEMO_TARGET, PARALLEL, TOOLS, openai_messages
 from tests.helpers.engine_server import start_engine_server
-from tests.test_chat_template import DEMO_TARGET, PARALLEL, TOOLS, openai_messages
 
 DEMO_DRAFT = DEMO_TARGET.parent / "draft"
 

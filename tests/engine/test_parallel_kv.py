@@ -3,9 +3,9 @@
 More ranks than KV heads (Qwen3.6-27B: 4 KV heads, TP8): TP4 on a model of 2 KV heads decodes
 like one rank; each rank reads only its own rows and columns of the checkpoint; a load failure
 on one rank ends every rank with that rank's message. Its own
-module: tests/test_parallel.py keeps a process group open for its module, and a process has one.
+module: tests/engine/test_parallel.py keeps a process group open for its module, and a process has one.
 
-Run: python -m pytest -q tests/test_parallel_kv.py
+Run: python -m pytest -q tests/engine/test_parallel_kv.py
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch
 from engine.decode import GenerationConfig, generate
 from engine.models import load_target
 from engine.parallel import launch_target
+from tests.engine.test_parallel import PROMPT, TOLERANCE, Pair, oracle_for, prefill_tree_chain
 from tests.helpers.checkpoint_reads import record_reads
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_qwen3 import save_tiny_qwen3
-from tests.test_parallel import PROMPT, TOLERANCE, Pair, oracle_for, prefill_tree_chain
 
 
 def test_four_ranks_over_two_kv_heads_decode_like_one(tmp_path):

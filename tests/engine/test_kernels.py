@@ -5,7 +5,7 @@ kernel is defined and when it runs. So this module imports the kernel modules wi
 (reloading any imported earlier without it), keeps it on while its tests run, and afterwards
 restores the environment and forgets those modules, so that later imports compile for real.
 Shapes stay tiny: the interpreter costs ~0.5 ms per program.
-Run: python -m pytest -q tests/test_kernels.py
+Run: python -m pytest -q tests/engine/test_kernels.py
 
 Tolerances: float32 inputs 1e-5 (same math, another summation order); bf16 inputs compare
 against the reference on the same bf16 inputs at 1.6e-2 relative, one or two bf16 rounding

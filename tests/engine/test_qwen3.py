@@ -1,6 +1,6 @@
 """Our dense Qwen3 against transformers' Qwen3ForCausalLM (float32) and against itself (float64).
 
-Run: python -m pytest -q tests/test_qwen3.py
+Run: python -m pytest -q tests/engine/test_qwen3.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The hybrid target (engine/models/qwen3_5.py) against transformers' Qwen3_5ForCausalLM, on CPU.
 
-    python -m pytest -q tests/test_qwen3_5.py
+    python -m pytest -q tests/engine/test_qwen3_5.py
 
 Float32 with default init: prefill, cached decode steps and tree verify (each node's logits equal
 those of its root-to-node path run alone) match transformers within 2e-4. transformers runs the

@@ -1,6 +1,6 @@
 """DDTree construction, layout and walk (engine/tree.py).
 
-Run: python -m pytest -q tests/test_tree.py
+Run: python -m pytest -q tests/engine/test_tree.py
 """
 
 from __future__ import annotations

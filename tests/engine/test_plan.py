@@ -1,6 +1,6 @@
 """The memory plan (engine/plan.py, `python -m engine plan`).
 
-    python -m pytest -q tests/test_plan.py
+    python -m pytest -q tests/engine/test_plan.py
 
 Qwen3.6-27B and its DFlash drafter (config fixtures in tests/data/qwen36_27b, no download) give
 the figures computed here by hand from the published shapes; on the tiny real models the plan's
@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from engine.plan import GIB, parse_size, plan_from_configs, plan_from_dirs
+from tests.helpers import DATA
 
-QWEN36 = Path(__file__).parent / "data" / "qwen36_27b"
+QWEN36 = DATA / "qwen36_27b"
 H, MLP, V = 5120, 17408, 248320
 
 # Qwen3.6-27B by hand: parameters of one layer of each kind, then the whole model.

@@ -1,10 +1,10 @@
 """Agent requests over HTTP: tools, tool-call history, tool_choice, the thinking switch, and the
 fields the server refuses or ignores, driven by the official `openai` client.
 
-The engine is scripted (tests/test_server_http.py's ScriptedEngine: it commits a fixed reply two
+The engine is scripted (tests/engine/server/test_http.py's ScriptedEngine: it commits a fixed reply two
 characters per round) behind a character tokenizer whose chat template is the demo pair's own
 (Qwen3's structure), so what reaches the model can be read back exactly and the reply can be a
-tool call. The real model behind `python -m engine serve` is in tests/test_server_e2e_agentic.py.
+tool call. The real model behind `python -m engine serve` is in tests/engine/server/test_e2e_agentic.py.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import openai
 import pytest
 
 from engine.server.app import LoadedEngine, ServerConfig, create_app
-from tests.test_chat_template import DEMO_TARGET, PARALLEL, TOOLS, openai_messages
-from tests.test_server_http import EOS, WAIT_S, CharTokenizer, ScriptedEngine, serving
+from tests.engine.server.test_chat_template import DEMO_TARGET, PARALLEL, TOOLS, openai_messages
+from tests.engine.server.test_http import EOS, WAIT_S, CharTokenizer, ScriptedEngine, serving
 
 WEATHER_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 THINK_THEN_CALL = "<think>\nThe user wants weather.\n</think>\n\n" + WEATHER_CALL

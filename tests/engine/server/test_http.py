@@ -3,7 +3,7 @@
 The scripted engine has `engine.decode.generate`'s calling convention (on_tokens per round,
 should_stop polled per round) and events to hold, watch and release a generation, so queueing,
 cancellation and readiness are tested deterministically. The real model is driven in
-tests/test_server_e2e.py.
+tests/engine/server/test_e2e.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`python -m engine generate` (engine/cli/generate.py) and the tokenizer (engine/tokenizer.py).
 
-Run: python -m pytest -q tests/test_generate_cli.py
+Run: python -m pytest -q tests/engine/test_generate_cli.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`serve` makes the memory plan at start (engine/cli/serve.py).
 
-    python -m pytest -q tests/test_serve_plan.py            # fast: refusal, default context
-    python -m pytest -q --slow tests/test_serve_plan.py     # + a 25,000-token prompt over HTTP
+    python -m pytest -q tests/engine/test_serve_plan.py            # fast: refusal, default context
+    python -m pytest -q --slow tests/engine/test_serve_plan.py     # + a 25,000-token prompt over HTTP
 
 A --max-model-len that cannot fit the device refuses to start with one line and exit 2, before
 any model loads; without one, serve takes the longest context that fits (capped by the model's

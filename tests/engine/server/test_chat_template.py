@@ -24,10 +24,11 @@ from engine.server.chat_template import ChatTemplateError, render, template_vari
 from engine.server.schemas import ApiError, ChatRequest, parse_body
 from engine.server.tools import FORMATS
 from engine.tokenizer import load_tokenizer
+from tests.helpers import DATA, REPO
 from tests.helpers.tiny_tokenizer import byte_tokenizer
 
-DEMO_TARGET = Path(__file__).resolve().parents[1] / "engine" / "demo_model" / "target"
-TEMPLATES = Path(__file__).resolve().parent / "data" / "chat_templates"
+DEMO_TARGET = REPO / "engine" / "demo_model" / "target"
+TEMPLATES = DATA / "chat_templates"
 
 WEATHER = {
     "type": "function",

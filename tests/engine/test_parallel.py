@@ -6,7 +6,7 @@ protocol: logits and hidden states within 1e-5 of the whole model through prefil
 verify, its commit and a chain; greedy ddtree (with a drafter that is often right, so trees are
 accepted several tokens deep) and ar token for token. The slow test starts `serve --tp 2`.
 
-Run: python -m pytest -q tests/test_parallel.py [--slow]
+Run: python -m pytest -q tests/engine/test_parallel.py [--slow]
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from engine.decode import GenerationConfig, generate
 from engine.models import load_drafter, load_target
 from engine.parallel import TensorParallelTarget, launch_target, shard_model
 from engine.tokenizer import load_tokenizer
+from tests.engine.test_decode import OracleDrafter
 from tests.helpers.engine_server import start_engine_server
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_qwen3 import save_tiny_dflash, save_tiny_qwen3
-from tests.test_decode import OracleDrafter
 
 torch.set_num_threads(1)
 

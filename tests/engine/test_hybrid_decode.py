@@ -1,6 +1,6 @@
 """engine.decode.generate on the hybrid target: ar = transformers, linear/ddtree = ar, lossless sampling.
 
-    python -m pytest -q tests/test_hybrid_decode.py
+    python -m pytest -q tests/engine/test_hybrid_decode.py
 
 A tiny random Qwen3.5 target with an 8-token vocabulary (so a ddtree's first levels cover most
 tokens and rounds accept several tokens, exercising the GDN state commit of long paths) and a

@@ -1,6 +1,6 @@
 """The demo-model training pipeline: corpus split, prompts, DFlash batches, a mini run end to end.
 
-    python -m pytest -q tests/test_train_demo.py
+    python -m pytest -q tests/engine/tools/test_train_demo.py
 
 The mini run (engine.tools.train_demo.MINI: tiny sizes and steps) trains once per module; its
 directories must load in transformers and in our engine, and decode there like in transformers.

@@ -1,7 +1,7 @@
 """The engine server under oversized and slow requests: the body limit (413) and request bodies
 prepared off the event loop, over a scripted engine served by a real uvicorn on loopback.
 
-Shutdown with requests in flight is in tests/test_server_shutdown.py.
+Shutdown with requests in flight is in tests/engine/server/test_shutdown.py.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 from engine.server.app import LoadedEngine
 from engine.server.body import DEFAULT_MAX_REQUEST_BYTES
 from engine.tokenizer import load_tokenizer
+from tests.engine.server.test_http import WAIT_S, CharTokenizer, ScriptedEngine, complete, running
 from tests.helpers.tiny_tokenizer import save_byte_tokenizer
-from tests.test_server_http import WAIT_S, CharTokenizer, ScriptedEngine, complete, running
 
 LIMIT = 4096
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -1,6 +1,6 @@
 """Chunked prefill (`extend`, engine/decode.py's `prefill_chunk`) on the dense and hybrid targets.
 
-    python -m pytest -q tests/test_prefill.py
+    python -m pytest -q tests/engine/test_prefill.py
 
 A prompt run in chunks, each committed as it goes (K/V in place, the GDN conv window and state
 carried from chunk to chunk), leaves the same state as one pass: the last token's logits and

@@ -1,7 +1,7 @@
 """Loading checkpoints tensor by tensor, in the target dtype (engine/models/common.py).
 
-    python -m pytest -q tests/test_loading.py            # fast: small widths
-    python -m pytest -q --slow tests/test_loading.py     # + peak RSS at the 27B widths
+    python -m pytest -q tests/engine/test_loading.py            # fast: small widths
+    python -m pytest -q --slow tests/engine/test_loading.py     # + peak RSS at the 27B widths
 
 On a checkpoint in Qwen3.6-27B's exact layout (tests/helpers/qwen36_checkpoint.py): every
 parameter equals its checkpoint tensor cast to the dtype, the vision tower and `mtp.*` are never
@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from engine.decode import GenerationConfig, generate
 from engine.models import load_drafter, load_target
+from tests.helpers import REPO
 from tests.helpers.checkpoint_reads import record_reads
 from tests.helpers.qwen36_checkpoint import (
     QWEN36_27B_WIDTHS,
@@ -33,7 +34,6 @@ from tests.helpers.qwen36_checkpoint import (
 from tests.helpers.tiny_qwen3 import save_tiny_dflash, save_tiny_qwen3
 
 PEAK_OVER_WEIGHTS = 1.25
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def test_bfloat16_generate_at_27b_widths_peaks_within_its_weights(tmp_path):
 
 def test_gpu_memory_check_writes_a_loadable_real_layout_checkpoint(tmp_path, monkeypatch):
     """The checkpoint gpu_check loads on a GPU, written and loaded here at small widths."""
-    from engine.kernels import gpu_memory
+    from engine.tools import gpu_memory
 
     config = gpu_memory.stack_config(layers=2, vocab=64)
     config["text_config"].update(hidden_size=32, intermediate_size=64, head_dim=16)

@@ -4,7 +4,7 @@ Besides the random z-lab-layout drafter, an `OracleDrafter` proposes the target'
 continuation (optionally at rank 1 or not at all at some positions), so multi-token acceptance,
 branching and misses are all exercised.
 
-Run: python -m pytest -q tests/test_decode.py
+Run: python -m pytest -q tests/engine/test_decode.py
 """
 
 from __future__ import annotations

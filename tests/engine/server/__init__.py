@@ -1,0 +1,1 @@
+"""Tests of engine/server/ (the folders mirror the source)."""

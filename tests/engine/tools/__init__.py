@@ -1,0 +1,1 @@
+"""Tests of engine/tools/ (the folders mirror the source)."""
