@@ -12,24 +12,20 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass, field
 
 import click
 
 from ops import __version__
+from ops.commands.bench import bench_command
+from ops.commands.demo import demo_command
+from ops.commands.health import health_command
+from ops.commands.provision import provision_command
+from ops.commands.recover import recover_command
+from ops.commands.shared import AppContext
+from ops.commands.sim import sim
 from ops.errors import DdopsError
 
-
-@dataclass
-class AppContext:
-    """What every command gets: where the site is and how to talk."""
-
-    inventory: str | None = None
-    host: str | None = None
-    json: bool = False
-    verbose: int = 0
-    accept_new_host_key: bool = False
-    _closers: list = field(default_factory=list)
+COMMANDS = (provision_command, health_command, recover_command, bench_command, demo_command, sim)
 
 
 class DdopsGroup(click.Group):
@@ -89,23 +85,9 @@ def main() -> None:
     cli(prog_name="ddops")
 
 
-# The commands register last: their modules import from this one.
-from ops.commands.bench import bench_command  # noqa: E402
-from ops.commands.demo import demo_command  # noqa: E402
-from ops.commands.health import health_command  # noqa: E402
-from ops.commands.provision import provision_command  # noqa: E402
-from ops.commands.recover import recover_command  # noqa: E402
-from ops.commands.sim import sim  # noqa: E402
-
-for _command in (
-    provision_command,
-    health_command,
-    recover_command,
-    bench_command,
-    demo_command,
-    sim,
-):
+for _command in COMMANDS:
     cli.add_command(_command)
+
 
 if __name__ == "__main__":
     main()

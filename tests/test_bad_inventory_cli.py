@@ -16,8 +16,8 @@ import pytest
 from click.testing import CliRunner
 
 from ops.cli import cli
-from ops.inventory import load_site
 from ops.sim.host import init_host
+from ops.site.inventory import load_site
 
 GOOD = """\
 all:

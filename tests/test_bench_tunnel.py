@@ -15,7 +15,7 @@ import pytest
 
 from ops.bench.tunnel import RELAY, LocalForward, ct_relay_argv, direct_tcpip, exec_relay
 from ops.errors import DdopsError
-from ops.ssh import SSHTransport
+from ops.host.ssh import SSHTransport
 from tests.helpers.sshd import running_sshd
 
 pytestmark = pytest.mark.ssh

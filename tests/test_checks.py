@@ -19,14 +19,16 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from ops import checks, output, recover
 from ops.bench.store import find_stale_runs
-from ops.checks import ChainContext, Check, Finding, Policy
-from ops.inventory import ContainerSpec, EngineSpec, ModelRef, ModelSpec
+from ops.chain import checks, output
+from ops.chain import report as report_module
+from ops.chain import runner as recover
+from ops.chain.checks import ChainContext, Check, Finding, Policy
+from ops.chain.report import Outcome
+from ops.host.transport import LocalTransport
 from ops.sim import faults
 from ops.sim.host import reboot_host
-from ops.steps import Outcome
-from ops.transport import LocalTransport
+from ops.site.inventory import ContainerSpec, EngineSpec, ModelRef, ModelSpec
 from tests.helpers.simhost import DEV_GPU_CONF, RAW_GPU_CONF, sim_host, start_ct
 
 MODEL = ModelSpec(ModelRef("ddops/tiny-target", name="target"))
@@ -345,7 +347,7 @@ def test_in_a_pipe_each_check_is_one_plain_line_and_each_ct_one_verdict(monkeypa
 
 
 def test_a_recover_leaves_its_record_and_health_describes_it(monkeypatch, tmp_path):
-    from ops import last_recover
+    from ops.chain import last_recover
 
     t = LocalTransport(sysroot=str(tmp_path))
     a, b = Scripted("a", ok=False), Scripted("b")
@@ -374,7 +376,7 @@ def test_reports_render_as_a_table_and_one_json_document(monkeypatch):
     assert "│ a     │ would change │" in text and "a broken" in text and "-> would fix a" in text
     assert "│ b     │ skipped      │" in text and "needs a" in text
     assert text.rstrip().endswith("diff")  # the planned diff follows the table
-    document = recover.reports_json([report])
+    document = report_module.reports_json([report])
     assert document["ok"] is False
     assert document["cts"][0]["checks"][0] == {
         "key": "a",

@@ -43,7 +43,7 @@ def test_usage_error_exits_2():
 
 
 def test_demo_story_tells_the_boot_repair_and_the_bench_winner_in_one_screen(tmp_path):
-    from ops.demo import DemoResult, Stage, story_lines
+    from ops.demo_story import DemoResult, Stage, story_lines
 
     fixed = {"key": "ct-config", "title": "CT config grants current majors", "found": "allows 511"}
     health = {

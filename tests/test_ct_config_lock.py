@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from ops import checks
-from ops.checks import ChainContext
+from ops.chain import checks
+from ops.chain.checks import ChainContext
 from ops.errors import DdopsError
-from ops.inventory import ContainerSpec, EngineSpec, ModelRef, ModelSpec
-from ops.pve import CONFIG_LOCK, ct_config_lock
+from ops.host.pve import CONFIG_LOCK, ct_config_lock
+from ops.host.transport import LocalTransport
 from ops.sim.host import init_host
-from ops.transport import LocalTransport
+from ops.site.inventory import ContainerSpec, EngineSpec, ModelRef, ModelSpec
 
 CONF = "arch: amd64\nhostname: llm\nmemory: 2048\n"
 

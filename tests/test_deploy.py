@@ -1,4 +1,4 @@
-"""ops/deploy.py on a simulated Proxmox host: the engine as a service in a real LXC container.
+"""ops/chain/deploy.py on a simulated Proxmox host: the engine as a service in a real LXC container.
 
 CT 200 (shared by the module) gets a tiny random Qwen3 staged into its /dev/shm from a local hub,
 then the engine, run by the ddops supervisor (busybox CTs have no systemd), with the test's own
@@ -30,15 +30,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ops import deploy, supervise
+from ops.agents import supervise
+from ops.chain import deploy
+from ops.chain.stage_model import stage_model
 from ops.errors import DdopsError
-from ops.inventory import EngineSpec, ModelRef
-from ops.pve import ct_exec
-from ops.render import EngineUnit, render
+from ops.host.pve import ct_exec
+from ops.host.transport import LocalTransport, Result, Transport
 from ops.sim.host import destroy_host, init_host
 from ops.sim.hub import LocalHub
-from ops.staging import stage_model
-from ops.transport import LocalTransport, Result, Transport
+from ops.site.inventory import EngineSpec, ModelRef
+from ops.site.render import EngineUnit, render
 from tests.helpers.engine_server import free_port
 from tests.helpers.tiny_qwen3 import save_tiny_qwen3
 
@@ -253,7 +254,7 @@ def test_a_bad_model_dir_fails_with_the_engines_last_log_lines(host):
     deploy.ensure_service(host, SCRATCH_CT, engine, missing, None, dry_run=False)
     with pytest.raises(DdopsError) as failure:
         deploy.wait_ready(host, SCRATCH_CT, engine, timeout=READY_TIMEOUT_S)
-    ct_exec(host, SCRATCH_CT, [sys.executable, "-m", "ops.supervise", "stop"]).check("stop")
+    ct_exec(host, SCRATCH_CT, [sys.executable, "-m", "ops.agents.supervise", "stop"]).check("stop")
     assert str(failure.value).startswith(
         f"CT {SCRATCH_CT}: the engine stopped before it was ready (ddops supervisor: "
     )
@@ -277,7 +278,7 @@ def stand_in_unit(tmp_path, script: str, restart_sec: float = 0.2) -> Path:
 
 
 class LocalSupervisor:
-    """`python -m ops.supervise` on this machine, with its files in a tmp dir."""
+    """`python -m ops.agents.supervise` on this machine, with its files in a tmp dir."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.pidfile = tmp_path / "run" / "engine.pid"
@@ -285,7 +286,7 @@ class LocalSupervisor:
         self.log = tmp_path / "engine.log"
 
     def call(self, *args: str) -> str:
-        argv = [sys.executable, "-m", "ops.supervise", *args, "--pidfile", str(self.pidfile)]
+        argv = [sys.executable, "-m", "ops.agents.supervise", *args, "--pidfile", str(self.pidfile)]
         return subprocess.run(argv, check=True, capture_output=True, text=True).stdout.strip()
 
     def start(self, unit: Path) -> int:
@@ -618,8 +619,8 @@ def test_engine_problem_names_a_missing_engine_and_a_version_mismatch(monkeypatc
 
 
 def test_the_unit_on_a_gpu_host_sees_the_cts_gpus_and_tp():
-    from ops.render import render
-    from ops.transport import LocalTransport
+    from ops.host.transport import LocalTransport
+    from ops.site.render import render
 
     engine = EngineSpec(tp=2, python="/opt/ddops/venv/bin/python")
     unit = render(deploy.engine_unit(LocalTransport(), engine, "/dev/shm/models/t", "/d", None, 2))

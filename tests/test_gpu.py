@@ -1,4 +1,4 @@
-"""ops/gpu.py: parsers on real-world-shaped host text, and the readers on a tmp sysroot.
+"""ops/host/gpu.py: parsers on real-world-shaped host text, and the readers on a tmp sysroot.
 
 Run: python -m pytest -q tests/test_gpu.py
 """
@@ -10,10 +10,10 @@ import stat
 
 import pytest
 
-from ops import gpu
 from ops.errors import DdopsError
-from ops.gpu import DeviceNode, NvidiaMajors
-from ops.transport import LocalTransport
+from ops.host import gpu
+from ops.host.gpu import DeviceNode, NvidiaMajors
+from ops.host.transport import LocalTransport
 
 # A Proxmox host with a recent driver: uvm got major 509 at this boot, caps 237.
 PROC_DEVICES = """\

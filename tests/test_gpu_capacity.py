@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ops import host_setup
-from ops.inventory import ContainerSpec, EngineSpec, ModelRef, ModelSpec
+from ops.host import setup as host_setup
+from ops.host.transport import LocalTransport
 from ops.sim.host import destroy_host, init_host
 from ops.sim.hub import LocalHub
-from ops.transport import LocalTransport
+from ops.site.inventory import ContainerSpec, EngineSpec, ModelRef, ModelSpec
 from tests.helpers import DATA
 from tests.helpers.site import sim_site
 

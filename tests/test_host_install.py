@@ -1,4 +1,4 @@
-"""ops/host_install.py: ddops and the host's own site file on the Proxmox host, for recovery at
+"""ops/host/install.py: ddops and the host's own site file on the Proxmox host, for recovery at
 boot with nobody acting. Here on a simulated host reached locally (the wrapper path); the SSH
 path (a venv from a wheel over SFTP) runs in tests/test_remote_boot.py.
 
@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ops import host_install
-from ops.inventory import parse_site
-from ops.render import RecoverUnit, render
+from ops.host import install as host_install
+from ops.host.transport import LocalTransport
+from ops.host.wheel import ddops_version
 from ops.sim.boot import unit_env
 from ops.sim.host import destroy_host, init_host
-from ops.transport import LocalTransport
-from ops.wheel import ddops_version
+from ops.site.inventory import parse_site
+from ops.site.render import RecoverUnit, render
 from tests.helpers.site import inventory_document
 
 

@@ -1,4 +1,4 @@
-"""The host lock (ops/hostlock.py) and the flock primitive under it, locally and over a real sshd.
+"""The host lock (ops/chain/lock.py) and the flock primitive under it, locally and over a real sshd.
 
 The finding: over SSH the lock was a bare `mkdir`, so after a crash every later run waited 30
 minutes and failed. Now the lock ends with its holder, and a record its owner left is broken
@@ -19,16 +19,16 @@ import time
 
 import pytest
 
+from ops.chain.lock import LOCK_PATH, OWNER_PATH, host_lock, host_lock_owner
 from ops.errors import DdopsError
-from ops.hostlock import LOCK_PATH, OWNER_PATH, host_lock, host_lock_owner
-from ops.ssh import SSHTransport
-from ops.transport import LocalTransport, LockTimeout
+from ops.host.ssh import SSHTransport
+from ops.host.transport import LocalTransport, LockTimeout
 from tests.helpers.sshd import running_sshd
 
 HOLD_AND_SLEEP = """
 import sys, time
-from ops.hostlock import host_lock
-from ops.transport import LocalTransport
+from ops.chain.lock import host_lock
+from ops.host.transport import LocalTransport
 with host_lock(LocalTransport(sysroot=sys.argv[1])):
     print("held", flush=True)
     time.sleep(600)
@@ -46,7 +46,7 @@ def test_a_holder_killed_holding_the_lock_leaves_no_wait_and_is_named(tmp_path, 
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait()
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, "ops.hostlock"), host_lock(t, timeout=5):
+    with caplog.at_level(logging.WARNING, "ops.chain.lock"), host_lock(t, timeout=5):
         assert time.monotonic() - started < 1
         assert host_lock_owner(t).pid == os.getpid()
     assert f"broke the stale lock {LOCK_PATH} of ddops pid {holder.pid} on" in caplog.text
@@ -119,8 +119,8 @@ def test_over_ssh_a_second_holder_waits_then_gets_it(sshd_server, tmp_path, monk
 
 SSH_HOLD_AND_SLEEP = """
 import sys, time
-from ops.hostlock import host_lock
-from ops.ssh import SSHTransport
+from ops.chain.lock import host_lock
+from ops.host.ssh import SSHTransport
 port, user, key, known, sysroot = sys.argv[1:]
 t = SSHTransport("127.0.0.1", port=int(port), user=user, key_filename=key, known_hosts=known,
                  sysroot=sysroot)
@@ -146,7 +146,7 @@ def test_over_ssh_a_killed_holder_leaves_no_wait(sshd_server, tmp_path, monkeypa
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait()
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, "ops.hostlock"), host_lock(survivor, timeout=20):
+    with caplog.at_level(logging.WARNING, "ops.chain.lock"), host_lock(survivor, timeout=20):
         assert time.monotonic() - started < 5
     assert f"of ddops pid {holder.pid} on" in caplog.text
     survivor.close()

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from ops.errors import DdopsError, InputError
-from ops.hosts import Target, open_transport, parse_target
-from ops.ssh import SSHTransport
-from ops.transport import LocalTransport
+from ops.host.ssh import SSHTransport
+from ops.host.targets import Target, open_transport, parse_target
+from ops.host.transport import LocalTransport
 
 
 @pytest.fixture

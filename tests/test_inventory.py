@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from ops.errors import DdopsError
-from ops.inventory import load_site
+from ops.site.inventory import load_site
 
 SITE = """\
 all:

@@ -1,4 +1,4 @@
-"""ops/lxcconf.py on real-world-shaped CT configs (tests/data/lxc/): round trip, edits, validation.
+"""ops/host/lxcconf.py on real-world-shaped CT configs (tests/data/lxc/): round trip, edits, validation.
 
 python -m pytest -q tests/test_lxcconf.py
 """
@@ -9,8 +9,9 @@ from collections import Counter
 
 import pytest
 
+from ops.diffs import unified_diff
 from ops.errors import DdopsError
-from ops.lxcconf import (
+from ops.host.lxcconf import (
     ConfigError,
     GpuBlock,
     GpuDevice,
@@ -19,7 +20,6 @@ from ops.lxcconf import (
     find_stale_rules,
     parse,
     plan_gpu_block,
-    unified_diff,
     validate,
 )
 from tests.helpers import DATA as HELPERS_DATA
@@ -60,7 +60,7 @@ def block(style: str = "devN", shm: int | None = 32) -> GpuBlock:
     return GpuBlock(GPU_NODES, style=style, shm_size_gib=shm)
 
 
-# An oracle independent of ops/lxcconf.py: every line of the samples that concerns the GPU block.
+# An oracle independent of ops/host/lxcconf.py: every line of the samples that concerns the GPU block.
 GPU_MARKERS = ("/dev/nvidia", "dev/shm", "c 195:", "c 509:", "c 511:", "#ddops owns")
 MARK_511 = "#ddops owns devices.allow majors 195 511\n"
 

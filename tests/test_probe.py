@@ -1,4 +1,4 @@
-"""The CUDA probe (ops/probe.py) against a directory playing a container's root.
+"""The CUDA probe (ops/agents/probe.py) against a directory playing a container's root.
 
     python -m pytest -q tests/test_probe.py
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ops import probe
+from ops.agents import probe
 
 NODES = {
     "nvidiactl": (195, 255),

@@ -20,13 +20,13 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from ops.checks import Policy
+from ops.chain.checks import Policy
+from ops.chain.report import CheckResult
+from ops.chain.runner import contexts, provision
 from ops.cli import cli
-from ops.provision import provision
-from ops.recover import CheckResult, contexts
 from ops.sim import faults
 from ops.sim.host import reboot_host
-from ops.site import open_site
+from ops.site.selection import open_site
 from tests.helpers.site import DRAFT_REPO, TARGET_REPO, make_tiny_hub_root, sim_site
 
 pytestmark = pytest.mark.lxc

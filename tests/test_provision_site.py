@@ -1,4 +1,4 @@
-"""Which site and containers a command acts on (ops/site.py): -i, --host, and the sim default.
+"""Which site and containers a command acts on (ops/site/selection.py): -i, --host, and the sim default.
 
 python -m pytest -q tests/test_provision_site.py
 """
@@ -12,11 +12,11 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from ops import site as site_module
 from ops.cli import cli
 from ops.errors import DdopsError
 from ops.sim.host import destroy_host, init_host
-from ops.site import open_site
+from ops.site import selection as site_module
+from ops.site.selection import open_site
 from tests.helpers.site import inventory_document
 
 

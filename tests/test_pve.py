@@ -1,4 +1,4 @@
-"""ops/pve.py: pct/pveversion parsers on real-shaped output, and the actions against a small
+"""ops/host/pve.py: pct/pveversion parsers on real-shaped output, and the actions against a small
 fake `pct` in a tmp sysroot (real messages and exit codes; the full sim lives in ops/sim).
 
 Run: python -m pytest -q tests/test_pve.py
@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from ops import pve
 from ops.errors import DdopsError
-from ops.pve import PveVersion
-from ops.transport import LocalTransport
+from ops.host import pve
+from ops.host.pve import PveVersion
+from ops.host.transport import LocalTransport
 
 # pct as Proxmox behaves for what ddops uses: exit 0, or 255 with pct's own words. State lives
 # below the sysroot: etc/pve/lxc/<vmid>.conf, run/<vmid>.running, ct/<vmid>/ (the CT's files);

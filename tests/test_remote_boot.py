@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ops.host.wheel import ddops_version
 from ops.sim.host import reboot_host
-from ops.wheel import ddops_version
 from tests.helpers.site import make_tiny_hub_root, sim_site
 from tests.helpers.sshd import running_sshd
 

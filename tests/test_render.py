@@ -1,4 +1,4 @@
-"""templates/ rendered by ops/render.py: golden text, validation, quoting, and parity with Ansible.
+"""templates/ rendered by ops/site/render.py: golden text, validation, quoting, and parity with Ansible.
 
 python -m pytest -q tests/test_render.py
 """
@@ -17,8 +17,9 @@ import pytest
 
 from engine.cli import serve
 from ops.errors import DdopsError
-from ops.lxcconf import GpuBlock, GpuDevice
-from ops.render import (
+from ops.host.lxcconf import GpuBlock, GpuDevice
+from ops.resources import templates_dir
+from ops.site.render import (
     EngineUnit,
     GpuNodesUnit,
     Hookscript,
@@ -28,7 +29,6 @@ from ops.render import (
     render,
     render_template,
 )
-from ops.resources import templates_dir
 
 UVM = GpuDevice("/dev/nvidia-uvm", 509, 0, gid=44)
 BLOCK = GpuBlock((GpuDevice("/dev/nvidia0", 195, 0), UVM), style="devN", shm_size_gib=16)

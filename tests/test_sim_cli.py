@@ -12,9 +12,9 @@ import pytest
 from click.testing import CliRunner
 
 from ops.cli import cli
-from ops.host_install import install_host_ddops
+from ops.host.install import install_host_ddops
+from ops.host.transport import LocalTransport
 from ops.sim import faults, pveconf
-from ops.transport import LocalTransport
 
 
 def ddops(*args: str) -> tuple[int, str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ops import gpu, pve
+from ops.host import gpu, pve
 from ops.sim import faults
 from ops.sim.host import reboot_host
 from tests.helpers.simhost import RAW_GPU_CONF, node_verdicts, probe, sim_host, start_ct

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from ops.host.transport import LocalTransport
 from ops.sim.host import destroy_host, init_host, reboot_host
-from ops.transport import LocalTransport
 from tests.helpers.simhost import DEV_GPU_CONF, RAW_GPU_CONF, node_verdicts, probe, start_ct
 
 

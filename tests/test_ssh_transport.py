@@ -18,8 +18,8 @@ from click.testing import CliRunner
 
 from ops.cli import cli
 from ops.errors import DdopsError
-from ops.ssh import SSHTransport
-from ops.transport import CommandTimeout
+from ops.host.ssh import SSHTransport
+from ops.host.transport import CommandTimeout
 from tests.helpers.sshd import SshServer, free_port, keygen, running_ssh_agent, running_sshd
 from tests.helpers.tcpproxy import TcpProxy, silent_listener
 

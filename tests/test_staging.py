@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from ops.agents.staging import check_local, stage_local
 from ops.errors import DdopsError
-from ops.inventory import ModelRef
 from ops.sim.hub import LocalHub
-from ops.staging import check_local, stage_local
+from ops.site.inventory import ModelRef
 
 REF = ModelRef("ddops/tiny", "main", "tiny")
 
@@ -215,7 +215,10 @@ def test_the_agent_reports_a_hub_failure_as_one_json_error(tmp_path):
     argv = ["stage", "--repo", "ddops/tiny", "--name", "tiny", "--endpoint", closed_url()]
     argv += ["--cache", str(tmp_path / "c"), "--shm", str(tmp_path / "s")]
     proc = subprocess.run(
-        [sys.executable, "-m", "ops.staging", *argv], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "ops.agents.staging", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr

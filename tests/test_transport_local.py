@@ -7,7 +7,7 @@ import os
 import pytest
 
 from ops.errors import DdopsError
-from ops.transport import CommandTimeout, LocalTransport, validate_host_path
+from ops.host.transport import CommandTimeout, LocalTransport, validate_host_path
 
 
 def test_run_returns_rc_and_output_without_a_shell(tmp_path):

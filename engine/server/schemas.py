@@ -21,9 +21,10 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from engine.decode import METHODS
+
 log = logging.getLogger(__name__)
 
-METHODS = ("ar", "linear", "ddtree")
 # torch.Generator.manual_seed takes a 64-bit integer; a seed is accepted as a signed one (as vLLM).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -166,7 +167,7 @@ class _Request(_Body):
 class Speculative(_Body):
     """Per-request decoding choice; fields left out take the server's defaults."""
 
-    method: Literal["ar", "linear", "ddtree"] | None = None
+    method: Literal[METHODS] | None = None  # type: ignore[valid-type]  # the tuple unpacks
     budget: int | None = Field(None, ge=1, le=1024)
 
 

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import httpx
 
+from engine.cli.serve import API_KEY_ENV
+
 WARM_UP_REQUESTS = 50
 RSS_SAMPLE_EVERY = 100
 
@@ -188,7 +190,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pid", type=int, help="server process id, to sample its memory")
     parser.add_argument("--max-rss-growth-mib", type=float, default=64.0)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
-    parser.add_argument("--api-key", default=os.environ.get("DDOPS_API_KEY"))
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV))
     return parser.parse_args(argv)
 
 

@@ -6,7 +6,7 @@
     with url_endpoint("http://127.0.0.1:8000", api_key) as endpoint: ...
     endpoint.api_key      # the key to send: the CT's own (read from the CT), or the one given
 
-The CT preflight is the recover chain (ops/recover.py): health first; when a check fails,
+The CT preflight is the recover chain (ops/chain/runner.py): health first; when a check fails,
 `recover` (unless recover_first is False, then the failure is the error) and the CT must end
 healthy. Check 10 of that chain quarantines stale runs of the results directory. A URL endpoint
 only requires the engine's /ready: that is the seam tests use against a plain local server.
@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ops.bench.client import EngineClient
-from ops.deploy import installed_api_key
+from ops.chain.deploy import installed_api_key
 from ops.errors import DdopsError
-from ops.ssh import SSHTransport
+from ops.host.ssh import SSHTransport
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,10 @@ def url_endpoint(url: str, api_key: str | None = None) -> Iterator[Endpoint]:
 def site_endpoint(
     app, *, vmid: int, results: Path, recover_first: bool = True
 ) -> Iterator[Endpoint]:
-    """The engine of CT `vmid` of the CLI's site (`app`: ops.cli.AppContext), after the chain."""
-    from ops.checks import Policy
-    from ops.recover import contexts, health, recover
-    from ops.site import open_site
+    """The engine of CT `vmid` of the CLI's site (`app`: ops.commands.shared.AppContext), after the chain."""
+    from ops.chain.checks import Policy
+    from ops.chain.runner import contexts, health, recover
+    from ops.site.selection import open_site
 
     with open_site(
         inventory=app.inventory,

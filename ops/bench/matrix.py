@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass, field
 
 from ops.errors import DdopsError
 
-METHOD_NAMES = ("ar", "linear", "ddtree")
 SCENARIOS = ("decode", "long", "agentic")
 DEFAULT_METHODS = "ar,linear,ddtree:15"
 DEFAULT_LENGTHS = (256, 1024, 2048)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ops.bench.matrix import SCENARIOS, parse_method
 from ops.bench.store import RunStore
+from ops.site.inventory import METHODS
 
 METRICS = (
     "decode_tok_s",
@@ -46,7 +47,7 @@ class ReportFiles:
 
 def _method_order(label: str) -> tuple[int, int]:
     method = parse_method(label)
-    return ("ar", "linear", "ddtree").index(method.name), method.budget or 0
+    return METHODS.index(method.name), method.budget or 0
 
 
 def _column_order(row: dict) -> tuple[int, int]:

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterator, Sequence
 import paramiko
 
 from ops.errors import DdopsError
-from ops.pve import validate_vmid
-from ops.ssh import SSHTransport
+from ops.host.pve import validate_vmid
+from ops.host.ssh import SSHTransport
 
 log = logging.getLogger(__name__)
 

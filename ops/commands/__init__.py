@@ -1,1 +1,1 @@
-"""One module per `ddops` command; each registers itself on `ops.cli.cli`."""
+"""One module per `ddops` command (ops/cli.py registers them); shared.py holds what they share."""

@@ -35,8 +35,8 @@ from ops.bench.matrix import (
 from ops.bench.report import load_rows, markdown_report, render_report, summary_table
 from ops.bench.runner import RichProgress, run_bench
 from ops.bench.store import RunStore
-from ops.commands.recover import VIA
-from ops.deploy import API_KEY_ENV
+from ops.chain.deploy import API_KEY_ENV
+from ops.commands.shared import VIA, VMID
 from ops.errors import DdopsError
 
 
@@ -53,7 +53,7 @@ def _parsed(parse):
 
 
 @click.group("bench", invoke_without_command=True)
-@click.option("--ct", "vmid", type=click.IntRange(100, 999_999_999), help="The CT whose engine.")
+@click.option("--ct", "vmid", type=VMID, help="The CT whose engine.")
 @click.option("--url", help="Bench the engine at this URL instead (no site, no chain).")
 @click.option(
     "--methods",
@@ -131,7 +131,7 @@ def report_command(ctx: click.Context, run_dir: str) -> None:
 
 
 def _default_results() -> Path:
-    from ops.site import results_dir
+    from ops.site.selection import results_dir
 
     return results_dir()
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import click
 from rich.console import Console
 
-from ops.demo import HEADER, DemoResult, Stage, run_demo, stage_line, story_lines
+from ops.demo_story import HEADER, DemoResult, Stage, run_demo, stage_line, story_lines
 
 
 def default_workdir() -> Path:
@@ -27,12 +27,15 @@ def default_workdir() -> Path:
     return Path(home) / "demo"
 
 
-def _invoke_ddops(argv: Sequence[str]) -> int:
-    """Run one `ddops` command in this process; its exit code."""
-    from ops.cli import cli
+def _invoker(root: click.Command) -> Callable[[Sequence[str]], int]:
+    """Run one `ddops` command in this process through `root`, the group running the demo (so
+    the demo needs no import of ops.cli); its exit code."""
 
-    code = cli.main(list(argv), prog_name="ddops", standalone_mode=False)
-    return code if isinstance(code, int) else 0
+    def invoke(argv: Sequence[str]) -> int:
+        code = root.main(list(argv), prog_name="ddops", standalone_mode=False)
+        return code if isinstance(code, int) else 0
+
+    return invoke
 
 
 class DemoProgress:
@@ -59,8 +62,8 @@ class DemoProgress:
         if self.plain:
             click.echo(stage_line(stage))
         if self.verbose:
-            from ops.output import check_line
-            from ops.recover import CheckResult
+            from ops.chain.output import check_line
+            from ops.chain.report import CheckResult
 
             for ct in (stage.document or {}).get("cts", []):
                 for check in ct["checks"]:
@@ -77,7 +80,8 @@ class DemoProgress:
 def demo_command(ctx: click.Context, workdir: Path | None) -> None:
     """Provision, reboot, recover and bench a simulated Proxmox host, on CPU."""
     progress = DemoProgress(verbose=ctx.obj.verbose > 0, quiet=ctx.obj.json)
-    result = run_demo(workdir or default_workdir(), _invoke_ddops, progress)
+    invoke = _invoker(ctx.find_root().command)
+    result = run_demo(workdir or default_workdir(), invoke, progress)
     if ctx.obj.json:
         click.echo(json.dumps(_document(result), indent=1))
         return

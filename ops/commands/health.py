@@ -1,4 +1,4 @@
-"""`ddops health`: every check of the chain (ops/checks.py), read-only.
+"""`ddops health`: every check of the chain (ops/chain/checks.py), read-only.
 
     ddops -i site.yml health --ct 200
     ddops --host sim:/tmp/pve1 --json health --ct 200
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import click
 
-from ops.checks import Policy
-from ops.commands.recover import VMID, run_chain_command
+from ops.chain.checks import Policy
+from ops.commands.shared import VMID, run_chain_command
 
 
 @click.command("health")

@@ -18,9 +18,9 @@ import os
 
 import click
 
-from ops.checks import Policy
-from ops.commands.recover import VIA, VMID, run_chain_command
-from ops.deploy import API_KEY_ENV, parse_api_key
+from ops.chain.checks import Policy
+from ops.chain.deploy import API_KEY_ENV, parse_api_key
+from ops.commands.shared import VIA, VMID, run_chain_command
 
 
 @click.command("provision")

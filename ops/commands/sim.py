@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from ops.commands.shared import VMID
 from ops.sim.host import destroy_host, init_host, reboot_host
 from ops.sim.state import load_state
 
@@ -49,7 +50,7 @@ def sim() -> None:
     show_default=True,
     help="Real LXC containers (root + lxc) or plain processes; auto picks lxc where possible.",
 )
-@click.option("--ct", type=click.IntRange(100, 999999999), help="Also create and start this CT.")
+@click.option("--ct", type=VMID, help="Also create and start this CT.")
 @click.pass_context
 def init(ctx, path: Path, gpus, gpu_memory_mib, uvm_major, pve_version, driver, containers, ct):
     """Make PATH a simulated Proxmox host (a no-op when it already is one)."""

@@ -22,7 +22,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from ops.sim.commands import HOST_TOOLS
+from ops.sim.executables import HOST_TOOLS
 from ops.sim.state import log
 
 UNIT_DIR = "etc/systemd/system"
@@ -132,7 +132,7 @@ def _without_host_option(args: list[str]) -> list[str]:
 def unit_env(root: Path, unit: Path) -> dict[str, str]:
     """The environment a unit's commands get: the sim host's tools first on PATH, and the unit's
     EnvironmentFile= files read as systemd reads them (below the sim root; "-" optional)."""
-    from ops.supervise import read_env_file, unquote_systemd
+    from ops.agents.supervise import read_env_file, unquote_systemd
 
     env = dict(os.environ)
     env["PATH"] = f"{root / 'usr/sbin'}:{root / 'usr/bin'}:{env.get('PATH', '')}"

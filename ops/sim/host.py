@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ops.errors import DdopsError
 from ops.sim import boot, kernel, pveconf
-from ops.sim.commands import install_host_tools
+from ops.sim.executables import install_host_tools
 from ops.sim.pct import Pct, PctError
 from ops.sim.state import (
     CT_CONF_DIR,

@@ -1,4 +1,4 @@
-"""Writes the sim's executables: tiny scripts that call `ops.sim.commands.main` with this Python.
+"""Writes the sim's executables: tiny scripts that call `ops.sim.executables.main` with this Python.
 
 A launcher runs this interpreter (a venv's stays a venv's: no realpath) and imports ops from the
 directory this very ops was loaded from, so it runs the same code inside a container (where
@@ -20,7 +20,7 @@ def write_launcher(path: Path, tool: str, root: Path, *, in_ct: bool = False) ->
         f'"""The ddops sim\'s {tool} for the simulated host {root}."""\n'
         "import sys\n\n"
         f"sys.path.insert(0, {code_dir!r})\n"
-        "from ops.sim.commands import main  # noqa: E402\n\n"
+        "from ops.sim.executables import main  # noqa: E402\n\n"
         f"raise SystemExit(main({tool!r}, root={str(root)!r}, in_ct={in_ct!r}))\n"
     )
     path.chmod(0o755)

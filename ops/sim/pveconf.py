@@ -1,4 +1,4 @@
-"""The sim's own tiny reader/writer of /etc/pve/lxc/<vmid>.conf (a Proxmox double: never ops.lxcconf).
+"""The sim's own tiny reader/writer of /etc/pve/lxc/<vmid>.conf (a Proxmox double: never ops.host.lxcconf).
 
 Only the main section counts (lines before the first `[section]`); `key: value` lines, `#`
 comments kept as they are. `set_keys` edits PVE keys in place and adds new ones before the raw `lxc.*`

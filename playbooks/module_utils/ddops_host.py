@@ -13,6 +13,6 @@ def host_sysroot(sysroot: str | None, target: str | None) -> str | None:
         return sysroot
     if not target:
         return None
-    from ops.hosts import parse_target
+    from ops.host.targets import parse_target
 
     return parse_target(target).sysroot

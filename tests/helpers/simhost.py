@@ -10,10 +10,10 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from ops.host.transport import LocalTransport
 from ops.sim.host import destroy_host, init_host
-from ops.transport import LocalTransport
 
-PROBE = Path(__file__).resolve().parents[2] / "ops" / "probe.py"
+PROBE = Path(__file__).resolve().parents[2] / "ops" / "agents" / "probe.py"
 # As ddops writes raw rules: marked as its own, so a rule left behind by a moved major is replaced.
 RAW_GPU_CONF = """\
 #ddops owns devices.allow majors 195 {uvm}

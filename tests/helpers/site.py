@@ -23,9 +23,9 @@ from pathlib import Path
 
 import yaml
 
+from ops.host.transport import LocalTransport
 from ops.sim.host import destroy_host, init_host
 from ops.sim.hub import LocalHub
-from ops.transport import LocalTransport
 
 TARGET_REPO = "ddops/tiny-target"
 DRAFT_REPO = "ddops/tiny-draft"

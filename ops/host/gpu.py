@@ -16,7 +16,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from ops.transport import Result, Transport
+from ops.host.transport import Result, Transport
 
 # Names the nvidia driver registers in /proc/devices (older drivers say plain "nvidia").
 NVIDIA_FRONTEND_NAMES = ("nvidia-frontend", "nvidia")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The CUDA probe: run inside a container to name why CUDA cannot start. Stdlib only.
 
-    pct push 200 ops/probe.py /tmp/ddops-probe.py
+    pct push 200 ops/agents/probe.py /tmp/ddops-probe.py
     pct exec 200 -- python3 /tmp/ddops-probe.py --json
 
 1. Opens every /dev/nvidia* node ddops expects (nvidiactl, nvidia-uvm, nvidia-uvm-tools,

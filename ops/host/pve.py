@@ -24,9 +24,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from ops.errors import DdopsError
-from ops.transport import LockTimeout, Result, Transport, env_via_stdin, validate_host_path
+from ops.host.transport import LockTimeout, Result, Transport, env_via_stdin, validate_host_path
 
 VMID_RANGE = range(100, 1_000_000_000)
+VMID_RULE = f"a vmid is a number from {VMID_RANGE.start} to {VMID_RANGE.stop - 1}"
 PCT_TASK_ERROR = 255  # pct's exit code for its own failures
 # PVE::LXC::Config->lock_config: flock on this file, waiting up to 10 s, around every config edit
 CONFIG_LOCK = "/run/lock/lxc/pve-config-{vmid}.lock"
@@ -42,7 +43,7 @@ def validate_vmid(vmid: int | str) -> str:
     """The vmid as pct wants it (digits, 100..999999999), or DdopsError."""
     text = str(vmid)
     if not (text.isascii() and text.isdigit()) or int(text) not in VMID_RANGE:
-        raise DdopsError(f"CT {text!r}", "a vmid is a number from 100 to 999999999")
+        raise DdopsError(f"CT {text!r}", VMID_RULE)
     return str(int(text))
 
 

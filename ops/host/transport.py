@@ -4,7 +4,7 @@ Every ddops action on a Proxmox host goes through a `Transport`:
 
     t = LocalTransport()                       # this machine
     t = LocalTransport(sysroot="/tmp/pve1")    # a simulated host (see ops/sim): paths and PATH mapped
-    t = SSHTransport(...)                      # a real host over paramiko (ops/ssh.py)
+    t = SSHTransport(...)                      # a real host over paramiko (ops/host/ssh.py)
     r = t.run(["pct", "status", "200"])        # Result(rc, stdout, stderr); never raises on rc != 0
     r.check("CT 200")                          # raises DdopsError naming the object and the cause
     t.write_file("/etc/pve/lxc/200.conf", data)  # atomic, previous version backed up

@@ -19,9 +19,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ops.last_recover import describe
-from ops.recover import OK, ChainReport, CheckResult
-from ops.steps import STYLE
+from ops.chain.last_recover import describe
+from ops.chain.report import OK, STYLE, ChainReport, CheckResult
 
 _STATUS_STYLE = {**STYLE, OK: "green"}
 

@@ -15,8 +15,8 @@ import json
 import time
 from datetime import UTC, datetime
 
-from ops.steps import CHANGED, FAILED
-from ops.transport import Transport
+from ops.chain.report import CHANGED, FAILED
+from ops.host.transport import Transport
 
 RECORD_DIR = "/var/lib/ddops/last-recover"
 TRIGGERS = ("manual", "boot")
@@ -27,7 +27,7 @@ def record_path(vmid: int) -> str:
 
 
 def record(t: Transport, report, trigger: str = "manual") -> dict:
-    """Write what this recover run (an ops.recover.ChainReport) did; the record written."""
+    """Write what this recover run (an ops.chain.report.ChainReport) did; the record written."""
     repaired = [
         {"key": r.key, "title": r.title, "found": r.evidence, "done": r.action}
         for r in report.results

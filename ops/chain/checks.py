@@ -3,14 +3,14 @@
 
 Each check has a key and a title, a read-only probe that reads facts through the Transport and
 returns a Finding (ok, evidence, fixable), the keys of the checks it needs, and ONE remedy (None
-when nothing can fix it automatically). A remedy takes `dry_run` and returns an Outcome (ops/steps.py)
+when nothing can fix it automatically). A remedy takes `dry_run` and returns an Outcome (ops/chain/report.py)
 with the plan and any file diff; it raises DdopsError when it cannot act.
 
     host -> modules -> nodes -> ct-exists -> ct-config -> ct-running -> cuda -> model -> service
     -> engine -> bench -> host-ddops
       (+ capacity, gpu-capacity, boot, hookscript, engine-installed, api-key under provision)
 
-The runner that applies them is ops/recover.py. Tests: tests/test_checks.py (one check at a time
+The runner that applies them is ops/chain/runner.py. Tests: tests/test_checks.py (one check at a time
 on a sim host) and the provision/recover tests (the whole chain).
 """
 
@@ -23,13 +23,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ops import deploy, host_install, host_setup
+from ops.agents.staging import SHM_MODELS
 from ops.bench.store import find_stale_runs, quarantine_run
+from ops.chain import deploy
+from ops.chain.report import Outcome
+from ops.chain.stage_model import check_staged, stage_model
+from ops.diffs import unified_diff
 from ops.errors import DdopsError
-from ops.gpu import driver_version, gpu_facts, loaded_modules, parse_char_majors
-from ops.inventory import ContainerSpec, EngineSpec, HostSpec, ModelRef, ModelSpec
-from ops.lxcconf import GpuBlock, GpuDevice, find_stale_rules, plan_gpu_block, unified_diff
-from ops.pve import (
+from ops.host import install as host_install
+from ops.host import setup as host_setup
+from ops.host.gpu import driver_version, gpu_facts, loaded_modules, parse_char_majors
+from ops.host.lxcconf import GpuBlock, GpuDevice, find_stale_rules, plan_gpu_block
+from ops.host.pve import (
     ct_config_lock,
     ct_exec,
     ct_lock,
@@ -40,13 +45,14 @@ from ops.pve import (
     pve_version,
     supports_dev_entries,
 )
-from ops.render import TemplateSpec
-from ops.staging import SHM_MODELS, check_staged, stage_model
-from ops.steps import Outcome
-from ops.transport import Transport
+from ops.host.transport import Transport
+from ops.site.inventory import ContainerSpec, EngineSpec, HostSpec, ModelRef, ModelSpec
+from ops.site.render import TemplateSpec
 
 REQUIRED_MODULES = ("nvidia", "nvidia_uvm")
-PROBE_SCRIPT = Path(__file__).with_name("probe.py")  # stdlib only: runs in any CT python3
+PROBE_SCRIPT = (
+    Path(__file__).parents[1] / "agents" / "probe.py"
+)  # stdlib only: runs in any CT python3
 ENGINE_READY_TIMEOUT_S = 300.0
 
 
@@ -332,7 +338,7 @@ def start_ct(c: ChainContext, dry_run: bool) -> Outcome:
 
 # -- 6. CUDA initialises in the CT; its driver userspace matches the host module -------------
 def cuda_probe_report(c: ChainContext) -> dict:
-    """The CUDA probe (ops/probe.py, stdlib only) run inside the CT from stdin: nothing written."""
+    """The CUDA probe (ops/agents/probe.py, stdlib only) run inside the CT from stdin: nothing written."""
     r = ct_exec(c.t, c.vmid, ["python3", "-", "--json"], input=PROBE_SCRIPT.read_text())
     try:
         return json.loads(r.stdout)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ops.errors import DdopsError
 
-PROJECT = Path(__file__).resolve().parents[1]
+PROJECT = Path(__file__).resolve().parents[2]
 
 
 def ddops_version() -> str:

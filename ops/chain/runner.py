@@ -1,70 +1,38 @@
-"""Run the chain (ops/checks.py) over one container: probe only (health), or repair in order.
+"""Run the chain (ops/chain/checks.py) over one container: probe only (health), or repair in order.
 
     report = health(ctx)                  # every probe, read-only; dependents of a failure skipped
     report = recover(ctx, dry_run=False)  # probe, remedy if failing, re-probe; stop at the first
                                           # failure nothing can fix; under the host lock
     reports_json([report])                # one document for --json
 
-Concurrent repairs of one host are serialised by the host lock (ops/hostlock.py: flock on
+Concurrent repairs of one host are serialised by the host lock (ops/chain/lock.py: flock on
 /run/lock/ddops/recover.lock through the transport, its holder recorded): the second waits, then
 finds nothing to do. `ddops provision` is the same run under the provision policy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict
 
-from ops.checks import ChainContext, Check, Finding, Policy, chain_for, probe_host
+from ops.chain.checks import ChainContext, Check, Finding, Policy, chain_for, probe_host
+from ops.chain.lock import host_lock
+from ops.chain.report import (
+    CHANGED,
+    FAILED,
+    OK,
+    SKIPPED,
+    UNCHANGED,
+    WOULD_CHANGE,
+    ChainReport,
+    CheckResult,
+    Mode,
+)
 from ops.errors import DdopsError
-from ops.hostlock import host_lock
-from ops.site import OpenedSite, results_dir
-from ops.steps import CHANGED, FAILED, SKIPPED, UNCHANGED, WOULD_CHANGE
-
-OK = "ok"  # health's word for a passing probe (a repair run says "unchanged")
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    """One check in a run: what the probe found (evidence), what was done (action), how long."""
-
-    key: str
-    title: str
-    status: str  # ok | unchanged | changed | would change | failed | skipped
-    seconds: float
-    evidence: str = ""
-    action: str = ""
-    diff: str = ""
-
-
-@dataclass
-class ChainReport:
-    host: str
-    vmid: int
-    mode: str  # health | recover | provision
-    dry_run: bool = False
-    results: list[CheckResult] = field(default_factory=list)
-    seconds: float = 0.0
-    last_recover: dict | None = None  # health: the CT's last recover record (ops/last_recover.py)
-
-    @property
-    def ok(self) -> bool:
-        """Every check passed (or was repaired); a dry run that would change something is not ok."""
-        return all(r.status in (OK, UNCHANGED, CHANGED) for r in self.results)
-
-    def to_json(self) -> dict:
-        return {
-            "host": self.host,
-            "ct": self.vmid,
-            "mode": self.mode,
-            "dry_run": self.dry_run,
-            "ok": self.ok,
-            "seconds": round(self.seconds, 3),
-            "checks": [asdict(r) for r in self.results],
-            **({"last_recover": self.last_recover} if self.last_recover else {}),
-        }
+from ops.site.selection import OpenedSite, results_dir
 
 
 def _probe(check: Check, c: ChainContext) -> Finding:
@@ -122,13 +90,15 @@ def run_check(check: Check, c: ChainContext, *, repair: bool, dry_run: bool = Fa
 def run_chain(
     c: ChainContext,
     *,
-    mode: str,
+    mode: Mode,
     dry_run: bool = False,
     on_result: Callable[[CheckResult], None] | None = None,
 ) -> ChainReport:
     """Go through the chain for `c.policy`. mode "health" only probes (a check whose prerequisite
     failed is skipped); "recover" and "provision" repair in order and stop at the first failure
     nothing fixes."""
+    if mode == "provision":  # the one place the mode sets the policy
+        c = dataclasses.replace(c, policy=dataclasses.replace(c.policy, provision=True))
     repair = mode != "health"
     report = ChainReport(c.t.label, c.vmid, mode, dry_run)
     start = time.monotonic()
@@ -164,7 +134,7 @@ def recover(
     c: ChainContext,
     *,
     dry_run: bool = False,
-    mode: str = "recover",
+    mode: Mode = "recover",
     on_result: Callable[[CheckResult], None] | None = None,
 ) -> ChainReport:
     """Repair the CT in chain order under the host lock. A dry run changes nothing and an
@@ -173,6 +143,17 @@ def recover(
         return run_chain(c, mode=mode, dry_run=dry_run, on_result=on_result)
     with host_lock(c.t):
         return run_chain(c, mode=mode, on_result=on_result)
+
+
+def provision(
+    c: ChainContext,
+    *,
+    dry_run: bool = False,
+    on_result: Callable[[CheckResult], None] | None = None,
+) -> ChainReport:
+    """Bring the CT from whatever it is to healthy, creating what is missing; `on_result` sees
+    each check as it finishes."""
+    return recover(c, dry_run=dry_run, mode="provision", on_result=on_result)
 
 
 def _reachable(c: ChainContext) -> bool:
@@ -199,8 +180,3 @@ def contexts(opened: OpenedSite, policy: Policy, api_key: str | None = None) -> 
         )
         for target in opened.targets
     ]
-
-
-# -- output ------------------------------------------------------------------------------------
-def reports_json(reports: Sequence[ChainReport]) -> dict:
-    return {"ok": all(r.ok for r in reports), "cts": [r.to_json() for r in reports]}

@@ -11,7 +11,7 @@ and the check that the CT's memory can hold the model at all.
     capacity_problem(ct, models, endpoint, token)    # memory >= model + engine; /dev/shm >= model
     gpu_capacity(t, ct, model, engine, token)        # the engine's memory plan fits the GPUs
 
-The chain (ops/checks.py) wraps these into its provision-only checks.
+The chain (ops/chain/checks.py) wraps these into its provision-only checks.
 """
 
 from __future__ import annotations
@@ -20,16 +20,23 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ops.deploy import engine_device_dtype
-from ops.gpu import gpu_memory
-from ops.host_install import HF_TOKEN_FILE, HOST_DDOPS, HOST_SITE
-from ops.inventory import ContainerSpec, EngineSpec, ModelRef, ModelSpec
-from ops.lxcconf import unified_diff
-from ops.pve import ct_config, validate_vmid
-from ops.render import GpuNodesUnit, Hookscript, NvidiaModules, RecoverUnit, TemplateSpec, render
-from ops.staging import hub_errors
-from ops.steps import Outcome
-from ops.transport import Transport
+from ops.agents.staging import hub_errors
+from ops.chain.deploy import engine_device_dtype
+from ops.chain.report import Outcome
+from ops.diffs import unified_diff
+from ops.host.gpu import gpu_memory
+from ops.host.install import HF_TOKEN_FILE, HOST_DDOPS, HOST_SITE
+from ops.host.pve import ct_config, validate_vmid
+from ops.host.transport import Transport
+from ops.site.inventory import ContainerSpec, EngineSpec, ModelRef, ModelSpec
+from ops.site.render import (
+    GpuNodesUnit,
+    Hookscript,
+    NvidiaModules,
+    RecoverUnit,
+    TemplateSpec,
+    render,
+)
 
 WANTS_DIR = "/etc/systemd/system/multi-user.target.wants"
 ENGINE_RUNTIME_MIB = 2048  # Python + torch + CUDA context of the engine, beside the weights
@@ -57,7 +64,7 @@ def pct_create_argv(ct: ContainerSpec) -> list[str]:
 # -- recovery at boot --------------------------------------------------------------------------
 def boot_specs(gpu_minors: tuple[int, ...], vmids: tuple[int, ...]) -> list[TemplateSpec]:
     """The files that make a booted host recover its GPU CTs without a person: the recover unit
-    runs the host's own ddops on the host's own site file (ops/host_install.py)."""
+    runs the host's own ddops on the host's own site file (ops/host/install.py)."""
     return [
         NvidiaModules(),
         GpuNodesUnit(gpu_minors=gpu_minors),

@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from ops.errors import DdopsError
-from ops.site import DEMO_MODEL_DIR, DEMO_REPOS
+from ops.site.selection import DEMO_MODEL_DIR, DEMO_REPOS
 
 DEMO_VMID = 200
 INCIDENT_UVM_MAJORS = (511, 509)  # before and after the reboot, as in the incident report

@@ -3,7 +3,7 @@
     with host_lock(t):          # waits for another holder, up to LOCK_TIMEOUT_S
         ...                     # repair
 
-The lock is flock(2) on /run/lock/ddops/recover.lock through the transport (ops/transport.py:
+The lock is flock(2) on /run/lock/ddops/recover.lock through the transport (ops/host/transport.py:
 held by this process locally, by a remote flock(1) tied to the SSH connection otherwise), so it
 ends with its holder: after a crash, the next run takes it at once instead of waiting out a
 timeout. While held, recover.owner beside it records the holder (host, pid, time): a waiter
@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 from ops.errors import DdopsError
-from ops.transport import LockTimeout, Transport
+from ops.host.transport import LockTimeout, Transport
 
 LOCK_PATH = "/run/lock/ddops/recover.lock"
 OWNER_PATH = "/run/lock/ddops/recover.owner"  # beside the lock: rewriting the lock file itself

@@ -9,7 +9,7 @@ Host keys are checked against known_hosts (`~/.ssh/known_hosts` unless another f
 an unknown key is refused with its fingerprint unless `accept_new_host_key=True`, which
 records it; a changed key is always refused. One SSH connection (and one SFTP session) serves
 every call of a transport. Commands are sent as `shlex.join(argv)`; env values travel on stdin
-to a constant wrapper (`ops.transport.env_via_stdin`), never on the remote command line. With
+to a constant wrapper (`ops.host.transport.env_via_stdin`), never on the remote command line. With
 `sysroot`, paths map below it and the remote PATH starts with its bin directories, as in
 LocalTransport. Tests: tests/test_ssh_transport.py (a real sshd on loopback).
 
@@ -37,7 +37,7 @@ from pathlib import Path
 import paramiko
 
 from ops.errors import DdopsError
-from ops.transport import (
+from ops.host.transport import (
     SYSROOT_BIN_DIRS,
     CommandTimeout,
     LockTimeout,

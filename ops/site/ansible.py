@@ -32,14 +32,14 @@ from rich.console import Console
 from rich.table import Table
 
 from ops.bench.matrix import BenchConfig
-from ops.checks import Policy, chain_for
+from ops.chain.checks import Policy, chain_for
+from ops.chain.report import ChainReport, CheckResult
 from ops.errors import DdopsError
-from ops.hosts import parse_target
-from ops.inventory import Site, site_document
-from ops.recover import ChainReport, CheckResult
+from ops.host.targets import parse_target
+from ops.host.wheel import built_wheel
 from ops.resources import playbooks_dir
-from ops.site import OpenedSite
-from ops.wheel import built_wheel
+from ops.site.inventory import Site, site_document
+from ops.site.selection import OpenedSite
 
 PLAYBOOKS = {"provision": "provision.yml", "recover": "recover.yml", "bench": "bench.yml"}
 CHECK_MODULE = "ddops_check"

@@ -24,11 +24,19 @@ from pathlib import Path
 import click
 
 from ops.errors import DdopsError, InputError
-from ops.hosts import open_transport, parse_target, shown_target
-from ops.inventory import ContainerSpec, EngineSpec, HostSpec, ModelRef, ModelSpec, Site, load_site
-from ops.transport import Transport
+from ops.host.targets import open_transport, parse_target, shown_target
+from ops.host.transport import Transport
+from ops.site.inventory import (
+    ContainerSpec,
+    EngineSpec,
+    HostSpec,
+    ModelRef,
+    ModelSpec,
+    Site,
+    load_site,
+)
 
-DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "engine" / "demo_model"
+DEMO_MODEL_DIR = Path(__file__).resolve().parents[2] / "engine" / "demo_model"
 DEMO_REPOS = {"target": "ddops/demo-target", "draft": "ddops/demo-draft"}
 DEMO_ENGINE = {"method": "ddtree", "budget": 15, "max_model_len": 2048}
 

@@ -5,7 +5,7 @@ environment copies that module's settings (trim_blocks on, lstrip_blocks off, th
 trailing newline kept, undefined variables an error) and every template takes all of its
 variables explicitly: the same variables give byte-identical files on both paths.
 
-    from ops.render import EngineUnit, render
+    from ops.site.render import EngineUnit, render
     unit = EngineUnit(python="/opt/ddops/bin/python", model="/dev/shm/models/target", ...)
     text = render(unit)                 # validated first: DdopsError names the bad value
     unit.INSTALL_PATH                   # where the file goes ("/etc/systemd/system/...")
@@ -26,12 +26,12 @@ import jinja2
 
 from ops.errors import DdopsError
 from ops.resources import templates_dir
+from ops.site.inventory import METHODS
 
 MODULE_NAME = re.compile(r"[A-Za-z0-9_-]+")
 CUDA_DEVICE_LIST = re.compile(r"\d+(,\d+)*")
 HOST_NAME = re.compile(r"[A-Za-z0-9_.:\[\]-]+")
 DEVICE_NAME = re.compile(r"cpu|cuda(:\d+)?")
-DECODING_METHODS = ("ar", "linear", "ddtree")
 DTYPES = ("float32", "bfloat16", "float64")  # what `python -m engine serve --dtype` takes
 VMID_RANGE = range(100, 1_000_000_000)  # what Proxmox VE accepts as a guest id
 
@@ -234,7 +234,7 @@ class EngineUnit(TemplateSpec):
         _check_int(t, "port", self.port, range(1, 65536))
         if self.max_model_len is not None:
             _check_int(t, "max_model_len", self.max_model_len, range(1, 10_000_001))
-        _check_choice(t, "method", self.method, DECODING_METHODS)
+        _check_choice(t, "method", self.method, METHODS)
         _check_int(t, "budget", self.budget, range(1, 4097))
         _check_int(t, "tp", self.tp, range(1, 65))
         if self.method != "ar" and self.draft is None:

@@ -23,9 +23,9 @@ from pathlib import PurePosixPath
 import yaml
 
 from ops.errors import DdopsError
-from ops.inventory import EngineSpec, HostSpec, ModelSpec, Site, site_document
-from ops.transport import LocalTransport, Transport
-from ops.wheel import built_wheel, ddops_version
+from ops.host.transport import LocalTransport, Transport
+from ops.host.wheel import built_wheel, ddops_version
+from ops.site.inventory import EngineSpec, HostSpec, ModelSpec, Site, site_document
 
 HOST_DDOPS = "/usr/local/bin/ddops"
 HOST_SITE = "/etc/ddops/site.yml"

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
 from ops.errors import DdopsError, InputError
-from ops.ssh import SSHTransport
-from ops.transport import LocalTransport, Transport, validate_host_path
+from ops.host.ssh import SSHTransport
+from ops.host.transport import LocalTransport, Transport, validate_host_path
 
 ACCEPTED_FORMS = "local, sim:PATH, ssh://[user@]host[:port][?sysroot=/path]"
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")

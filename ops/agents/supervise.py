@@ -1,10 +1,10 @@
 """The engine's service manager where a container has no systemd (busybox, Alpine): a small supervisor.
 
 It runs INSIDE the container, with the engine's own Python, and runs the same systemd unit that
-a systemd container would run (one source of truth: ops/render.py's EngineUnit):
+a systemd container would run (one source of truth: ops/site/render.py's EngineUnit):
 
-    python -m ops.supervise start --unit /etc/ddops/ddops-engine.service   # detaches, then returns
-    python -m ops.supervise stop                                           # SIGTERM, then SIGKILL the group
+    python -m ops.agents.supervise start --unit /etc/ddops/ddops-engine.service   # detaches, then returns
+    python -m ops.agents.supervise stop                                           # SIGTERM, then SIGKILL the group
 
 `start` reads the unit's ExecStart=, Environment=, EnvironmentFile= and RestartSec=, detaches
 (setsid: its own session and process group, stdio on the log) and returns once the pidfile is
@@ -17,7 +17,7 @@ Files:
     /run/ddops/engine.status       JSON: the engine's pid (null between runs), starts, exits, last_exit
     /var/log/ddops-engine.log      the engine's output and the supervisor's own lines
 
-Standard library only: the controller (ops/deploy.py) imports `parse_unit` from here, and the
+Standard library only: the controller (ops/chain/deploy.py) imports `parse_unit` from here, and the
 container's Python runs it.
 """
 
@@ -43,12 +43,12 @@ MAX_BACKOFF_S = 60.0
 STABLE_RUN_S = 60.0  # a run this long resets the backoff
 STOP_TIMEOUT_S = 20.0  # the engine drains for 5 s on SIGTERM; then the group is killed
 SERVICE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # systemd's default
-SUPERVISOR_MODULE = "ops.supervise"
+SUPERVISOR_MODULE = "ops.agents.supervise"
 # Exits systemd counts as clean for Restart=on-failure: 0 and these signals.
 CLEAN_SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE)
 
 
-# -- the unit, read as systemd reads what ops/render.py writes ---------------------------------
+# -- the unit, read as systemd reads what ops/site/render.py writes ---------------------------------
 @dataclass(frozen=True)
 class UnitCommand:
     """What a unit runs: argv, its environment (Environment= lines), env files, restart delay."""
@@ -319,7 +319,7 @@ def _service_group(pgid: int) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ops.supervise", description=__doc__.split("\n")[0]
+        prog="python -m ops.agents.supervise", description=__doc__.split("\n")[0]
     )
     sub = parser.add_subparsers(dest="command", required=True)
     start_cmd = sub.add_parser("start", help="start the supervisor for a unit unless it runs")

@@ -33,8 +33,8 @@ from urllib.parse import urlsplit
 import yaml
 
 from ops.errors import DdopsError, InputError
-from ops.hosts import parse_target_syntax, valid_hostname
-from ops.pve import VMID_RANGE, validate_vmid
+from ops.host.pve import VMID_RANGE, VMID_RULE, validate_vmid
+from ops.host.targets import parse_target_syntax, valid_hostname
 
 REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
 REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
@@ -48,7 +48,7 @@ NET_KEYS = ("name", "bridge", "ip", "ip6", "gw", "gw6", "hwaddr", "firewall", "t
 NET_PROPERTY = re.compile(rf"(?:{'|'.join(NET_KEYS)})=[A-Za-z0-9._:/-]+")
 ENGINE_PYTHON = re.compile(r"(/[A-Za-z0-9._+-]+)+")
 USER = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
-METHODS = ("ar", "linear", "ddtree")
+METHODS = ("ar", "linear", "ddtree")  # the engine's decoding methods, the one definition on the ops side
 DTYPES = ("auto", "float32", "bfloat16", "float64")
 DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]{1,2})?")
 DEFAULT_ENGINE_PYTHON = "/opt/ddops/venv/bin/python"
@@ -201,7 +201,7 @@ class ContainerSpec:
 
     def __post_init__(self) -> None:
         if type(self.vmid) is not int or self.vmid not in VMID_RANGE:
-            raise InputError(f"CT {self.vmid!r}", "a vmid is a number from 100 to 999999999")
+            raise InputError(f"CT {self.vmid!r}", VMID_RULE)
         obj = f"CT {self.vmid}"
         if not isinstance(self.gpus, list | tuple):
             raise _bad(obj, "gpus", self.gpus, "must be a list of GPU indices")

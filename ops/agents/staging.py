@@ -1,10 +1,10 @@
 """Model staging: hub -> persistent on-disk cache -> /dev/shm/models/<name>, verified.
 
-Two halves, one module:
+The agent half:
 
 - the agent, run INSIDE the container by the engine's Python (which has huggingface_hub):
-      python -m ops.staging stage --repo ORG/NAME --revision REV --name NAME [--endpoint URL] --json
-      python -m ops.staging check --name NAME [--hashes] --json
+      python -m ops.agents.staging stage --repo ORG/NAME --revision REV --name NAME [--endpoint URL] --json
+      python -m ops.agents.staging check --name NAME [--hashes] --json
   `stage` makes sure the persistent cache holds the snapshot (downloading only what is missing or
   damaged, resumable), then copies it into /dev/shm, hashing while copying: a file lands in
   /dev/shm only once its bytes match the manifest taken when the snapshot was first downloaded
@@ -15,8 +15,8 @@ Two halves, one module:
   size, sha256 and mtime: `check` compares size and mtime (cheap), `check --hashes` the sha256
   too. The HF token is HF_TOKEN in its environment, carried into the CT on stdin by ct_exec,
   never on a command line. Every hub failure is one DdopsError naming the repo.
-- the controller (`stage_model`, `check_staged`): runs the agent through `pct exec` over a
-  Transport and turns its JSON into a report.
+- the controller's half is ops/chain/stage_model.py (`stage_model`, `check_staged`): it runs
+  this agent through `pct exec` over a Transport and turns its JSON into a report.
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ops.errors import DdopsError
-from ops.inventory import ModelRef
-from ops.pve import ct_exec
+from ops.site.inventory import ModelRef
 
 CACHE_DIR = "/var/cache/ddops/hf"
 SHM_MODELS = "/dev/shm/models"
@@ -356,7 +355,7 @@ def check_local(name: str, shm_root: Path, hashes: bool = False) -> list[str]:
 
 def agent_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ops.staging", description="Stage a model into /dev/shm."
+        prog="python -m ops.agents.staging", description="Stage a model into /dev/shm."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     stage = sub.add_parser("stage")
@@ -394,62 +393,6 @@ def agent_main(argv: list[str] | None = None) -> int:
     except DdopsError as exc:
         print(json.dumps({"error": str(exc)}))
         return 1
-
-
-# -- controller side ---------------------------------------------------------------------------
-def _run_agent(
-    t, vmid: int, python: str, args: list[str], *, env: dict | None = None, timeout: float = 3600
-) -> dict:
-    """Run the agent in the CT; its last stdout line is its JSON report."""
-    result = ct_exec(t, vmid, [python, "-m", "ops.staging", *args], env=env, timeout=timeout)
-    try:
-        payload = json.loads(result.stdout.strip().splitlines()[-1])
-    except (IndexError, ValueError):
-        raise DdopsError(
-            f"CT {vmid}", f"staging agent gave no report: {result.stderr.strip()[-300:]}"
-        ) from None
-    if "error" in payload:
-        raise DdopsError(f"CT {vmid}", payload["error"])
-    return payload
-
-
-def stage_model(
-    t,
-    vmid: int,
-    ref: ModelRef,
-    *,
-    python: str,
-    endpoint: str | None = None,
-    token: str | None = None,
-    cache: str = CACHE_DIR,
-    shm: str = SHM_MODELS,
-) -> StageReport:
-    """Stage one model into the CT's /dev/shm through `pct exec` (token on stdin, never argv)."""
-    args = [
-        "stage",
-        "--repo",
-        ref.repo,
-        "--revision",
-        ref.revision,
-        "--name",
-        ref.name,
-        "--cache",
-        cache,
-        "--shm",
-        shm,
-    ]
-    if endpoint:
-        args += ["--endpoint", endpoint]
-    payload = _run_agent(t, vmid, python, args, env={"HF_TOKEN": token} if token else None)
-    return StageReport(**payload)
-
-
-def check_staged(
-    t, vmid: int, name: str, *, python: str, shm: str = SHM_MODELS, hashes: bool = False
-) -> list[str]:
-    """Problems with the staged copy in the CT (empty: complete)."""
-    args = ["check", "--name", name, "--shm", shm] + (["--hashes"] if hashes else [])
-    return _run_agent(t, vmid, python, args, timeout=600)["problems"]
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@
     service_problem(t, 200)                    # None, or one line saying what is wrong
 
 Everything runs inside the CT through `pct exec` / `pct push` over a Transport. The service is
-ops/render.py's EngineUnit, rendered once: a CT with systemd (/run/systemd/system) gets it as
+ops/site/render.py's EngineUnit, rendered once: a CT with systemd (/run/systemd/system) gets it as
 /etc/systemd/system/ddops-engine.service; a CT without (busybox, Alpine) gets the same file as
-/etc/ddops/ddops-engine.service, run by the ddops supervisor (ops/supervise.py) started
+/etc/ddops/ddops-engine.service, run by the ddops supervisor (ops/agents/supervise.py) started
 detached inside the CT. The API key belongs to the host side: it lives in /etc/ddops/engine.env
 (0600) in the CT, which the unit names as optional. Only `provision` changes it (install or rotate
 the operator's DDOPS_API_KEY, generate one when none is installed, remove it when told); recover
@@ -18,7 +18,6 @@ Tests: tests/test_deploy.py (real LXC containers on a simulated host, a tiny mod
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import re
@@ -28,14 +27,15 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from ops import supervise
+from ops.agents import supervise
+from ops.chain.report import Outcome
+from ops.diffs import unified_diff
 from ops.errors import DdopsError
-from ops.inventory import EngineSpec
-from ops.pve import ct_exec, ct_push, validate_vmid
-from ops.render import EngineUnit, render
-from ops.steps import Outcome
-from ops.transport import Result, Transport
-from ops.wheel import built_wheel, ddops_version
+from ops.host.pve import ct_exec, ct_push, validate_vmid
+from ops.host.transport import Result, Transport
+from ops.host.wheel import built_wheel, ddops_version
+from ops.site.inventory import EngineSpec
+from ops.site.render import EngineUnit, render
 
 API_KEY_ENV = "DDOPS_API_KEY"
 ENV_FILE = "/etc/ddops/engine.env"
@@ -409,7 +409,7 @@ def ensure_service(
     manager = service_manager(t, vmid)
     unit_text = render(engine_unit(t, engine, model_dir, draft_dir, ENV_FILE, gpu_count))
     current = _read_ct_file(t, manager.vmid, manager.unit_path)
-    diff = _diff(current, unit_text, f"CT {manager.vmid}:{manager.unit_path}")
+    diff = unified_diff(current, unit_text, f"CT {manager.vmid}:{manager.unit_path}")
     running = manager.state().running
     restart = "start the service" if not running else "restart the service" if diff else None
     plan = [step for step in ("write the unit" if diff else None, restart) if step]
@@ -431,16 +431,6 @@ def restart_service(t: Transport, vmid: int | str) -> Outcome:
     manager = service_manager(t, vmid)
     manager.restart()
     return Outcome(True, f"restarted ({manager.kind})")
-
-
-def _diff(current: str | None, wanted: str, name: str) -> str:
-    lines = difflib.unified_diff(
-        (current or "").splitlines(keepends=True),
-        wanted.splitlines(keepends=True),
-        fromfile=name if current is not None else "/dev/null",
-        tofile=name,
-    )
-    return "".join(lines)
 
 
 # -- the API key -------------------------------------------------------------------------------

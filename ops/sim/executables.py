@@ -3,7 +3,7 @@
 A launcher is a tiny script in PATH/usr/sbin or PATH/usr/bin (or a CT's /bin):
 
     #!/path/to/python
-    from ops.sim.commands import main
+    from ops.sim.executables import main
     raise SystemExit(main("pct", root="/tmp/pve1"))
 
 so `pct ...` run through `LocalTransport(sysroot=PATH)`, or over SSH to loopback, reaches the sim.

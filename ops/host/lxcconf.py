@@ -4,7 +4,7 @@
     config.text() == text                     # byte for byte, CRLF and a missing final newline too
     problems = find_problems(text)            # named problems with line numbers; validate() raises
     new = plan_gpu_block(text, GpuBlock(devices, style="devN", shm_size_gib=16), majors=host_majors)
-    print(unified_diff(text, new, "/etc/pve/lxc/200.conf"))     # for --dry-run
+    print(ops.diffs.unified_diff(text, new, "/etc/pve/lxc/200.conf"))  # for --dry-run
     report = find_stale_rules(text, {"nvidia-frontend": 195, "nvidia-uvm": 509})
 
 The file format (as Proxmox writes it): `#` lines on top are the description; `key: value` lines,
@@ -27,7 +27,6 @@ templates/ct-gpu.conf.j2, the template the playbooks render too.
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -35,7 +34,7 @@ from dataclasses import dataclass
 from enum import Enum, StrEnum
 
 from ops.errors import DdopsError
-from ops.render import render_template
+from ops.site.render import render_template
 
 GPU_BLOCK_TEMPLATE = "ct-gpu.conf.j2"
 NVIDIA_FRONTEND_MAJOR = 195  # /dev/nvidia0..N, /dev/nvidiactl, /dev/nvidia-modeset: fixed
@@ -685,18 +684,4 @@ def find_stale_rules(config_text: str, majors: Mapping[str, int]) -> GrantReport
         ungranted=tuple(ungranted),
         stale=tuple(stale),
         v1_rules=tuple(r for r in rules if r.key == ALLOW_KEY_V1),
-    )
-
-
-def unified_diff(old: str, new: str, path: str) -> str:
-    """A unified diff of a planned edit for --dry-run ("" when nothing changes); a missing final
-    newline is marked as diff(1) marks it."""
-    diff = difflib.unified_diff(
-        _LINES.findall(old),
-        _LINES.findall(new),
-        fromfile=path,
-        tofile=f"{path} (planned)",
-    )
-    return "".join(
-        line if line.endswith("\n") else f"{line}\n\\ No newline at end of file\n" for line in diff
     )
