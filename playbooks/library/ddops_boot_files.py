@@ -1,11 +1,11 @@
 #!/usr/bin/python
 """Ansible module: the boot files `ddops provision` installs on a host, as template variables.
 
-Read-only. It asks ddops (ops.host_setup.boot_specs) which files make a booted host recover its
+Read-only. It asks ddops (ops.host.setup.boot_specs) which files make a booted host recover its
 GPU containers, and returns for each: its template under templates/, its variables and where it
 goes on the host (below `sysroot` for a simulated host). The play then renders them with
 Ansible's own `template` module from the same template files, so the playbook and the CLI write
-byte-identical files from one source (tests/test_ansible.py checks it).
+byte-identical files from one source (tests/integration/test_ansible.py checks it).
 """
 
 from __future__ import annotations
@@ -155,8 +155,8 @@ ARGUMENT_SPEC = {
 
 def boot_files(containers: list[dict], sysroot: str | None) -> dict:
     """{name: {template, dest, unit, variables}} for the host's containers."""
-    from ops.host_setup import boot_specs
-    from ops.inventory import ContainerSpec
+    from ops.host.setup import boot_specs
+    from ops.site.inventory import ContainerSpec
 
     cts = [ContainerSpec(**ct) for ct in containers]
     gpus = tuple(sorted({gpu for ct in cts for gpu in ct.gpus}))

@@ -1,11 +1,11 @@
 #!/usr/bin/python
-"""Ansible module: run one check of ddops' chain (ops/checks.py) for each container of a host.
+"""Ansible module: run one check of ddops' chain (ops/chain/checks.py) for each container of a host.
 
 The playbooks call it once per step (`ddops_check: {check: ct-config}`), so every step has its
 own task and tag while the logic stays ddops' own: the same probe, the same remedy, the same
 re-probe as `ddops provision` / `ddops recover`. It runs on the managed host, under an
 interpreter that has ddops installed (`ansible_python_interpreter`), and acts on that host
-through ops.transport.LocalTransport, below `ddops_sysroot` for a simulated host.
+through ops.host.transport.LocalTransport, below `ddops_sysroot` for a simulated host.
 
 Where the CLI runs the whole chain in one process, here each step is a task: the chain's
 bookkeeping (a check whose needs did not pass is skipped; after a failure the rest of that CT's
@@ -317,11 +317,11 @@ PASSED = ("ok", "unchanged", "changed")
 
 def chain_context(params: dict, vmid_filter: list[int]):
     """One ChainContext per selected container, built through ddops' own inventory validation."""
-    from ops.checks import ChainContext, Policy
-    from ops.deploy import parse_api_key
+    from ops.chain.checks import ChainContext, Policy
+    from ops.chain.deploy import parse_api_key
     from ops.errors import DdopsError
-    from ops.inventory import parse_site
-    from ops.transport import LocalTransport
+    from ops.host.transport import LocalTransport
+    from ops.site.inventory import parse_site
 
     document = {
         "all": {
@@ -386,10 +386,11 @@ def blocked_by(check, statuses: dict[str, str], checks: dict) -> str | None:
 
 
 def run_check(check, c, statuses: dict[str, str], dry_run: bool, checks: dict):
-    """The chain's probe -> remedy -> re-probe for one CT: ops.recover.run_check, under the
-    host lock when it may change something (as ops.recover.run_chain runs it)."""
-    from ops.recover import CheckResult, host_lock
-    from ops.recover import run_check as run_one
+    """The chain's probe -> remedy -> re-probe for one CT: ops.chain.runner.run_check, under the
+    host lock when it may change something (as ops.chain.runner.run_chain runs it)."""
+    from ops.chain.lock import host_lock
+    from ops.chain.report import CheckResult
+    from ops.chain.runner import run_check as run_one
 
     if (why := blocked_by(check, statuses, checks)) is not None:
         return CheckResult(check.key, check.title, "skipped", 0.0, why)
@@ -409,7 +410,7 @@ def main() -> None:
         argument_spec=ARGUMENT_SPEC,
         supports_check_mode=True,
     )
-    from ops.checks import chain_for
+    from ops.chain.checks import chain_for
     from ops.errors import DdopsError
 
     params = module.params
