@@ -14,6 +14,8 @@ import shutil
 
 import pytest
 
+from tests.helpers.sshd import running_sshd
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--slow", action="store_true", help="also run tests marked slow")
@@ -79,3 +81,10 @@ def isolated_homes(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
     for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "DDOPS_INVENTORY", "DDOPS_API_KEY"):
         monkeypatch.delenv(var, raising=False)
     return home
+
+
+@pytest.fixture(scope="module")
+def sshd_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real sshd on loopback for the module's tests (tests/helpers/sshd.py; marker `ssh`)."""
+    with running_sshd(tmp_path_factory.mktemp("sshd")) as server:
+        yield server

@@ -54,7 +54,7 @@ AGENT_TOOLS = (
     _function("grep", "Search the repository for a regular expression", pattern="string"),
     _function("run_tests", "Run the tests under a path and report the failures", path="string"),
 )
-# Qwen3's layout, in the demo pair's template's words (tests/test_bench_agentic.py checks them).
+# Qwen3's layout, in the demo pair's template's words (tests/ops/bench/test_agentic.py checks them).
 TOOLS_BLOCK = (
     "\n\n# Tools\n\nYou can call functions to help with the request.\n\n"
     "Their signatures are listed between <tools></tools> XML tags:\n<tools>{signatures}\n</tools>"

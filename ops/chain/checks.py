@@ -10,7 +10,7 @@ with the plan and any file diff; it raises DdopsError when it cannot act.
     -> engine -> bench -> host-ddops
       (+ capacity, gpu-capacity, boot, hookscript, engine-installed, api-key under provision)
 
-The runner that applies them is ops/chain/runner.py. Tests: tests/test_checks.py (one check at a time
+The runner that applies them is ops/chain/runner.py. Tests: tests/integration/test_checks.py (one check at a time
 on a sim host) and the provision/recover tests (the whole chain).
 """
 

@@ -13,7 +13,7 @@ detached inside the CT. The API key belongs to the host side: it lives in /etc/d
 (0600) in the CT, which the unit names as optional. Only `provision` changes it (install or rotate
 the operator's DDOPS_API_KEY, generate one when none is installed, remove it when told); recover
 and the boot units keep it. It travels on stdin: never on a command line, in a log or a diff.
-Tests: tests/test_deploy.py (real LXC containers on a simulated host, a tiny model).
+Tests: tests/integration/test_deploy.py (real LXC containers on a simulated host, a tiny model).
 """
 
 from __future__ import annotations
@@ -53,16 +53,16 @@ IMPORT_CHECK = (
 )
 
 # Run by the engine's Python in the CT: GET /ready, then a 4-token completion, then /v1/models
-# without the key (does the engine require one?). Arguments: port, env file (its DDOPS_API_KEY,
-# if any, becomes the Bearer token), timeout. Prints one line: the problem (exit 1) or the answer
+# without the key (does the engine require one?). Arguments: port, env file (its API key
+# variable, if set, becomes the Bearer token), timeout, the variable's name. Prints one line: the problem (exit 1) or the answer
 # as JSON (exit 0), with "key_installed" and "key_required".
 HEALTH_PROBE = r"""
 import json, sys, urllib.error, urllib.request
-port, env_file, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
+port, env_file, timeout, key_var = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
 base, headers = f"http://127.0.0.1:{port}", {"Content-Type": "application/json"}
 try:
     for line in open(env_file):
-        if line.startswith("DDOPS_API_KEY="):
+        if line.startswith(key_var + "="):
             headers["Authorization"] = "Bearer " + line.split("=", 1)[1].strip()
 except FileNotFoundError:
     pass
@@ -527,7 +527,15 @@ def engine_health(
     usage, and the engine requires the installed key; else the problem in one line ("engine in
     CT 200: /ready answered 503 (loading)")."""
     vmid = validate_vmid(vmid)
-    argv = [engine.python, "-c", HEALTH_PROBE, str(engine.port), ENV_FILE, f"{timeout:g}"]
+    argv = [
+        engine.python,
+        "-c",
+        HEALTH_PROBE,
+        str(engine.port),
+        ENV_FILE,
+        f"{timeout:g}",
+        API_KEY_ENV,
+    ]
     r = ct_exec(t, vmid, argv, timeout=timeout * 2 + 30)
     if not r.ok:
         return EngineHealth(f"engine in CT {vmid}: {_last_words(r, stdout_first=True)}")

@@ -6,7 +6,7 @@
     facts.driver_version        # "550.90.07" from /proc/driver/nvidia/version, None unloaded
 
 Each parser is a pure function of the text a host gives (tested on real-world samples in
-tests/test_gpu.py); the readers beside them only fetch that text. Remedy: `create_uvm_nodes`
+tests/ops/host/test_gpu.py); the readers beside them only fetch that text. Remedy: `create_uvm_nodes`
 runs `nvidia-modprobe -u -c=0`, which makes the uvm nodes the module load does not.
 """
 

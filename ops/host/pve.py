@@ -12,7 +12,7 @@ Every vmid is validated before it reaches a command. pct's own failures keep its
 two that need a decision become clear DdopsErrors: a missing CT ("Configuration file
 'nodes/<node>/lxc/<vmid>.conf' does not exist") and a locked one ("CT is locked (backup)").
 The start/stop/shutdown/unlock helpers read the state first and act only when needed, since
-pct itself is not idempotent (`pct start` on a running CT fails). Tests: tests/test_pve.py.
+pct itself is not idempotent (`pct start` on a running CT fails). Tests: tests/ops/host/test_pve.py.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ records it; a changed key is always refused. One SSH connection (and one SFTP se
 every call of a transport. Commands are sent as `shlex.join(argv)`; env values travel on stdin
 to a constant wrapper (`ops.host.transport.env_via_stdin`), never on the remote command line. With
 `sysroot`, paths map below it and the remote PATH starts with its bin directories, as in
-LocalTransport. Tests: tests/test_ssh_transport.py (a real sshd on loopback).
+LocalTransport. Tests: tests/integration/test_ssh_transport.py (a real sshd on loopback).
 
 Faults are named, never waited out: while a command runs, a connection that closed is reported
 lost at once, and one that went silent (no data, no answer to an SSH keepalive request within

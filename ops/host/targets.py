@@ -5,7 +5,7 @@
     open_transport("ssh://root@pve1.example.org:2222")   # a real host over SSH
     open_transport("ssh://pve1?sysroot=/tmp/pve1")       # a simulated host on a machine over SSH
 
-`parse_target` is the pure half (tested in tests/test_hosts.py); `open_transport` builds the
+`parse_target` is the pure half (tested in tests/ops/host/test_targets.py); `open_transport` builds the
 transport without connecting (SSH connects on first use).
 """
 

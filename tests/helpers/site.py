@@ -75,19 +75,7 @@ class SimSite:
         return r.check(f"CT {self.vmid}: {script}").stdout
 
     def ddops(self, *args: str) -> tuple[int, dict | str]:
-        """`ddops -i INVENTORY --json ARGS` in this process: (exit code, the JSON document or the
-        error output)."""
-        from click.testing import CliRunner
-
-        from ops.cli import cli
-
-        result = CliRunner().invoke(cli, ["-i", str(self.inventory), "--json", *args])
-        if result.exception and not isinstance(result.exception, SystemExit):
-            raise result.exception
-        try:
-            return result.exit_code, json.loads(result.stdout)
-        except ValueError:
-            return result.exit_code, result.output
+        return run_ddops(self.inventory, *args)
 
     def file_state(self) -> dict[str, tuple[int, str]]:
         """{path: (mtime_ns, sha256)} of the host's /etc and the CT's /etc and /dev/shm/models."""
@@ -181,3 +169,30 @@ def sim_site(
             yield SimSite(root, LocalTransport(sysroot=str(root)), hub, inventory)
         finally:
             destroy_host(root)
+
+
+def run_ddops(inventory: Path, *args: str) -> tuple[int, dict | str]:
+    """`ddops -i INVENTORY --json ARGS` in this process: (exit code, its JSON document, or its
+    output when it printed none); an exception other than the CLI's exit is raised."""
+    from click.testing import CliRunner
+
+    from ops.cli import cli
+
+    result = CliRunner().invoke(cli, ["-i", str(inventory), "--json", *args])
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    try:
+        return result.exit_code, json.loads(result.stdout)
+    except ValueError:
+        return result.exit_code, result.output
+
+
+def statuses(document: dict) -> dict[str, str]:
+    """{check key: status} of a one-CT chain document."""
+    (ct,) = document["cts"]
+    return {check["key"]: check["status"] for check in ct["checks"]}
+
+
+def check_of(document: dict, key: str) -> dict:
+    """The check `key` of a one-CT chain document."""
+    return next(c for c in document["cts"][0]["checks"] if c["key"] == key)

@@ -7,12 +7,7 @@
                          key_filename=str(server.client_key),
                          known_hosts=str(server.write_known_hosts(tmp_path / "known_hosts")))
 
-or, one sshd for a whole test module:
-
-    @pytest.fixture(scope="module")
-    def sshd_server(tmp_path_factory):
-        with running_sshd(tmp_path_factory.mktemp("sshd")) as server:
-            yield server
+or, one sshd for a whole test module, the `sshd_server` fixture of tests/conftest.py.
 
 `running_ssh_agent(workdir, server.client_key)` yields an agent socket holding that key.
 Needs /usr/sbin/sshd (openssh-server), ssh-keygen, ssh-agent; mark such tests `@pytest.mark.ssh`.

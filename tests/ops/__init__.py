@@ -1,0 +1,1 @@
+"""Tests of ops/ (the folders mirror the source)."""

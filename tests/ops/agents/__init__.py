@@ -1,0 +1,1 @@
+"""Tests of ops/agents/ (the folders mirror the source)."""

@@ -1,0 +1,1 @@
+"""Tests of ops/bench/ (the folders mirror the source)."""

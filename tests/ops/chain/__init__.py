@@ -1,0 +1,1 @@
+"""Tests of ops/chain/ (the folders mirror the source)."""

@@ -1,0 +1,1 @@
+"""Tests of ops/host/ (the folders mirror the source)."""

@@ -1,0 +1,1 @@
+"""Tests of ops/site/ (the folders mirror the source)."""

@@ -1,0 +1,1 @@
+"""Tests of sim/ (the folders mirror the source)."""
