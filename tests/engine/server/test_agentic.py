@@ -17,8 +17,8 @@ import openai
 import pytest
 
 from engine.server.app import LoadedEngine, ServerConfig, create_app
-from tests.engine.server.test_chat_template import DEMO_TARGET, PARALLEL, TOOLS, openai_messages
-from tests.engine.server.test_http import EOS, WAIT_S, CharTokenizer, ScriptedEngine, serving
+from tests.helpers.conversations import DEMO_TARGET, PARALLEL, TOOLS, openai_messages
+from tests.helpers.scripted_server import EOS, WAIT_S, CharTokenizer, ScriptedEngine, serving
 
 WEATHER_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 THINK_THEN_CALL = "<think>\nThe user wants weather.\n</think>\n\n" + WEATHER_CALL

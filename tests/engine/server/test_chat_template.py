@@ -24,57 +24,20 @@ from engine.server.chat_template import ChatTemplateError, render, template_vari
 from engine.server.schemas import ApiError, ChatRequest, parse_body
 from engine.server.tools import FORMATS
 from engine.tokenizer import load_tokenizer
-from tests.helpers import DATA, REPO
-from tests.helpers.tiny_tokenizer import byte_tokenizer
-
-DEMO_TARGET = REPO / "engine" / "demo_model" / "target"
-TEMPLATES = DATA / "chat_templates"
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-            "required": ["city"],
-        },
-    },
-}
-SEARCH = {
-    "type": "function",
-    "function": {
-        "name": "search",
-        "description": "Search the web – returns «snippets»",
-        "parameters": {
-            "type": "object",
-            "properties": {"query": {"type": "string"}, "filters": {"type": "object"}},
-        },
-    },
-}
-TOOLS = [WEATHER, SEARCH]
-
-
-def call(call_id: str, name: str, arguments: dict) -> dict:
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-SYSTEM = {"role": "system", "content": "You are terse."}
-ASK = {"role": "user", "content": "Weather in Paris and Rome?"}
-PARIS = call("call_1", "get_weather", {"city": "Paris", "days": 2})
-ROME = call("call_2", "get_weather", {"city": "Rome"})
-FIND = call("call_3", "search", {"query": "café", "filters": {"site": "x.org", "n": [1, 2]}})
-ONE_CALL = [ASK, {"role": "assistant", "content": None, "tool_calls": [PARIS]}]
-PARALLEL = [
-    SYSTEM,
+from tests.helpers.conversations import (
     ASK,
-    {"role": "assistant", "content": None, "tool_calls": [PARIS, ROME]},
-    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
-    {"role": "tool", "tool_call_id": "call_2", "content": "24 C, clear"},
-    {"role": "assistant", "content": "Paris 18 C, Rome 24 C."},
-    {"role": "user", "content": "Now search for cafés."},
-]
+    DEMO_TARGET,
+    FIND,
+    ONE_CALL,
+    PARALLEL,
+    PARIS,
+    ROME,
+    SYSTEM,
+    TEMPLATES,
+    TOOLS,
+    openai_messages,
+)
+from tests.helpers.tiny_tokenizer import byte_tokenizer
 
 # name -> (messages, extra apply_chat_template arguments)
 CASES = {
@@ -213,15 +176,6 @@ def test_an_openai_request_renders_as_transformers_renders_its_conversation(pair
     else:
         with pytest.raises(ApiError, match="messages: chat template"):
             build_chat_prompt(request, ours, parsing)
-
-
-def openai_messages(messages: list[dict]) -> list[dict]:
-    """The conversation as an OpenAI client sends it: tool-call arguments as JSON strings."""
-    sent = copy.deepcopy(messages)
-    for message in sent:
-        for tool_call in message.get("tool_calls") or []:
-            tool_call["function"]["arguments"] = json.dumps(tool_call["function"]["arguments"])
-    return sent
 
 
 def _request_fields(options: dict) -> dict:

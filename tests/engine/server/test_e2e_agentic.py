@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from engine.tokenizer import load_tokenizer
-from tests.engine.server.test_chat_template import DEMO_TARGET, PARALLEL, TOOLS, openai_messages
+from tests.helpers.conversations import DEMO_TARGET, PARALLEL, TOOLS, openai_messages
 from tests.helpers.engine_server import start_engine_server
 
 DEMO_DRAFT = DEMO_TARGET.parent / "draft"

@@ -17,7 +17,7 @@ import pytest
 from engine.server.app import LoadedEngine
 from engine.server.body import DEFAULT_MAX_REQUEST_BYTES
 from engine.tokenizer import load_tokenizer
-from tests.engine.server.test_http import WAIT_S, CharTokenizer, ScriptedEngine, complete, running
+from tests.helpers.scripted_server import WAIT_S, CharTokenizer, ScriptedEngine, complete, running
 from tests.helpers.tiny_tokenizer import save_byte_tokenizer
 
 LIMIT = 4096

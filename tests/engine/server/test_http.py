@@ -8,13 +8,10 @@ tests/engine/server/test_e2e.py.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
 import threading
-import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -23,133 +20,18 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.__main__ import main as engine_main
-from engine.decode import GenerationConfig, GenerationResult
 from engine.server.app import LoadedEngine, ServerConfig, create_app
-from engine.server.chat_template import render
-from engine.server.shutdown import draining_server
 from engine.tools import loadtest
-
-EOS = 0
-WAIT_S = 10.0
-
-
-class CharTokenizer:
-    """One id per character (ord); id 0 is the eos. Its chat template writes "[role]content"."""
-
-    eos_token_ids = (EOS,)
-    chat_template = (
-        "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
-        "{% if add_generation_prompt %}[assistant]{% endif %}"
-    )
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(i) for i in ids if i != EOS)
-
-    def render_chat(self, messages, add_generation_prompt=True, **inputs) -> str:
-        return render(
-            self.chat_template, messages, add_generation_prompt=add_generation_prompt, **inputs
-        )
-
-
-class ScriptedEngine:
-    """Commits `reply` + eos two ids per round; while `gate` is cleared, rounds wait (polling
-    should_stop, as the real engine does once per round)."""
-
-    def __init__(self, reply: str = "Hello world!") -> None:
-        self.reply = reply
-        self.gate = threading.Event()
-        self.gate.set()
-        self.started = threading.Event()
-        self.cancelled = threading.Event()
-        self.configs: list[GenerationConfig] = []
-
-    def generate(self, prompt_ids, cfg, *, on_tokens=None, should_stop=None) -> GenerationResult:
-        self.configs.append(cfg)
-        self.started.set()
-        ids = [ord(c) for c in self.reply] + [EOS]
-        output, lengths, finish = [], [], "length"
-        while len(output) < cfg.max_new_tokens:
-            if self._stopped_before_round(should_stop, first=not output):
-                finish = "cancelled"
-                self.cancelled.set()
-                break
-            step = ids[len(output) : len(output) + 2][: cfg.max_new_tokens - len(output)]
-            output += step
-            lengths.append(len(step))
-            if on_tokens:
-                on_tokens(step)
-            if EOS in step:
-                finish = "stop"
-                break
-        return GenerationResult(output, finish, lengths, {}, 100.0, 0.01, None)
-
-    def _stopped_before_round(self, should_stop, *, first: bool) -> bool:
-        stop = should_stop or (lambda: False)
-        while not self.gate.wait(0.01):
-            if stop():
-                return True
-        return not first and stop()
-
-
-def loaded(engine: ScriptedEngine, has_drafter: bool = True, max_model_len: int = 64):
-    return LoadedEngine(engine.generate, CharTokenizer(), max_model_len, 0x110000, has_drafter)
-
-
-@contextlib.contextmanager
-def serving(app) -> Iterator[str]:
-    """Serve `app` as `engine serve` does (uvicorn, draining at shutdown) on a pre-bound loopback
-    socket (connections queue until it runs)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    server = draining_server(app, log_config=None)  # uvicorn logs to the root logger (caplog)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(WAIT_S)
-        sock.close()
-
-
-@contextlib.contextmanager
-def running(
-    engine: ScriptedEngine | None = None,
-    load: Callable[[], LoadedEngine] | None = None,
-    **config,
-) -> Iterator[tuple[str, object]]:
-    engine = engine or ScriptedEngine()
-    app = create_app(load or (lambda: loaded(engine)), ServerConfig(model_name="tiny", **config))
-    with serving(app) as url:
-        yield url, app.state.server
-
-
-@pytest.fixture
-def engine() -> ScriptedEngine:
-    return ScriptedEngine()
-
-
-@pytest.fixture
-def server(engine):
-    with running(engine) as (url, state):
-        assert state.worker.ready.wait(WAIT_S)
-        yield url, state
-
-
-def complete(url: str, **body) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", json={"prompt": "hi", **body}, timeout=WAIT_S)
-
-
-def wait_until(predicate: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
-
+from tests.helpers.scripted_server import (
+    EOS,
+    WAIT_S,
+    ScriptedEngine,
+    complete,
+    loaded,
+    running,
+    serving,
+    wait_until,
+)
 
 # -- generation -------------------------------------------------------------------------------
 

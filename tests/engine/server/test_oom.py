@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.server.worker import is_out_of_memory
-from tests.engine.server.test_http import WAIT_S, ScriptedEngine, running
+from tests.helpers.scripted_server import WAIT_S, ScriptedEngine, running
 
 
 class OutOfMemoryOnce(ScriptedEngine):

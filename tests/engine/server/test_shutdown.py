@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.engine.server.test_http import WAIT_S, ScriptedEngine, complete, running, wait_until
+from tests.helpers.scripted_server import WAIT_S, ScriptedEngine, complete, running, wait_until
 
 
 def stream_events(url: str) -> list:

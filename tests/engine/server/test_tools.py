@@ -17,8 +17,8 @@ from engine.server.chat import ChatOutput, ChatPrompt, OutputParsing, build_chat
 from engine.server.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from engine.server.schemas import ApiError, ChatRequest, parse_body
 from engine.server.tools import FORMATS, ToolCallExtractor, detect_format
-from tests.engine.server.test_chat_template import DEMO_TARGET, TEMPLATES, TOOLS
-from tests.engine.server.test_http import CharTokenizer
+from tests.helpers.conversations import DEMO_TARGET, TEMPLATES, TOOLS
+from tests.helpers.scripted_server import CharTokenizer
 
 SCHEMAS = {
     "get_weather": {

@@ -17,7 +17,7 @@ from ops.bench.matrix import AgenticShape, BenchConfig, parse_methods
 from ops.bench.prompts import AGENT_TOOLS, AgenticTranscript
 from ops.bench.runner import NullProgress, run_bench
 from ops.bench.store import RunStore
-from tests.engine.server.test_chat_template import DEMO_TARGET
+from tests.helpers.conversations import DEMO_TARGET
 from tests.helpers.engine_server import start_engine_server
 
 DEMO = load_tokenizer(DEMO_TARGET)
