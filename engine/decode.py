@@ -13,7 +13,16 @@ Every output token is the target's own choice given its path, so all three metho
 same tokens at temperature 0 and the same distribution at temperature > 0.
 
 The tree is shrunk so a round never writes past the KV cache and never outputs more than
-`max_new_tokens`. Usage:
+`max_new_tokens`.
+
+On the device a round waits for it at most twice (three with a trace): reading the draft back
+(top-k, or the chain's argmax) and reading the target's choices back for the walk. Everything
+else is sent ahead: the verify's tokens and tree (parents, depths, ancestor mask) in one
+non-blocking copy, the accepted path in another. Passes run with static shapes when the models
+have them (`forward_static`, `draft_static`): the verify always `width` tokens (the bonus, the
+draft, padding that no real node sees), the ar step one token, lengths on the device, attention
+over a fixed window of cache slots; on CUDA each is captured once as a CUDA graph and replayed
+(`cuda_graphs`, on by default), elsewhere the same code runs eagerly. Usage:
 
     result = generate(target, drafter, prompt_ids, GenerationConfig(method="ddtree", budget=15))
 """
@@ -24,12 +33,27 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
+from engine.models.common import key_window
+from engine.models.dflash import DraftInputs
 from engine.sampling import choose, make_generator
-from engine.tree import DraftTree, build_tree, chain_tree, top_k_log_probs, walk
+from engine.tree import (
+    DraftTree,
+    build_tree,
+    chain_tree,
+    pack_pass,
+    packed_size,
+    padded_parents,
+    staged,
+    to_device,
+    top_k_log_probs,
+    unpack_pass,
+    walk,
+)
 
 METHODS = ("ar", "linear", "ddtree")
 STAGES = ("prefill", "draft", "tree", "verify", "commit")
@@ -45,6 +69,7 @@ class GenerationConfig:
     stop_token_ids: tuple[int, ...] = ()
     trace: bool = False
     prefill_chunk: int = 2048  # prompt tokens per target pass: bounds a prefill's activations
+    cuda_graphs: bool = True  # on CUDA: replay the static passes as captured CUDA graphs
 
 
 @dataclass
@@ -59,23 +84,81 @@ class GenerationResult:
 
 
 class _StageClock:
-    """Seconds per stage; synchronises CUDA at stage edges so GPU work lands in its own stage."""
+    """Seconds per stage. On CUDA a stage is timed by events recorded on the stream, so nothing
+    waits for the device until `seconds` is read (at the end, or every round for a trace)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.seconds = dict.fromkeys(STAGES, 0.0)
+        self._seconds = dict.fromkeys(STAGES, 0.0)
         self._cuda = device.type == "cuda"
+        self._events: list[tuple[str, Any, Any]] = []
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        self._sync()
+        if self._cuda:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            yield
+            end.record()
+            self._events.append((name, start, end))
+            return
         start = time.perf_counter()
         yield
-        self._sync()
-        self.seconds[name] += time.perf_counter() - start
+        self._seconds[name] += time.perf_counter() - start
 
-    def _sync(self) -> None:
-        if self._cuda:
-            torch.cuda.synchronize()
+    @property
+    def seconds(self) -> dict[str, float]:
+        if self._events:
+            self._events[-1][2].synchronize()
+            for name, start, end in self._events:
+                self._seconds[name] += start.elapsed_time(end) / 1000
+            self._events.clear()
+        return dict(self._seconds)
+
+
+class _Pass:
+    """One static-shape pass over device buffers. `run()` reads only `buffers`; a call copies
+    its values into them (non-blocking) and runs it: with `graphs`, as a CUDA graph captured
+    on the first call and replayed after (its outputs are then the same tensors every time)."""
+
+    def __init__(self, run: Callable[[], Any], buffers: dict[str, torch.Tensor], graphs: bool):
+        self.run, self.buffers, self.graphs = run, buffers, graphs
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: Any = None
+
+    def __call__(self, **values: torch.Tensor) -> Any:
+        for name, value in values.items():
+            self.buffers[name][: value.shape[0]].copy_(value, non_blocking=True)
+        if not self.graphs:
+            return self.run()
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        return self.outputs
+
+    def _capture(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: Triton compiles, the allocator settles
+            self.run()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = self.run()
+
+
+class _Passes:
+    """The sequence's static passes, one per kind: a pass is rebuilt (and its graph dropped)
+    when its key window grows, which a growing context never undoes."""
+
+    def __init__(self) -> None:
+        self._passes: dict[str, tuple[tuple, _Pass]] = {}
+        self.built = 0  # passes built (graphs captured, on CUDA)
+
+    def get(self, kind: str, key: tuple, build: Callable[[], _Pass]) -> _Pass:
+        if kind not in self._passes or self._passes[kind][0] != key:
+            self._passes[kind] = (key, build())
+            self.built += 1
+        return self._passes[kind][1]
 
 
 @dataclass
@@ -135,6 +218,11 @@ class _Sequence:
         self.draft_cache = drafter.new_cache(max_len) if self.speculative else None
         self.context: torch.Tensor | None = None  # [N, n*H] features not yet given to the drafter
         self.bonus = -1  # the target's latest choice: output, not yet in the cache
+        self.width = 1 + _draft_width(cfg, drafter)  # tokens of every static verify
+        self.static_target = hasattr(target, "forward_static")
+        self.static_draft = self.speculative and getattr(drafter, "static_ok", False)
+        self.graphs = cfg.cuda_graphs and self.device.type == "cuda"
+        self.passes = _Passes()
 
     def prefill(self, prompt_ids: list[int]) -> int:
         """Run the prompt in chunks of cfg.prefill_chunk, each committed as it goes; the bonus
@@ -156,29 +244,82 @@ class _Sequence:
         if not self.speculative or min(depth_room, node_room) <= 0:
             return chain_tree(np.zeros(0, np.int64))
         with self.clock.stage("draft"):
-            logits = self.drafter.draft(self.target, self.draft_cache, self.context, self.bonus)
+            logits = self._draft()
             self.context = None
         with self.clock.stage("tree"):
             return _shape_draft(self.cfg, logits, depth_room, node_room)
 
-    def verify(self, tree: DraftTree) -> tuple[list[int], torch.Tensor | None]:
-        """The target's choice at every verify index, and the drafter's features of each."""
-        with self.clock.stage("verify"):
-            ids = [self.bonus, *tree.tokens.tolist()]
-            ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [1 + n]
-            parents = (
-                None if self.cfg.method != "ddtree" else torch.from_numpy(tree.verify_parents())
-            )
-            logits, hidden = self.target.forward(ids, self.cache, parents, self.layers)
-            return choose(logits, self.cfg.temperature, self.generator).tolist(), hidden
+    def _draft(self) -> torch.Tensor:  # [B-1, V]
+        """The drafter's logits after the bonus: a static pass unless the context is longer
+        than a round commits (the prompt's, after the prefill) or nears the cache's end."""
+        cache, count = self.draft_cache, self.context.shape[0]
+        needed = cache.length + self.width + self.drafter.block_size
+        if not self.static_draft or count > self.width or needed > cache.max_len:
+            return self.drafter.draft(self.target, cache, self.context, self.bonus)
+        keys = key_window(needed, cache.max_len)
+        step = self.passes.get("draft", (keys,), lambda: self._draft_pass(keys))
+        scalars = staged(np.array([cache.length, count, self.bonus], np.int64), self.device)
+        logits = step(context=self.context, scalars=scalars)
+        cache.length += count
+        return logits
 
-    def commit(self, tree: DraftTree, choices: list[int], hidden) -> tuple[list[int], list[int]]:
+    def _draft_pass(self, keys: int) -> _Pass:
+        width = self.context.shape[1]
+        context = torch.zeros(self.width, width, dtype=self.context.dtype, device=self.device)
+        scalars = torch.zeros(3, dtype=torch.long, device=self.device)
+        inputs = DraftInputs(context, *scalars)
+        run = lambda: self.drafter.draft_static(self.target, self.draft_cache, inputs, keys)  # noqa: E731
+        return _Pass(run, {"context": context, "scalars": scalars}, self.graphs)
+
+    def verify(self, tree: DraftTree) -> tuple[list[int], torch.Tensor | None, tuple | None]:
+        """The target's choice at every verify index, the drafter's features of each, and what
+        commit needs beyond the cache (None after a dynamic-shape pass)."""
+        with self.clock.stage("verify"):
+            n = tree.size + 1
+            if self.static_target and self.cache.length + self.width <= self.cache.max_len:
+                logits, hidden, pending = self._verify_static(tree)
+            else:
+                logits, hidden, pending = self._verify_growing(tree)
+            choices = choose(logits[:n], self.cfg.temperature, self.generator)
+            return choices.tolist(), hidden, pending
+
+    def _verify_static(self, tree: DraftTree):
+        """[bonus, nodes..., padding] as one static pass of `width` tokens."""
+        ids = np.zeros(self.width, np.int64)
+        ids[0], ids[1 : tree.size + 1] = self.bonus, tree.tokens
+        parents = padded_parents(tree.verify_parents(), self.width)
+        keys = key_window(self.cache.length + self.width, self.cache.max_len)
+        step = self.passes.get("verify", (keys,), lambda: self._verify_pass(keys))
+        packed = staged(pack_pass(ids, parents, self.cache.length), self.device)
+        return step(packed=packed)
+
+    def _verify_pass(self, keys: int) -> _Pass:
+        packed = torch.zeros(packed_size(self.width), dtype=torch.long, device=self.device)
+        inputs = unpack_pass(packed, self.width)
+        run = lambda: self.target.forward_static(inputs, self.cache, keys, self.layers)  # noqa: E731
+        return _Pass(run, {"packed": packed}, self.graphs)
+
+    def _verify_growing(self, tree: DraftTree):
+        """[bonus, nodes...] through `forward` (a target without static passes, or the last
+        rounds of a cache without room for a full-width verify)."""
+        ids = to_device(np.array([self.bonus, *tree.tokens.tolist()], np.int64), self.device)
+        parents = None if self.cfg.method != "ddtree" else torch.from_numpy(tree.verify_parents())
+        return (*self.target.forward(ids, self.cache, parents, self.layers), None)
+
+    def commit(
+        self, tree: DraftTree, choices: list[int], hidden, pending: tuple | None
+    ) -> tuple[list[int], list[int]]:
         """Walk and commit the accepted path; returns (accepted verify indices, new tokens)."""
         with self.clock.stage("commit"):
             accepted, next_bonus = walk(tree, choices)
-            path = torch.tensor(accepted, dtype=torch.long, device=self.device)
-            self.target.commit(self.cache, path)
+            host_path = torch.tensor(accepted, dtype=torch.long)
+            if pending is not None:
+                parents = padded_parents(tree.verify_parents(), self.width).tolist()
+                self.target.commit(self.cache, host_path, pending, parents=parents)
+            else:
+                self.target.commit(self.cache, host_path.to(self.device))
             if self.speculative:
+                path = to_device(host_path.numpy(), self.device)
                 fresh = hidden[path]  # [K, n*H] features of the newly committed tokens
                 self.context = fresh if self.context is None else torch.cat([self.context, fresh])
         self.bonus = next_bonus

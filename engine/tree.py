@@ -12,6 +12,12 @@ parent, so parents precede children. Equal scores pop in push order (determinist
 
 Walk (lossless at any temperature): from the root, follow the child whose token equals the
 target's choice (argmax, or its sample) at the current node; the first miss is the next bonus.
+
+On the device (`TreeInputs`): a pass's token ids, parents, depths and ancestor mask, with the
+committed length, are packed on the host into one int64 array (`pack_pass`) and reach the device
+in one copy; the static-shape passes (engine/decode.py) read nothing else. `padded_parents`
+pads a verify to a fixed width with a chain hanging below the last node, which no real node sees
+and the walk never reaches.
 """
 
 from __future__ import annotations
@@ -43,9 +49,11 @@ def chain_tree(tokens: np.ndarray) -> DraftTree:
 
 
 def top_k_log_probs(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k log-probs and token ids [D, k] of logits [D, V], moved to the CPU in one copy each."""
+    """Top-k log-probs and token ids [D, k] of logits [D, V], read back in one copy (one host
+    sync): the ids travel as float64, exact for any vocabulary below 2^53."""
     values, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
-    return values.cpu().numpy(), ids.cpu().numpy()
+    both = torch.stack([values.double(), ids.double()]).cpu().numpy()  # [2, D, k]
+    return both[0].astype(np.float32), both[1].astype(np.int64)
 
 
 def build_tree(log_probs: np.ndarray, token_ids: np.ndarray, budget: int) -> DraftTree:
@@ -114,3 +122,78 @@ def walk(tree: DraftTree, choices: list[int]) -> tuple[list[int], int]:
     while (child := child_of.get((accepted[-1], choices[accepted[-1]]))) is not None:
         accepted.append(child)
     return accepted, choices[accepted[-1]]
+
+
+def padded_parents(parents: np.ndarray, width: int) -> np.ndarray:
+    """Verify parents [T] extended to `width` by a chain below the last node (each pad's parent
+    is the index before it): a chain stays a chain, and no real node has a pad as ancestor."""
+    pads = np.arange(len(parents) - 1, width - 1, dtype=np.int64)
+    return np.concatenate([parents.astype(np.int64), pads])
+
+
+def is_chain(parents: np.ndarray) -> bool:
+    return bool(np.array_equal(parents, np.arange(-1, len(parents) - 1)))
+
+
+@dataclass
+class TreeInputs:
+    """What a static-shape pass reads, all on the device: views of one packed int64 buffer."""
+
+    length: torch.Tensor  # [] committed tokens before the pass
+    ids: torch.Tensor  # [T]
+    parents: torch.Tensor  # [T] (-1 = child of the last committed token)
+    depths: torch.Tensor  # [T]
+    ancestors: torch.Tensor  # [T, T] int64, 1 where j is i or one of its ancestors
+
+    @property
+    def visible(self) -> torch.Tensor:  # [T, T] bool
+        # Converted at each use: a pass captured as a CUDA graph must read the buffer's values.
+        return self.ancestors.bool()
+
+    @property
+    def width(self) -> int:
+        return self.ids.shape[0]
+
+    def slots(self) -> torch.Tensor:  # [T] cache slots the pass writes
+        return self.length + torch.arange(self.width, device=self.ids.device)
+
+
+def packed_size(width: int) -> int:
+    return 1 + 3 * width + width * width
+
+
+def pack_pass(ids: np.ndarray, parents: np.ndarray, length: int) -> np.ndarray:
+    """[length, ids, parents, depths, ancestor mask] as one int64 array (see `unpack_pass`)."""
+    depths, mask = depths_and_mask(parents)
+    return np.concatenate([[length], ids, parents, depths, mask.ravel()]).astype(np.int64)
+
+
+def unpack_pass(buffer: torch.Tensor, width: int) -> TreeInputs:
+    """The views of a `pack_pass` buffer of a `width`-token pass (no copies, no host reads)."""
+    T = width
+    return TreeInputs(
+        length=buffer[0],
+        ids=buffer[1 : 1 + T],
+        parents=buffer[1 + T : 1 + 2 * T],
+        depths=buffer[1 + 2 * T : 1 + 3 * T],
+        ancestors=buffer[1 + 3 * T :].view(T, T),
+    )
+
+
+def staged(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor ready to copy to `device` without waiting for it: pinned on
+    CUDA (a copy from pageable memory synchronises the stream)."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    return host.pin_memory() if device.type == "cuda" else host
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device` in one copy that does not wait for the device."""
+    return staged(array, device).to(device, non_blocking=True)
+
+
+def on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`: a host tensor through `to_device`, a device one as it is."""
+    if tensor.device == device:
+        return tensor
+    return to_device(tensor.numpy(), device) if tensor.device.type == "cpu" else tensor.to(device)

@@ -120,6 +120,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks for the target")
+    parser.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="run every pass eagerly on CUDA (by default the static passes are replayed as CUDA graphs)",
+    )
 
 
 def methods_for(budgets: list[int]) -> list[Method]:
@@ -189,7 +195,10 @@ def run(args: argparse.Namespace) -> int:
 
     def decode(method: Method, prompt: list[int], max_new_tokens: int):
         cfg = GenerationConfig(
-            method=method.name, budget=method.budget or 15, max_new_tokens=max_new_tokens
+            method=method.name,
+            budget=method.budget or 15,
+            max_new_tokens=max_new_tokens,
+            cuda_graphs=args.cuda_graphs,
         )
         with torch.inference_mode():
             return generate(target, drafter, prompt, cfg)
@@ -222,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
                 "dtype": args.dtype,
                 "device": args.device,
                 "tp": args.tp,
+                "cuda_graphs": args.cuda_graphs,
                 "threads": torch.get_num_threads(),
                 "results": rows,
             }

@@ -41,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2048,
         help="prompt tokens per prefill pass (bounds a long prompt's memory; default 2048)",
     )
+    parser.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="run every pass eagerly on CUDA (by default the static passes are replayed as CUDA graphs)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument(
         "--trace", action="store_true", help="add the per-round trees (with --json)"
@@ -90,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         stop_token_ids=tokenizer.eos_token_ids if tokenizer else (),
         trace=args.trace,
         prefill_chunk=args.prefill_chunk,
+        cuda_graphs=args.cuda_graphs,
     )
     with torch.inference_mode():
         result = generate(target, drafter, prompt_ids, cfg)

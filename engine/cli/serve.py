@@ -56,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="run every pass eagerly on CUDA (by default the static passes are replayed as CUDA graphs)",
+    )
+    parser.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel ranks (this process spawns them)"
     )
     parser.add_argument(
@@ -195,7 +201,9 @@ def run(args: argparse.Namespace) -> int:
         engine = load_engine(
             args.model, args.draft, args.dtype, args.device, max_model_len, args.tp
         )
-        return with_prefill_chunk(engine, args.prefill_chunk)
+        return with_generation_options(
+            engine, prefill_chunk=args.prefill_chunk, cuda_graphs=args.cuda_graphs
+        )
 
     server = None
 
@@ -209,13 +217,14 @@ def run(args: argparse.Namespace) -> int:
     return 1 if app.state.server.worker.startup_error else 0
 
 
-def with_prefill_chunk(engine, chunk: int):
-    """The loaded engine with every generation prefilling `chunk` prompt tokens at a time."""
+def with_generation_options(engine, **options):
+    """The loaded engine with every generation's GenerationConfig given `options` (the server's
+    --prefill-chunk, --no-cuda-graphs)."""
     from dataclasses import replace
 
     generate = engine.generate
 
-    def chunked(prompt_ids, cfg, **callbacks):
-        return generate(prompt_ids, replace(cfg, prefill_chunk=chunk), **callbacks)
+    def configured(prompt_ids, cfg, **callbacks):
+        return generate(prompt_ids, replace(cfg, **options), **callbacks)
 
-    return replace(engine, generate=chunked)
+    return replace(engine, generate=configured)

@@ -2,6 +2,9 @@
 
 - `RMSNorm`, `SwiGLU`, `Rotary` (RoPE with an optional partial rotary factor);
 - `KVCache`: a preallocated per-layer K/V store with pending tokens and `commit`;
+- static-shape attention (`key_window`, `window_mask`, `window_attention`): a pass reads a fixed
+  window of cache slots whatever the committed length, which lives on the device, so one CUDA
+  graph serves every length inside the window;
 - HF-directory loading: `read_config`, `materialize` (meta-built module -> empty storage of
   the target dtype on the target device) and `load_checkpoint` (each tensor copied from its
   memory-mapped shard into its parameter, one at a time; unused tensors never read);
@@ -17,12 +20,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
+
+from engine.kernels import tree_attention
+from engine.tree import on_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -167,6 +174,14 @@ class KVCache:
         self.v[layer, offset:end] = v
         return self.k[layer, :end], self.v[layer, :end]  # [end, Hkv, D]
 
+    def write_at(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [T, Hkv, D] at device `slots` [T]; return the layer's first `keys` slots."""
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
+        return self.k[layer, :keys], self.v[layer, :keys]
+
     def advance(self, count: int) -> None:
         """The `count` pending slots after the committed ones, already in place, are committed
         (a prefill chunk: no gather needed)."""
@@ -177,11 +192,84 @@ class KVCache:
         """Pending slots length + accepted[i] become committed slot length + i."""
         count = accepted.shape[0]
         self.check_room(count)
-        source = self.length + accepted.to(self.k.device)
+        source = self.length + on_device(accepted, self.k.device)
         start, end = self.length, self.length + count
         self.k[:, start:end] = self.k[:, source]  # advanced indexing gathers a copy first
         self.v[:, start:end] = self.v[:, source]
         self.length = end
+
+
+KEY_WINDOW_STEP = 4096
+
+
+def key_window(needed: int, capacity: int) -> int:
+    """The slots a static pass reads when it needs `needed`: a power of two up to
+    KEY_WINDOW_STEP, then multiples of it, within the cache's `capacity`. Few distinct windows
+    (few captured graphs), and at most about twice the keys needed."""
+    if needed <= KEY_WINDOW_STEP:
+        window = max(16, 1 << max(0, needed - 1).bit_length())
+    else:
+        window = -(-needed // KEY_WINDOW_STEP) * KEY_WINDOW_STEP
+    return min(window, capacity)
+
+
+def window_mask(
+    length: torch.Tensor,  # [] committed slots
+    visible: torch.Tensor,  # [T, T] bool among the pending tokens
+    keys: int,
+) -> torch.Tensor:  # [T, keys] bool
+    """Each pending token sees the committed slots and the pending ones `visible` allows."""
+    T = visible.shape[0]
+    rel = torch.arange(keys, device=visible.device) - length  # slot relative to the pending
+    pending = (rel >= 0) & (rel < T)
+    among = visible[:, rel.clamp(0, T - 1)]  # [T, keys]
+    return (rel < 0)[None, :] | (pending[None, :] & among)
+
+
+def window_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [keys, Hkv, D]
+    v: torch.Tensor,  # [keys, Hkv, D]
+    mask: torch.Tensor,  # [T, keys] bool
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Grouped-query attention over a key window under a boolean mask, by torch's
+    scaled_dot_product_attention with each KV head's query group as rows: no kernel that falls
+    back to copying K/V once per query head (a 32k window at 27B would copy 400 MB a layer)."""
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    group = Hq // Hkv
+    rows = q.unflatten(1, (Hkv, group)).permute(1, 0, 2, 3).reshape(1, Hkv, T * group, D)
+    keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, keys, D]
+    row_mask = mask.repeat_interleave(group, dim=0)  # [T * group, keys]
+    out = F.scaled_dot_product_attention(rows, keys, values, row_mask, scale=scale)
+    return out[0].reshape(Hkv, T, group, D).permute(1, 0, 2, 3).reshape(T, Hq, D)
+
+
+@dataclass
+class GrowingPass:
+    """Attention of a pass whose keys are exactly the committed prefix and its T tokens (a
+    prefill chunk; the models' dynamic-shape forward): pending K/V written right behind."""
+
+    visible: torch.Tensor | None  # [T, T] bool among the pending; None = causal
+
+    def attend(self, cache: KVCache, layer: int, q, k, v, scale: float) -> torch.Tensor:
+        keys, values = cache.write(layer, cache.length, k, v)  # [S, Hkv, D]
+        return tree_attention(q, keys, values, cache.length, self.visible, scale)
+
+
+@dataclass
+class WindowPass:
+    """Attention of a static-shape pass: pending K/V written at device `slots`, a fixed window
+    of `keys` slots read under `mask` (see `window_mask`)."""
+
+    slots: torch.Tensor  # [T]
+    mask: torch.Tensor  # [T, keys] bool
+    keys: int
+
+    def attend(self, cache: KVCache, layer: int, q, k, v, scale: float) -> torch.Tensor:
+        keys, values = cache.write_at(layer, self.slots, k, v, self.keys)
+        return window_attention(q, keys, values, self.mask, scale)
 
 
 def materialize(module: nn.Module, dtype: torch.dtype, device) -> nn.Module:

@@ -8,7 +8,10 @@ block), then a pre-norm SwiGLU MLP. A block is [bonus, mask x (B-1)] at the posi
 after the context; one pass gives logits for the B-1 mask positions.
 
 Inference: `drafter.draft(target, cache, context, bonus)` keeps the context K/V in a
-preallocated cache across rounds and discards the block part every round.
+preallocated cache across rounds and discards the block part every round;
+`drafter.draft_static(target, cache, inputs, keys)` is the same with static shapes for CUDA
+graphs (engine/decode.py): the context padded to a fixed width, its length, the cache length
+and the bonus on the device, attention over a fixed window of `keys` cache slots.
 Training: `drafter.block_logits(target, context, block_ids, block_starts)` is differentiable
 and runs many blocks per sequence (and any leading batch dims) with an explicit mask: the same
 layer code as `draft`.
@@ -35,10 +38,12 @@ from engine.models.common import (
     RMSNorm,
     Rotary,
     SwiGLU,
+    WindowPass,
     compute_dtype,
     finish_loading,
     read_config,
     rope_theta,
+    window_mask,
 )
 
 CONTEXT_PIECE = 2048  # context tokens projected at once: bounds the first draft after a prefill
@@ -85,6 +90,16 @@ class DFlashConfig:
         sliding = bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
         causal = sliding if self.is_causal is None else bool(self.is_causal)
         return causal, (self.sliding_window if sliding else None)
+
+
+@dataclass
+class DraftInputs:
+    """What `draft_static` reads, all on the device."""
+
+    context: torch.Tensor  # [W, n*H] target features; the first `count` rows are real
+    length: torch.Tensor  # [] committed context tokens in the cache
+    count: torch.Tensor  # [] real context rows
+    bonus: torch.Tensor  # [] the block's first token
 
 
 class DraftLayer(nn.Module):
@@ -218,6 +233,41 @@ class DFlashDrafter(nn.Module):
                 attn = masked_attention(q, keys[first:], values[first:], visible, self._scale)
             x = layer.finish(x, attn)
         cache.length = start
+        return self._logits(target, x[1:])
+
+    @property
+    def static_ok(self) -> bool:
+        """Whether `draft_static` applies: no sliding-window layers."""
+        kinds = (self.config.attention_kind(i) for i in range(self.config.num_hidden_layers))
+        return all(window is None for _, window in kinds)
+
+    @torch.no_grad()
+    def draft_static(
+        self, target: nn.Module, cache: KVCache, inputs: DraftInputs, keys: int
+    ) -> torch.Tensor:  # [B-1, V] float32
+        """`draft` with static shapes: the padded context is written at slots length.., the
+        block right after its real rows (over the padding), and attention reads `keys` slots.
+        The caller advances cache.length by the count afterwards."""
+        B, W, device = self.block_size, inputs.context.shape[0], self.fc.weight.device
+        context_slots = inputs.length + torch.arange(W, device=device)
+        start = inputs.length + inputs.count  # the bonus token's position
+        block_slots = start + torch.arange(B, device=device)
+        ctx = self.hidden_norm(self.fc(inputs.context.to(self.fc.weight.dtype)))  # [W, H]
+        ctx_rope, block_rope = (
+            self._positions_rope(context_slots),
+            self._positions_rope(block_slots),
+        )
+        first = torch.arange(B, device=device) == 0
+        x = self._embed(target, torch.where(first, inputs.bonus, self.mask_token_id))  # [B, H]
+        in_block = torch.ones(B, B, dtype=torch.bool, device=device)
+        causal_mask = window_mask(start, in_block.tril(), keys)
+        full_mask = window_mask(start, in_block, keys)
+        for index, layer in enumerate(self.layers):
+            cache.write_at(index, context_slots, *layer.self_attn.key_values(ctx, ctx_rope), keys)
+            q, k, v = layer.block_qkv(x, block_rope)
+            causal, _ = self.config.attention_kind(index)
+            block = WindowPass(block_slots, causal_mask if causal else full_mask, keys)
+            x = layer.finish(x, block.attend(cache, index, q, k, v, self._scale))
         return self._logits(target, x[1:])
 
     def _write_context(self, cache: KVCache, context: torch.Tensor, offset: int) -> None:

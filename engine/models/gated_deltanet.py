@@ -23,6 +23,11 @@ the last accepted node. Three strategies, selectable per model, and "auto":
   SNAPSHOT_LIMIT_BYTES per layer (verify rounds, short prefills); otherwise (Triton on CUDA, a
   long prefill) snapshot when the pass's states fit there, else replay (`choose_strategy`).
 
+The static-shape verify (`forward_static`, for CUDA graphs) returns what it keeps instead:
+"factored" with the CPU's batched kernels, else "snapshot" (commit by selection: the pass's
+per-node states, which the Triton kernel writes anyway, and commit copies the accepted one) when
+`choose_keep` finds a round's states fit in free device memory, else "replay".
+
 `pending_bytes` gives the extra memory per round of each strategy for any config; for
 Qwen3.6-27B (48 GDN layers, bf16, 16-token verify; `python -m engine.models.gated_deltanet`):
 replay 30.2 MiB, factored 53.4 MiB, snapshot 2319 MiB, and snapshot's per-node states are also
@@ -44,11 +49,14 @@ from torch import nn
 from engine.kernels import (
     backend_for,
     chain_gated_delta_rule,
+    reference,
     tree_causal_conv1d,
     tree_gated_delta_rule,
 )
-from engine.kernels.batched import CHAIN_PIECE, TreeStates, solve_tree
+from engine.kernels.batched import CHAIN_PIECE, SolvedPiece, TreeStates, solve_tree
+from engine.kernels.batched import _solve_piece as solve_piece
 from engine.models.common import compute_dtype
+from engine.tree import TreeInputs
 
 StateStrategy = Literal["auto", "replay", "snapshot", "factored"]
 STATE_STRATEGIES: tuple[str, ...] = ("auto", "replay", "snapshot", "factored")
@@ -56,6 +64,8 @@ STATE_STRATEGIES: tuple[str, ...] = ("auto", "replay", "snapshot", "factored")
 # verify round), and replays anything bigger (a 27B round: 48 MiB per layer; a long prefill).
 SNAPSHOT_LIMIT_BYTES = 16 << 20
 REPLAY_PIECE = 64  # tokens re-run per kernel call when replaying an accepted path
+STATIC_VERIFY_TOKENS = 16  # the verify width `choose_keep` sizes the snapshot buffer for
+SNAPSHOT_HEADROOM = 0.5  # the snapshot buffer may take at most this share of free memory
 
 
 @dataclass
@@ -87,7 +97,7 @@ class RecurrentState:
 class PendingRecurrence:
     """What a verify pass leaves behind in one GDN layer for `commit` to choose from."""
 
-    parents: torch.Tensor  # [T]
+    parents: torch.Tensor | None  # [T] (None after forward_static: the tree is on the host)
     conv_inputs: torch.Tensor  # [T, C] the new conv state is built from the accepted ones
     conv_outputs: torch.Tensor | None = None  # [T, C]  replay: delta-rule inputs, with g and beta
     g: torch.Tensor | None = None  # [T, Hv]
@@ -183,6 +193,36 @@ class GatedDeltaNet(nn.Module):
             pending.conv_outputs, pending.g, pending.beta = conv_outputs, g, beta
         return self._output(out, x), pending
 
+    def forward_static(
+        self,
+        x: torch.Tensor,  # [T, hidden] (normed)
+        state: RecurrentState,
+        inputs: TreeInputs,
+        keep: str,  # "factored" | "snapshot" | "replay"
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """`forward` over the device-side tree: the output [T, hidden] and the tensors `keep`
+        needs for commit (see `pending_from`); no host reads, static shapes."""
+        conv_inputs, beta, g = self._inputs(x)
+        # The batched conv tells a chain from a tree on the host; the reference one gathers
+        # each node's window on the device (T small: a verify).
+        conv = reference.tree_causal_conv1d if keep == "factored" else tree_causal_conv1d
+        conv_outputs = conv(conv_inputs, inputs.parents, state.conv, self.conv1d.weight[:, 0], None)
+        q, k, v = self._heads(conv_outputs)
+        scale = self.shape.key_dim**-0.5
+        if keep == "factored":
+            out, piece = solve_visible(q, k, v, g, beta, inputs.visible, state.recurrent, scale)
+            kept = (conv_inputs, piece.weights, piece.keys, piece.writes, piece.start_decay)
+        else:
+            out, states = tree_gated_delta_rule(
+                q, k, v, g, beta, inputs.parents, state.recurrent, scale, keep == "snapshot"
+            )
+            kept = (
+                (conv_inputs, states)
+                if keep == "snapshot"
+                else (conv_inputs, conv_outputs, g, beta)
+            )
+        return self._output(out, x), kept
+
     def extend(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
         """Mix a chain x [T, hidden] (a prefill chunk) and commit all of it into `state` at
         once: nothing per token is kept beyond this call, so a prompt of any length is run in
@@ -194,11 +234,12 @@ class GatedDeltaNet(nn.Module):
             conv_inputs, chain, state.conv, self.conv1d.weight[:, 0], None, "silu"
         )
         q, k, v = self._heads(conv_outputs)
-        out, state.recurrent = chain_gated_delta_rule(
+        out, final = chain_gated_delta_rule(
             q, k, v, g, beta, state.recurrent, self.shape.key_dim**-0.5
         )
-        window = state.conv.shape[1]
-        state.conv = torch.cat([state.conv, conv_inputs.T], dim=1)[:, -window:].contiguous()
+        # In place: a captured graph reads the committed state at its address.
+        state.recurrent.copy_(final)
+        state.conv.copy_(torch.cat([state.conv, conv_inputs.T], dim=1)[:, -state.conv.shape[1] :])
         return self._output(out, x)
 
     def _inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -216,17 +257,18 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(out, z).reshape(x.shape[0], -1))
 
     def commit(
-        self, state: RecurrentState, pending: PendingRecurrence, accepted: torch.Tensor
+        self, state: RecurrentState, pending: PendingRecurrence, accepted: torch.Tensor, last: int
     ) -> None:
-        """Install the state after the last node of `accepted` (a root-to-node path)."""
-        window = state.conv.shape[1]
+        """Install the state after the last node of `accepted` [K] (a root-to-node path on the
+        device; `last` is its last node, known on the host). In place: a captured graph reads
+        the committed state at its address."""
         path_inputs = pending.conv_inputs[accepted].T  # [C, K_acc]
-        state.conv = torch.cat([state.conv, path_inputs], dim=1)[:, -window:]
-        if pending.node_states is not None:
-            state.recurrent = pending.node_states[accepted[-1]].clone()  # frees the rest
+        state.conv.copy_(torch.cat([state.conv, path_inputs], dim=1)[:, -state.conv.shape[1] :])
+        if pending.node_states is not None:  # by selection
+            state.recurrent.copy_(pending.node_states.index_select(0, accepted[-1:])[0])
             return
         if pending.tree_states is not None:
-            state.recurrent = pending.tree_states.state_after(int(accepted[-1]))
+            state.recurrent.copy_(pending.tree_states.state_after(last))
             return
         for piece in accepted.split(REPLAY_PIECE):
             # The kernel hands back every node's state: re-running a long path (a prefill) in
@@ -244,7 +286,7 @@ class GatedDeltaNet(nn.Module):
                 self.shape.key_dim**-0.5,
                 return_states=True,
             )
-            state.recurrent = piece_states[-1].clone()
+            state.recurrent.copy_(piece_states[-1])
 
     def _heads(
         self,
@@ -260,6 +302,55 @@ class GatedDeltaNet(nn.Module):
         q = l2norm(q.reshape(T, s.key_heads, s.key_dim).to(dt)).repeat_interleave(repeat, dim=1)
         k = l2norm(k.reshape(T, s.key_heads, s.key_dim).to(dt)).repeat_interleave(repeat, dim=1)
         return q, k, v.reshape(T, s.value_heads, s.value_dim)
+
+
+def solve_visible(
+    q: torch.Tensor,  # [T, H, Dk]
+    k: torch.Tensor,  # [T, H, Dk]
+    v: torch.Tensor,  # [T, H, Dv]
+    g: torch.Tensor,  # [T, H]
+    beta: torch.Tensor,  # [T, H]
+    visible: torch.Tensor,  # [T, T] bool ancestor-or-self
+    initial_state: torch.Tensor,  # [H, Dk, Dv]
+    scale: float,
+) -> tuple[torch.Tensor, SolvedPiece]:  # outputs [T, H, Dv] in v's dtype
+    """The batched solve of a tree whose ancestor mask is already on the device (solve_tree
+    builds it from parents on the host)."""
+    dt = compute_dtype(v.dtype)
+    heads_first = [t.to(dt).transpose(0, 1) for t in (q * scale, k, v, g, beta)]
+    out, piece = solve_piece(*heads_first, visible, initial_state.to(dt))
+    return out.transpose(0, 1).to(v.dtype), piece
+
+
+def pending_from(
+    keep: str, kept: tuple[torch.Tensor, ...], state: RecurrentState
+) -> PendingRecurrence:
+    """The PendingRecurrence of what `forward_static` kept under `keep`."""
+    conv_inputs, *rest = kept
+    pending = PendingRecurrence(parents=None, conv_inputs=conv_inputs)
+    if keep == "factored":
+        piece = SolvedPiece(*rest, initial=state.recurrent)
+        pending.tree_states = TreeStates([piece], conv_inputs.shape[0])
+    elif keep == "snapshot":
+        (pending.node_states,) = rest
+    else:
+        pending.conv_outputs, pending.g, pending.beta = rest
+    return pending
+
+
+def choose_keep(shape: GDNShape, layers: int, weight: torch.Tensor) -> str:
+    """What a static verify keeps for commit: "factored" with the CPU's batched kernels; on
+    CUDA "snapshot" (commit by selection) when a STATIC_VERIFY_TOKENS round's per-node states
+    take at most SNAPSHOT_HEADROOM of the free device memory, else "replay"."""
+    backend = backend_for(weight)
+    if backend == "batched":
+        return "factored"
+    if backend == "triton":
+        snapshot = pending_bytes(shape, layers, STATIC_VERIFY_TOKENS, "snapshot", weight.dtype)
+        free, _ = torch.cuda.mem_get_info(weight.device)
+        if snapshot <= SNAPSHOT_HEADROOM * free:
+            return "snapshot"
+    return "replay"
 
 
 def choose_strategy(

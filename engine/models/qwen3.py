@@ -12,7 +12,11 @@ Interface shared by every target model (see engine/decode.py):
   layer L's output is HF's hidden_states[L + 1], so the last layer's is taken after the final norm);
 - `commit(cache, accepted [K])` keeps the accepted root-to-node path and drops the rest;
 - `extend(ids [T], cache, hidden_layers)` runs a chain and commits all of it at once (a prefill
-  chunk): logits [1, V] of its last token only, the requested layers' outputs of every token.
+  chunk): logits [1, V] of its last token only, the requested layers' outputs of every token;
+- `forward_static(inputs, cache, keys, hidden_layers)`: `forward` with static shapes, for CUDA
+  graphs (engine/decode.py): everything it reads is on the device (engine/tree.py TreeInputs)
+  and attention reads a fixed window of `keys` cache slots; returns (logits, hidden, pending),
+  pending being what `commit(cache, accepted, pending)` needs beyond the cache (none here).
 """
 
 from __future__ import annotations
@@ -24,19 +28,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.kernels import tree_attention
 from engine.models.common import (
+    GrowingPass,
     KVCache,
     QKNormProjections,
     RMSNorm,
     Rotary,
     SwiGLU,
+    WindowPass,
     compute_dtype,
     finish_loading,
     read_config,
     rope_theta,
+    window_mask,
 )
-from engine.tree import tree_layout
+from engine.tree import TreeInputs, tree_layout
 
 
 @dataclass
@@ -66,7 +72,7 @@ class Qwen3Config:
 
 
 class Attention(QKNormProjections):
-    """Grouped-query attention with per-head q/k RMSNorm before RoPE, through tree_attention."""
+    """Grouped-query attention with per-head q/k RMSNorm before RoPE."""
 
     def forward(
         self,
@@ -74,12 +80,11 @@ class Attention(QKNormProjections):
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [T, R]
         cache: KVCache,
         layer: int,
-        visible: torch.Tensor | None,  # [T, T] bool, None = causal
+        attention: GrowingPass | WindowPass,
     ) -> torch.Tensor:  # [T, H]
         q = self.queries(x, rope)  # [T, Hq, D]
         k, v = self.key_values(x, rope)  # [T, Hkv, D]
-        keys, values = cache.write(layer, cache.length, k, v)  # [S, Hkv, D]
-        out = tree_attention(q, keys, values, cache.length, visible, self.head_dim**-0.5)
+        out = attention.attend(cache, layer, q, k, v, self.head_dim**-0.5)
         return self.o_proj(out.flatten(-2))
 
 
@@ -91,8 +96,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, rope, cache, layer, visible) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache, layer, visible)
+    def forward(self, x, rope, cache, layer, attention) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, layer, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -149,6 +154,18 @@ class Qwen3Model(nn.Module):
         cache.advance(ids.shape[0])
         return self._logits(x[-1:]), hidden
 
+    @torch.no_grad()
+    def forward_static(
+        self, inputs: TreeInputs, cache: KVCache, keys: int, hidden_layers: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:  # logits [T, V], hidden, pending
+        """`forward` of inputs.ids at device length inputs.length, reading `keys` cache slots."""
+        rope = self.rotary.tables(inputs.length + inputs.depths, self.embed_tokens.weight.dtype)
+        attention = WindowPass(
+            inputs.slots(), window_mask(inputs.length, inputs.visible, keys), keys
+        )
+        x, hidden = self._layers(inputs.ids, rope, cache, attention, hidden_layers)
+        return self._logits(x), hidden, ()
+
     def _logits(self, x: torch.Tensor) -> torch.Tensor:  # float32; float64 stays float64
         return self.lm_head(x).to(compute_dtype(x.dtype))
 
@@ -158,10 +175,13 @@ class Qwen3Model(nn.Module):
         cache.check_room(T)
         depths, visible = tree_layout(parents, T, ids.device)
         rope = self.rotary.tables(cache.length + depths, self.embed_tokens.weight.dtype)
+        return self._layers(ids, rope, cache, GrowingPass(visible), hidden_layers)
+
+    def _layers(self, ids, rope, cache: KVCache, attention, hidden_layers: Sequence[int]):
         x = self.embed_tokens(ids)  # [T, H]
         wanted = {layer: None for layer in hidden_layers}
         for index, layer in enumerate(self.layers):
-            x = layer(x, rope, cache, index, visible)
+            x = layer(x, rope, cache, index, attention)
             if index in wanted:
                 wanted[index] = x
         x = self.norm(x)
@@ -170,7 +190,11 @@ class Qwen3Model(nn.Module):
         hidden = torch.cat([wanted[i] for i in hidden_layers], dim=-1) if hidden_layers else None
         return x, hidden
 
-    def commit(self, cache: KVCache, accepted: torch.Tensor) -> None:
+    def commit(
+        self, cache: KVCache, accepted: torch.Tensor, pending: tuple = (), parents=None
+    ) -> None:
+        """Keep the accepted path [K]; a dense pass leaves nothing else (`pending`, `parents`:
+        the target interface's, see engine/models/qwen3_5.py)."""
         cache.commit(accepted)
 
 

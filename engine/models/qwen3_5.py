@@ -12,10 +12,16 @@ The target interface shared with the dense model (see engine/decode.py):
     logits, hidden = model.forward(ids [T], cache, parents [T] | None, hidden_layers)
     model.commit(cache, accepted [K])
     logits, hidden = model.extend(ids [T], cache, hidden_layers)  # a prefill chunk, committed
+    logits, hidden, pending = model.forward_static(inputs, cache, keys, hidden_layers)
+    model.commit(cache, accepted [K] | list, pending)  # after forward_static
 A forward runs a tree of pending tokens (parents[i] < i, or -1 = child of the last committed
 token) without touching the committed state; attention layers write the pending K/V behind the
 committed prefix, GDN layers keep what commit needs (see gated_deltanet.py for the two
-strategies). `load_qwen3_5(path)` reads `qwen3_5_text` checkpoints and the text part of
+strategies). `forward_static` is the graph-safe verify / ar step (static shapes, device-side
+lengths, see engine/decode.py): it returns what each GDN layer keeps for commit instead of
+storing it, and keeps what `cache.keep` names ("factored" with the CPU kernels; on CUDA
+"snapshot", commit by selection, when `choose_keep` finds the per-node states fit, else
+"replay"). `load_qwen3_5(path)` reads `qwen3_5_text` checkpoints and the text part of
 `qwen3_5` multimodal ones.
 """
 
@@ -28,15 +34,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.kernels import tree_attention
 from engine.models.common import (
+    GrowingPass,
     KVCache,
     Rotary,
     SwiGLU,
+    WindowPass,
     compute_dtype,
     finish_loading,
     read_config,
     rope_theta,
+    window_mask,
 )
 from engine.models.gated_deltanet import (
     STATE_STRATEGIES,
@@ -45,9 +53,11 @@ from engine.models.gated_deltanet import (
     PendingRecurrence,
     RecurrentState,
     StateStrategy,
+    choose_keep,
+    pending_from,
 )
 from engine.plan import FULL, LINEAR, hybrid_layer_types
-from engine.tree import tree_layout
+from engine.tree import TreeInputs, on_device, tree_layout
 
 MULTIMODAL_TEXT_PREFIX = "model.language_model."  # `qwen3_5` checkpoints (vision + text)
 TEXT_PREFIX = "model."  # `qwen3_5_text` checkpoints
@@ -135,6 +145,7 @@ class HybridCache:
     kv: KVCache
     recurrent: list[RecurrentState]
     pending: list[PendingRecurrence] = field(default_factory=list)
+    keep: str = "replay"  # what forward_static keeps for commit (see gated_deltanet.choose_keep)
 
     @property
     def length(self) -> int:
@@ -147,15 +158,18 @@ class HybridCache:
 
 @dataclass
 class TreePass:
-    """Everything the layers of one forward share: the tree, RoPE tables and the cache."""
+    """Everything the layers of one forward share: the tree, RoPE tables and the cache; what
+    the GDN layers leave for commit is collected in `pending`."""
 
     cache: HybridCache
     parents: torch.Tensor  # [T] (a chain when the caller gave none)
-    visible: torch.Tensor | None  # [T, T] bool ancestor-or-self; None = causal (a chain)
+    attention: GrowingPass | WindowPass
     cos: torch.Tensor  # [T, rotary_dim]
     sin: torch.Tensor  # [T, rotary_dim]
     rotary: Rotary
     extend: bool = False  # a chain committed as it runs (a prefill chunk): nothing pending
+    static: TreeInputs | None = None  # forward_static: the device-side tree
+    pending: list = field(default_factory=list)
 
 
 class GatedAttention(nn.Module):
@@ -185,9 +199,7 @@ class GatedAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(T, self.kv_heads, self.head_dim))
         k = tree.rotary.apply(k, tree.cos, tree.sin)  # [T, Hkv, D]
         v = self.v_proj(x).view(T, self.kv_heads, self.head_dim)
-        prefix = tree.cache.length
-        keys, values = tree.cache.kv.write(slot, prefix, k, v)  # [prefix + T, Hkv, D]
-        out = tree_attention(q, keys, values, prefix, tree.visible, self.head_dim**-0.5)
+        out = tree.attention.attend(tree.cache.kv, slot, q, k, v, self.head_dim**-0.5)
         out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
         return self.o_proj(out)
 
@@ -215,9 +227,14 @@ class HybridDecoderLayer(nn.Module):
             state = tree.cache.recurrent[self.slot]
             if tree.extend:
                 mixed = self.linear_attn.extend(normed, state)
+            elif tree.static is not None:
+                mixed, kept = self.linear_attn.forward_static(
+                    normed, state, tree.static, tree.cache.keep
+                )
+                tree.pending.append(kept)
             else:
                 mixed, pending = self.linear_attn(normed, state, tree.parents, strategy)
-                tree.cache.pending.append(pending)
+                tree.pending.append(pending)
         else:
             mixed = self.self_attn(normed, tree, self.slot)
         h = h + mixed
@@ -265,11 +282,10 @@ class Qwen3_5Model(nn.Module):
             weight.dtype,
             weight.device,
         )
-        recurrent = [
-            layer.linear_attn.new_state(weight.dtype, weight.device)
-            for layer in self._layers_of(LINEAR)
-        ]
-        return HybridCache(kv=kv, recurrent=recurrent)
+        gdn = self._layers_of(LINEAR)
+        recurrent = [layer.linear_attn.new_state(weight.dtype, weight.device) for layer in gdn]
+        keep = choose_keep(c.gdn_shape(), len(gdn), weight)
+        return HybridCache(kv=kv, recurrent=recurrent, keep=keep)
 
     @torch.no_grad()
     def forward(
@@ -286,6 +302,24 @@ class Qwen3_5Model(nn.Module):
         """
         h, hidden = self._run(ids, cache, parents, hidden_layers, extend=False)
         return self._logits(h), hidden
+
+    @torch.no_grad()
+    def forward_static(
+        self,
+        inputs: TreeInputs,
+        cache: HybridCache,
+        keys: int,
+        hidden_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:
+        """`forward` of inputs.ids at device length inputs.length with static shapes: attention
+        reads `keys` cache slots; returns (logits, hidden, what each GDN layer keeps)."""
+        h = self.embed_tokens(inputs.ids)
+        cos, sin = self.rotary.tables(inputs.length + inputs.depths, h.dtype)
+        mask = window_mask(inputs.length, inputs.visible, keys)
+        attention = WindowPass(inputs.slots(), mask, keys)
+        tree = TreePass(cache, inputs.parents, attention, cos, sin, self.rotary, static=inputs)
+        h, hidden = self._layers(h, tree, hidden_layers)
+        return self._logits(h), hidden, tuple(tree.pending)
 
     @torch.no_grad()
     def extend(
@@ -310,8 +344,12 @@ class Qwen3_5Model(nn.Module):
             parents = torch.arange(-1, T - 1, device=ids.device)
         h = self.embed_tokens(ids)  # [T, hidden]
         cos, sin = self.rotary.tables(cache.length + depth, h.dtype)
-        tree = TreePass(cache, parents, visible, cos, sin, self.rotary, extend)
-        cache.pending = []
+        tree = TreePass(cache, parents, GrowingPass(visible), cos, sin, self.rotary, extend)
+        h, hidden = self._layers(h, tree, hidden_layers)
+        cache.pending = tree.pending
+        return h, hidden
+
+    def _layers(self, h: torch.Tensor, tree: TreePass, hidden_layers: Sequence[int]):
         captured = {}
         wanted = set(hidden_layers)
         for index, layer in enumerate(self.layers):
@@ -322,16 +360,34 @@ class Qwen3_5Model(nn.Module):
         return h, hidden
 
     @torch.no_grad()
-    def commit(self, cache: HybridCache, accepted: torch.Tensor) -> None:
-        """The pending path `accepted` [K] (root first) becomes committed; the rest is dropped."""
+    def commit(
+        self,
+        cache: HybridCache,
+        accepted: torch.Tensor,
+        pending: tuple = (),
+        parents: list[int] | None = None,
+    ) -> None:
+        """The pending path `accepted` [K] (root first) becomes committed; the rest is dropped.
+
+        After `forward`, what it left in the cache is committed (the path checked against the
+        tree, read back from the device). After `forward_static`, pass its `pending` and the
+        tree's host-side `parents` and `accepted` as a host tensor: nothing is read back.
+        """
+        if pending:
+            states = zip(pending, cache.recurrent, strict=True)
+            cache.pending = [pending_from(cache.keep, kept, state) for kept, state in states]
+            tree = parents
+        else:
+            tree = cache.pending[0].parents.tolist() if cache.pending else None
         if len(cache.pending) != len(cache.recurrent):
             raise ValueError("commit without a forward pass to commit from")
-        if cache.pending:
-            check_root_to_node_path(cache.pending[0].parents.tolist(), accepted.tolist())
-        accepted = accepted.to(self.embed_tokens.weight.device)
+        path = accepted.tolist()
+        if tree is not None:
+            check_root_to_node_path(tree, path)
+        accepted = on_device(accepted, self.embed_tokens.weight.device)
         gdn_layers = self._layers_of(LINEAR)
-        for layer, state, pending in zip(gdn_layers, cache.recurrent, cache.pending, strict=True):
-            layer.linear_attn.commit(state, pending, accepted)
+        for layer, state, kept in zip(gdn_layers, cache.recurrent, cache.pending, strict=True):
+            layer.linear_attn.commit(state, kept, accepted, path[-1])
         cache.kv.commit(accepted)
         cache.pending = []
 
