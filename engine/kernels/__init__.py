@@ -58,9 +58,9 @@ def _implementation(triton_module: str, tensor: torch.Tensor) -> ModuleType:
 
 def tree_attention(
     q: torch.Tensor,  # [T, Hq, D]
-    k: torch.Tensor,  # [S, Hkv, D], S = prefix_len + T
+    k: torch.Tensor,  # [S, Hkv, D], S >= prefix_len + T
     v: torch.Tensor,  # [S, Hkv, D]
-    prefix_len: int,
+    prefix_len: int | torch.Tensor,
     tree_visible: torch.Tensor | None,  # [T, T] bool, None = causal
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]

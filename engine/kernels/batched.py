@@ -215,9 +215,9 @@ def tree_causal_conv1d(
 
 def tree_attention(
     q: torch.Tensor,  # [T, Hq, D]
-    k: torch.Tensor,  # [S, Hkv, D], S = prefix_len + T
+    k: torch.Tensor,  # [S, Hkv, D], S >= prefix_len + T
     v: torch.Tensor,  # [S, Hkv, D]
-    prefix_len: int,
+    prefix_len: int | torch.Tensor,  # a tensor only with a tree (a verify round)
     tree_visible: torch.Tensor | None,  # [T, T] bool, None = causal
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
@@ -231,8 +231,7 @@ def tree_attention(
     need no mask but imports triton, which a CPU process should not pay ~150 MB for.
     """
     if tree_visible is not None:  # a verify round: few rows
-        mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
-        mask[:, prefix_len:] = tree_visible
+        mask = reference.key_visibility(q.shape[0], k.shape[0], prefix_len, tree_visible, q.device)
         return _attend(q, k, v, mask, scale)
     out = torch.empty_like(q)
     for start in range(0, q.shape[0], QUERY_BLOCK):

@@ -19,26 +19,43 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def key_visibility(
+    T: int,
+    S: int,
+    prefix_len: int | torch.Tensor,  # an int, or an int64 tensor of one element
+    tree_visible: torch.Tensor | None,  # [T, T] bool, None = causal
+    device: torch.device,
+) -> torch.Tensor:  # [T, S] bool
+    """Which of S keys each of T pending tokens sees: every committed key (j < prefix_len), the
+    tree keys tree_visible allows, and none from prefix_len + T on (a cache's unused end).
+
+    Built without reading prefix_len back, so a device tensor costs no host sync.
+    """
+    if tree_visible is None:
+        tree_visible = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    column = torch.arange(S, device=device) - prefix_len  # [S] tree column; < 0 in the prefix
+    in_tree = (column >= 0) & (column < T)
+    sees = tree_visible.to(device)[:, column.clamp(0, max(T - 1, 0))]  # [T, S]
+    return (column < 0) | (in_tree & sees)
+
+
 def tree_attention(
     q: torch.Tensor,  # [T, Hq, D]  queries of the T pending tokens (RoPE applied)
-    k: torch.Tensor,  # [S, Hkv, D] keys: S = prefix_len + T (committed prefix, then the T tokens)
+    k: torch.Tensor,  # [S, Hkv, D] keys: the committed prefix, the T tokens, then any unused slots
     v: torch.Tensor,  # [S, Hkv, D]
-    prefix_len: int,
+    prefix_len: int | torch.Tensor,  # committed keys; an int or a one-element int64 tensor
     tree_visible: torch.Tensor | None,  # [T, T] bool: j is i's ancestor or i itself; None = causal
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Each pending token attends to the whole committed prefix and to its own ancestors.
 
+    Keys from prefix_len + T on are ignored, so k and v may be a whole preallocated cache.
     Grouped-query attention: query head h reads key/value head h // (Hq // Hkv).
     Computed in `compute_dtype` (float32, float64 for float64 inputs); the output has q's dtype.
     """
     T, Hq, D = q.shape
     S, Hkv, _ = k.shape
-    assert S == prefix_len + T, (S, prefix_len, T)
-    if tree_visible is None:
-        tree_visible = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    visible = torch.ones(T, S, dtype=torch.bool, device=q.device)
-    visible[:, prefix_len:] = tree_visible
+    visible = key_visibility(T, S, prefix_len, tree_visible, q.device)
     group = Hq // Hkv
     dt = compute_dtype(q.dtype)
     kf = k.to(dt).repeat_interleave(group, dim=1)  # [S, Hq, D]

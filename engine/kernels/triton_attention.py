@@ -5,12 +5,21 @@ Matches `engine.kernels.reference.tree_attention` (the specification). Layout of
 - Query rows are packed per key/value head: the T * G query heads that read one kv head
   (G = Hq // Hkv) form the rows of one tile, so each K/V block is loaded once for all of them.
   Row r is token r // G, query head kv_head * G + r % G.
-- Keys are split into NUM_SPLITS contiguous ranges (flash-decoding): with few queries, one
+- Keys are split into `num_splits` contiguous ranges (flash-decoding): with few queries, one
   program per (row block, kv head) would leave most of a GPU idle on a long prefix. Each split
   keeps a running max / sum (online softmax) and writes its normalised output with its
-  log-sum-exp; `_merge_splits` combines them. With one split the kernel writes the output.
+  log-sum-exp; `_merge_splits_kernel` combines them. With one split the kernel writes the output.
+- The split count and every length are runtime arguments, never specialised on: a conversation
+  that grows reuses one compiled kernel, and a captured CUDA graph stays valid when the prefix
+  length is a device tensor (the kernel reads it and sizes each split itself). The split count
+  follows the key buffer's length, which is fixed for a preallocated cache.
 - A key j < prefix_len is visible to every row; a tree key is visible when tree_visible[t,
-  j - prefix_len] (or, with no tree given, when j - prefix_len <= t: causal).
+  j - prefix_len] (or, with no tree given, when j - prefix_len <= t: causal); keys from
+  prefix_len + T on are ignored (the unused end of a preallocated cache).
+
+Launch configurations come from `attention_config` by compute capability and head dim: head dim
+256 (Qwen3.6-27B) needs smaller key blocks where shared memory is ~100 KB (sm_86/89, sm_120)
+than on Hopper / datacenter parts (sm_80, sm_90, sm_100: ~230 KB).
 
 Precision follows the reference: softmax and accumulation in float32 (float64 for float64
 inputs). The dots take bf16/fp16 inputs as they are, and float32 inputs without TF32
@@ -32,18 +41,24 @@ from engine.kernels.reference import compute_dtype
 from engine.kernels.triton_common import tl_compute_dtype, tl_dot_dtype
 
 # A finite "minus infinity" for the running max: keeps exp(m_old - m_new) free of NaN on rows
-# that have seen no visible key yet.
+# that have seen no visible key yet, and marks an empty split for the merge.
 _NO_SCORE: tl.constexpr = tl.constexpr(-1.0e30)
 
+# Arguments that change as a conversation grows: specialising on any of them (Triton does on
+# values of 1 and multiples of 16 by default) would compile a kernel per new value.
+RUNTIME_ARGS = ["T", "prefix", "keys", "num_splits"]
 
-@triton.jit(do_not_specialize=["T", "S", "prefix_len", "keys_per_split"])
+
+@triton.jit(do_not_specialize=RUNTIME_ARGS)
 def _tree_attention_kernel(
     q_ptr,  # [T, Hq, D], strides (q_stride_t, q_stride_h, 1)
-    k_ptr,  # [S, Hkv, D], strides (k_stride_s, k_stride_h, 1)
-    v_ptr,  # [S, Hkv, D], strides (v_stride_s, v_stride_h, 1)
+    k_ptr,  # [keys, Hkv, D], strides (k_stride_s, k_stride_h, 1); keys >= prefix_len + T
+    v_ptr,  # [keys, Hkv, D], strides (v_stride_s, v_stride_h, 1)
     visible_ptr,  # [T, T] int8 (unused when CAUSAL)
-    out_ptr,  # [T, Hq, D] (one split) or [NUM_SPLITS, T, Hq, D] in COMPUTE, contiguous
-    lse_ptr,  # [NUM_SPLITS, T, Hq] in COMPUTE (unused with one split)
+    out_ptr,  # [T, Hq, D] in q's dtype: written when num_splits == 1
+    partial_ptr,  # [num_splits, T, Hq, D] in COMPUTE: written when num_splits > 1
+    lse_ptr,  # [num_splits, T, Hq] in COMPUTE: written when num_splits > 1
+    prefix,  # prefix_len: an int, or a pointer to one (int64) when PREFIX_ON_DEVICE
     q_stride_t,
     q_stride_h,
     k_stride_s,
@@ -52,20 +67,20 @@ def _tree_attention_kernel(
     v_stride_h,
     T,
     Hkv,
-    S,
-    prefix_len,
-    keys_per_split,
+    keys,
+    num_splits,
     scale,
     D: tl.constexpr,
     GROUP: tl.constexpr,
     CAUSAL: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    PREFIX_ON_DEVICE: tl.constexpr,
     COMPUTE: tl.constexpr,  # softmax / accumulator type
     DOT: tl.constexpr,  # operand type of the dots
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    prefix_len = tl.load(prefix).to(tl.int32) if PREFIX_ON_DEVICE else prefix
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
@@ -83,12 +98,14 @@ def _tree_attention_kernel(
     m = tl.full([BLOCK_M], _NO_SCORE, COMPUTE)  # running max of the scores
     l = tl.zeros([BLOCK_M], COMPUTE)  # running sum of exp(score - m)
     acc = tl.zeros([BLOCK_M, BLOCK_D], COMPUTE)  # running sum of exp(score - m) * v
+    S = tl.minimum(prefix_len + T, keys)
+    keys_per_split = tl.cdiv(tl.cdiv(S, num_splits), BLOCK_N) * BLOCK_N
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, S)
     for block_start in range(start, end, BLOCK_N):
-        keys = block_start + tl.arange(0, BLOCK_N)  # [BN]
-        key_ok = keys < end
-        key_pos = keys.to(tl.int64)  # [BN]; a long cache overflows int32 offsets
+        cols = block_start + tl.arange(0, BLOCK_N)  # [BN]
+        key_ok = cols < end
+        key_pos = cols.to(tl.int64)  # [BN]; a long cache overflows int32 offsets
         k_off = key_pos * k_stride_s + kv_head * k_stride_h  # [BN]
         v_off = key_pos * v_stride_s + kv_head * v_stride_h  # [BN]
         kv_mask = key_ok[:, None] & dim_ok[None, :]
@@ -96,7 +113,7 @@ def _tree_attention_kernel(
         v = tl.load(v_ptr + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(DOT)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee").to(COMPUTE) * scale  # [BM, BN]
 
-        tree_col = keys - prefix_len  # [BN], < 0 for prefix keys
+        tree_col = cols - prefix_len  # [BN], < 0 for prefix keys
         in_tree = tree_col >= 0
         if CAUSAL:
             sees_tree = tree_col[None, :] <= token[:, None]
@@ -119,67 +136,102 @@ def _tree_attention_kernel(
     safe_l = tl.where(has_keys, l, 1.0)
     out = acc / safe_l[:, None]
     out_mask = row_ok[:, None] & dim_ok[None, :]
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         out_ptrs = out_ptr + out_rows[:, None] + dims[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         split_rows = split.to(tl.int64) * T * Hq * D + out_rows  # [BM]
-        tl.store(out_ptr + split_rows[:, None] + dims[None, :], out, mask=out_mask)
+        tl.store(partial_ptr + split_rows[:, None] + dims[None, :], out, mask=out_mask)
         lse = tl.where(has_keys, m + tl.log(safe_l), _NO_SCORE)  # [BM]
         tl.store(lse_ptr + split.to(tl.int64) * T * Hq + token * Hq + head, lse, mask=row_ok)
 
 
+@triton.jit(do_not_specialize=["rows", "num_splits"])
+def _merge_splits_kernel(
+    partial_ptr,  # [num_splits, rows, D] in COMPUTE, each split normalised on its own
+    lse_ptr,  # [num_splits, rows] in COMPUTE: log of each split's softmax denominator
+    out_ptr,  # [rows, D] (rows = T * Hq)
+    rows,
+    num_splits,
+    D: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < D
+    top = tl.full([], _NO_SCORE, COMPUTE)
+    for split in range(num_splits):
+        top = tl.maximum(top, tl.load(lse_ptr + split * rows + row))
+    total = tl.zeros([], COMPUTE)
+    acc = tl.zeros([BLOCK_D], COMPUTE)
+    for split in range(num_splits):
+        weight = tl.exp(tl.load(lse_ptr + split * rows + row) - top)  # 0 for an empty split
+        part = tl.load(partial_ptr + (split * rows + row) * D + dims, mask=dim_ok, other=0.0)
+        acc += weight * part
+        total += weight
+    tl.store(out_ptr + row * D + dims, (acc / total).to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
 @dataclass(frozen=True)
-class _Launch:
+class AttentionConfig:
+    """Compile-time launch choices: they follow the model and the GPU, never the context."""
+
     block_m: int
     block_n: int
-    block_d: int
-    num_splits: int
-    keys_per_split: int
     num_warps: int
+    num_stages: int
+
+
+# Compute capabilities with ~230 KB of shared memory a block (A100, H100/H200, B200); the others
+# (RTX 30/40, RTX PRO 6000 Blackwell sm_120) have ~100 KB.
+_LARGE_SHARED_MEMORY = {(8, 0), (9, 0), (10, 0), (10, 3)}
+
+
+def attention_config(
+    capability: tuple[int, int] | None, head_dim: int, rows: int
+) -> AttentionConfig:
+    """The launch configuration for `rows` query rows (T * group) of `head_dim` on a GPU of
+    `capability` (None: unknown, e.g. the CPU interpreter: the small-memory choice).
+
+    Shared memory holds the query tile and `num_stages` K/V tiles of BLOCK_N keys. At head dim
+    256 in bf16 on a ~100 KB part that allows at most 32 rows and 32 keys a tile over two
+    stages (16 + 2 * 32 KB); on a ~230 KB part 64 and 64 (32 + 2 * 64 KB).
+    """
+    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    if head_dim <= 128:
+        return AttentionConfig(block_m, 64, 4, 3)
+    if capability in _LARGE_SHARED_MEMORY:
+        return AttentionConfig(block_m, 64, 8, 2)
+    return AttentionConfig(min(block_m, 32), 32, 4, 2)
+
+
+def choose_num_splits(
+    multiprocessors: int, row_blocks: int, kv_heads: int, keys: int, block_n: int
+) -> int:
+    """Enough key splits to give every SM about two programs, with at least 4 key blocks each.
+
+    `keys` is the length of the key buffer, not of the context: for a preallocated cache the
+    split count, and so the grid, stays the same as the context grows (a captured graph's).
+    """
+    wanted = triton.cdiv(2 * multiprocessors, row_blocks * kv_heads)
+    return max(1, min(wanted, triton.cdiv(keys, 4 * block_n)))
 
 
 @functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _default_num_splits(row_blocks: int, Hkv: int, S: int, block_n: int, device) -> int:
-    """Enough key splits to give every SM about two programs, at least 4 key blocks each."""
+def _device_facts(device: torch.device) -> tuple[int, tuple[int, int] | None]:
+    """(multiprocessors, compute capability); (1, None) off CUDA (the interpreter)."""
     if device.type != "cuda":
-        return 1
-    sms = _multiprocessors(device)
-    wanted = triton.cdiv(2 * sms, row_blocks * Hkv)
-    return max(1, min(wanted, triton.cdiv(S, 4 * block_n)))
-
-
-def _launch_config(
-    rows: int, Hkv: int, S: int, D: int, device, num_splits: int | None, block_n: int | None
-) -> _Launch:
-    block_d = max(16, triton.next_power_of_2(D))
-    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
-    block_n = block_n or (64 if block_d <= 128 else 32)
-    row_blocks = triton.cdiv(rows, block_m)
-    splits = num_splits or _default_num_splits(row_blocks, Hkv, S, block_n, device)
-    keys_per_split = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
-    splits = triton.cdiv(S, keys_per_split)  # no empty trailing split
-    num_warps = 8 if block_d > 128 else 4
-    return _Launch(block_m, block_n, block_d, splits, keys_per_split, num_warps)
-
-
-def _merge_splits(
-    partial: torch.Tensor,  # [NS, T, Hq, D], each split normalised on its own
-    lse: torch.Tensor,  # [NS, T, Hq], log of each split's softmax denominator
-) -> torch.Tensor:  # [T, Hq, D]
-    weights = torch.softmax(lse, dim=0)  # [NS, T, Hq]
-    return (weights[..., None] * partial).sum(dim=0)
+        return 1, None
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, (props.major, props.minor)
 
 
 def tree_attention(
     q: torch.Tensor,  # [T, Hq, D] (RoPE applied)
-    k: torch.Tensor,  # [S, Hkv, D], S = prefix_len + T
+    k: torch.Tensor,  # [S, Hkv, D], S >= prefix_len + T
     v: torch.Tensor,  # [S, Hkv, D]
-    prefix_len: int,
+    prefix_len: int | torch.Tensor,  # an int, or an int64 tensor of one element on q's device
     tree_visible: torch.Tensor | None,  # [T, T] bool, None = causal
     scale: float,
     *,
@@ -189,43 +241,46 @@ def tree_attention(
     """Triton version of `reference.tree_attention`: same arguments, same result.
 
     `num_splits` (key ranges processed in parallel) and `block_n` (keys per step) override the
-    launch heuristics; results do not depend on them beyond rounding.
+    launch choices; results do not depend on them beyond rounding.
     """
     T, Hq, D = q.shape
-    S, Hkv, _ = k.shape
-    if S != prefix_len + T:
-        raise ValueError(f"{S} keys for a prefix of {prefix_len} and {T} queries")
+    keys, Hkv, _ = k.shape
+    if isinstance(prefix_len, int) and keys < prefix_len + T:
+        raise ValueError(f"{keys} keys for a prefix of {prefix_len} and {T} queries")
     if Hq % Hkv:
         raise ValueError(f"{Hq} query heads do not share {Hkv} kv heads evenly")
     out = torch.empty_like(q)
     if T == 0:
         return out
-    compute = compute_dtype(q.dtype)
-    if compute == torch.float64:
+    if compute_dtype(q.dtype) == torch.float64:
         # A float argument reaches a kernel as float32: fold the scale in exactly instead.
         q, scale = q * scale, 1.0
     # Any layout whose head dim is dense (a slice of a preallocated cache) is read in place.
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     group = Hq // Hkv
-    cfg = _launch_config(T * group, Hkv, S, D, q.device, num_splits, block_n)
+    multiprocessors, capability = _device_facts(q.device)
+    cfg = attention_config(capability, D, T * group)
+    block_n = block_n or cfg.block_n
+    row_blocks = triton.cdiv(T * group, cfg.block_m)
+    splits = num_splits or choose_num_splits(multiprocessors, row_blocks, Hkv, keys, block_n)
     causal = tree_visible is None
     visible = q if causal else tree_visible.to(device=q.device, dtype=torch.int8).contiguous()
-    if cfg.num_splits == 1:
-        target, lse = out, out
-    else:
-        target = torch.empty(cfg.num_splits, T, Hq, D, dtype=compute, device=q.device)
-        lse = torch.empty(cfg.num_splits, T, Hq, dtype=compute, device=q.device)
-    grid = (triton.cdiv(T * group, cfg.block_m), Hkv, cfg.num_splits)
-    _tree_attention_kernel[grid](
-        q, k, v, visible, target, lse,
+    on_device = isinstance(prefix_len, torch.Tensor)
+    compute = compute_dtype(q.dtype)
+    partial = torch.empty(splits, T, Hq, D, dtype=compute, device=q.device) if splits > 1 else out
+    lse = torch.empty(splits, T, Hq, dtype=compute, device=q.device) if splits > 1 else out
+    _tree_attention_kernel[(row_blocks, Hkv, splits)](
+        q, k, v, visible, out, partial, lse, prefix_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        T, Hkv, S, prefix_len, cfg.keys_per_split, float(scale),
-        D=D, GROUP=group, CAUSAL=causal, NUM_SPLITS=cfg.num_splits,
-        COMPUTE=tl_compute_dtype(q.dtype),
-        DOT=tl_dot_dtype(q.dtype),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
-        num_warps=cfg.num_warps,
+        T, Hkv, keys, splits, float(scale),
+        D=D, GROUP=group, CAUSAL=causal, PREFIX_ON_DEVICE=on_device,
+        COMPUTE=tl_compute_dtype(q.dtype), DOT=tl_dot_dtype(q.dtype),
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if cfg.num_splits == 1:
-        return out
-    return _merge_splits(target, lse).to(q.dtype)
+    if splits > 1:
+        _merge_splits_kernel[(T * Hq,)](
+            partial, lse, out, T * Hq, splits,
+            D=D, COMPUTE=tl_compute_dtype(q.dtype), BLOCK_D=max(16, triton.next_power_of_2(D)),
+        )  # fmt: skip
+    return out

@@ -1,10 +1,7 @@
 """The Triton tree kernels match their plain-torch references (engine/kernels/reference.py).
 
-The kernels run in Triton's CPU interpreter, which must be on (TRITON_INTERPRET=1) both when a
-kernel is defined and when it runs. So this module imports the kernel modules with it on
-(reloading any imported earlier without it), keeps it on while its tests run, and afterwards
-restores the environment and forgets those modules, so that later imports compile for real.
-Shapes stay tiny: the interpreter costs ~0.5 ms per program.
+The kernels run in Triton's CPU interpreter (tests/helpers/kernel_cases.py says how). Shapes stay
+tiny: the interpreter costs ~0.5 ms per program.
 Run: python -m pytest -q tests/engine/test_kernels.py
 
 Tolerances: float32 inputs 1e-5 (same math, another summation order); bf16 inputs compare
@@ -14,12 +11,9 @@ steps of the output (both compute in float32 and round once); float64 inputs 1e-
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import os
-import sys
+import inspect
 from collections.abc import Iterator
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,7 +21,13 @@ import torch.nn.functional as F
 
 import engine.kernels as kernels
 from engine.kernels import batched, reference
-from tests.helpers.kernel_cases import TOLERANCE, TREE_SHAPES
+from tests.helpers.kernel_cases import (
+    TOLERANCE,
+    TREE_SHAPES,
+    compiled_copy,
+    import_interpreted,
+    interpreter_for,
+)
 
 KERNEL_MODULES = (
     "engine.kernels.triton_attention",
@@ -36,34 +36,12 @@ KERNEL_MODULES = (
 )
 
 
-@contextlib.contextmanager
-def _triton_interpreter() -> Iterator[None]:
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-
-
-def _import_interpreted(name: str) -> ModuleType:
-    with _triton_interpreter():
-        module = sys.modules.get(name)
-        return importlib.reload(module) if module else importlib.import_module(name)
-
-
-triton_attention, triton_conv, triton_gated_delta = map(_import_interpreted, KERNEL_MODULES)
+triton_attention, triton_conv, triton_gated_delta = map(import_interpreted, KERNEL_MODULES)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter_for_this_module() -> Iterator[None]:
-    with _triton_interpreter():
-        yield
-    for name in KERNEL_MODULES:
-        sys.modules.pop(name, None)
+    yield from interpreter_for(KERNEL_MODULES)
 
 
 TREES = {**TREE_SHAPES, "random": None}  # "random" is drawn from a seed in _parents
@@ -407,3 +385,121 @@ def test_backend_choice_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv(kernels.BACKEND_ENV, "cuda")
     with pytest.raises(ValueError, match="DDOPS_KERNELS='cuda'"):
         kernels.backend_for(_ON_CUDA)
+
+
+# --- attention: device-side prefix, launch choices that do not follow the context ------------
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_attention_reads_a_device_prefix_over_a_whole_cache(num_splits: int) -> None:
+    """A preallocated cache and the committed length as a device tensor (a captured graph's
+    inputs): keys past prefix + T are ignored, in every backend."""
+    parents = _parents("two_level")
+    T, prefix_len, Hq, Hkv, D = len(parents), 13, 4, 2, 16
+    q, k, v = _attention_inputs(T, 40, Hq, Hkv, D, torch.float32)  # 40 + T slots
+    visible = _ancestor_mask(parents)
+    end = prefix_len + T
+    expected = reference.tree_attention(q, k[:end], v[:end], prefix_len, visible, 0.25)
+    length = torch.tensor([prefix_len])
+
+    out = triton_attention.tree_attention(
+        q, k, v, length, visible, 0.25, num_splits=num_splits, block_n=16
+    )
+
+    _assert_matches(out, expected, torch.float32)
+    for impl in (reference, batched):
+        _assert_matches(
+            impl.tree_attention(q, k, v, length, visible, 0.25), expected, torch.float32
+        )
+
+
+class _LaunchRecorder:
+    """Stands in for a Triton kernel: records each launch's grid, arguments and constexprs."""
+
+    def __init__(self, kernel) -> None:
+        self.names = list(inspect.signature(kernel.fn).parameters)
+        self.launches: list[tuple[tuple, dict, dict]] = []
+
+    def __getitem__(self, grid: tuple):
+        def launch(*args, **constexprs) -> None:
+            self.launches.append((grid, dict(zip(self.names, args, strict=False)), constexprs))
+
+        return launch
+
+    def varying_ints(self) -> set[str]:
+        """The int arguments that took more than one value over the launches."""
+        values: dict[str, set] = {}
+        for _, args, _ in self.launches:
+            for name, value in args.items():
+                if isinstance(value, int):
+                    values.setdefault(name, set()).add(value)
+        return {name for name, seen in values.items() if len(seen) > 1}
+
+
+@pytest.mark.parametrize("device_prefix", [True, False], ids=["whole_cache", "growing_slice"])
+def test_attention_launches_one_specialisation_as_the_context_grows(
+    monkeypatch: pytest.MonkeyPatch, device_prefix: bool
+) -> None:
+    """Only the arguments the kernel never specialises on change with the context; with a
+    device prefix over a whole cache the grid stays too (one captured graph serves all)."""
+    recorder = _LaunchRecorder(triton_attention._tree_attention_kernel)
+    monkeypatch.setattr(triton_attention, "_tree_attention_kernel", recorder)
+    merges = _LaunchRecorder(triton_attention._merge_splits_kernel)
+    monkeypatch.setattr(triton_attention, "_merge_splits_kernel", merges)
+    monkeypatch.setattr(triton_attention, "_device_facts", lambda device: (132, (9, 0)))
+    parents = _parents("two_level")
+    T, capacity = len(parents), 4096
+    q, k, v = _attention_inputs(T, capacity - T, 24, 4, 256, torch.bfloat16)
+    for prefix_len in range(0, capacity - T, 97):
+        if device_prefix:
+            prefix, keys, values = torch.tensor([prefix_len]), k, v
+        else:
+            prefix, keys, values = prefix_len, k[: prefix_len + T], v[: prefix_len + T]
+        triton_attention.tree_attention(q, keys, values, prefix, _ancestor_mask(parents), 0.0625)
+
+    constexprs = {tuple(sorted(c.items())) for _, _, c in recorder.launches}
+    assert len(constexprs) == 1
+    assert recorder.varying_ints() <= set(triton_attention.RUNTIME_ARGS)
+    assert merges.varying_ints() <= {"rows", "num_splits"}
+    grids = {grid for grid, _, _ in recorder.launches}
+    assert len(grids) == 1 if device_prefix else len(grids) > 1
+
+
+def test_compiled_attention_kernels_do_not_specialise_on_lengths() -> None:
+    compiled = compiled_copy("engine.kernels.triton_attention")
+    assert set(compiled._tree_attention_kernel.do_not_specialize) == set(compiled.RUNTIME_ARGS)
+    assert set(compiled._merge_splits_kernel.do_not_specialize) == {"rows", "num_splits"}
+
+
+def test_split_count_follows_the_key_buffer_and_the_gpu() -> None:
+    choose = triton_attention.choose_num_splits
+    # A verify round at Qwen3.6 shapes (96 rows: 2 row blocks of 64, 4 kv heads) on 132 SMs:
+    # two programs an SM, whatever the context inside a 32k cache.
+    assert choose(132, 2, 4, keys=32768, block_n=64) == 33
+    assert choose(132, 2, 4, keys=1024, block_n=64) == 4  # at least 4 key blocks a split
+    assert choose(132, 2, 4, keys=100, block_n=64) == 1
+    assert choose(1, 2, 4, keys=32768, block_n=64) == 1  # the interpreter's single "SM"
+
+
+# Shared memory a block may use: ~227 KB on A100 / H100 / H200 / B200, ~99 KB on the others.
+_SHARED_MEMORY = {(9, 0): 227 * 1024, (8, 0): 163 * 1024, (12, 0): 99 * 1024, (8, 9): 99 * 1024}
+
+
+@pytest.mark.parametrize("capability", list(_SHARED_MEMORY), ids=lambda c: f"sm_{c[0]}{c[1]}")
+@pytest.mark.parametrize("rows", [6, 16, 96])
+def test_attention_configs_fit_shared_memory_at_head_dim_256(capability, rows: int) -> None:
+    """The query tile and num_stages K and V tiles of bf16 fit each GPU's shared memory."""
+    cfg = triton_attention.attention_config(capability, 256, rows)
+    tiles = cfg.block_m + 2 * cfg.num_stages * cfg.block_n
+    assert tiles * 256 * 2 <= _SHARED_MEMORY[capability]
+    assert cfg.num_stages >= 2  # loads of the next key block overlap the dots
+
+
+def test_attention_configs_by_compute_capability() -> None:
+    config = triton_attention.attention_config
+    hopper, blackwell = config((9, 0), 256, 96), config((12, 0), 256, 96)
+    assert (hopper.block_m, hopper.block_n, hopper.num_warps) == (64, 64, 8)
+    assert (blackwell.block_m, blackwell.block_n, blackwell.num_warps) == (32, 32, 4)
+    assert config(None, 256, 96) == blackwell  # unknown: the small-memory choice
+    assert config((9, 0), 128, 6).block_n == config((12, 0), 128, 6).block_n == 64
+    assert config((9, 0), 256, 6).block_m == 16  # a decode step's 6 rows
