@@ -1,4 +1,8 @@
-"""Tree kernels: Triton on CUDA, batched plain torch on CPU, the references (the spec) on request.
+"""Kernels: Triton on CUDA, plain torch on CPU, the references (the spec) on request.
+
+Two families: the tree kernels (attention, gated delta rule, causal conv1d over a tree of
+pending tokens) and the fused layer pieces (RMSNorm with or without the residual add before it,
+RoPE, SiLU-multiply), each one launch on CUDA where plain torch makes several.
 
 Import the dispatching names from here: `from engine.kernels import tree_attention`. Each call
 picks its backend from its first tensor argument:
@@ -6,7 +10,10 @@ picks its backend from its first tensor argument:
 - a CUDA tensor, triton importable and DDOPS_KERNELS unset or "auto": the Triton kernel
   (engine/kernels/triton_*.py, imported on first use);
 - any other tensor under "auto" (CPU tensors always): engine/kernels/batched.py, plain torch
-  that handles a whole tree in a fixed number of calls (the reference loops over tokens);
+  that handles a whole tree in a fixed number of calls (the reference loops over tokens); the
+  fused pieces' plain torch is their reference itself, so the CPU computes what it always did;
+- a fused piece whose inputs need gradients (training): the reference, which autograd can
+  differentiate (the Triton versions have no backward);
 - DDOPS_KERNELS=reference: engine/kernels/reference.py, the specification, everywhere.
 
 The Triton modules are imported lazily so that a process can set TRITON_INTERPRET=1 before
@@ -18,7 +25,9 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -54,6 +63,16 @@ def _implementation(triton_module: str, tensor: torch.Tensor) -> ModuleType:
     if backend == "triton":
         return importlib.import_module(f"engine.kernels.{triton_module}")
     return batched if backend == "batched" else reference
+
+
+def _fused_implementation(*tensors: torch.Tensor) -> ModuleType:
+    if backend_for(tensors[0]) != "triton" or _needs_grad(tensors):
+        return reference
+    return importlib.import_module("engine.kernels.triton_fused")
+
+
+def _needs_grad(tensors: tuple[torch.Tensor, ...]) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def tree_attention(
@@ -114,10 +133,34 @@ def tree_causal_conv1d(
     return impl.tree_causal_conv1d(x, parents, conv_state, weight, bias, activation)
 
 
+def _fused(name: str) -> Callable[..., Any]:
+    """`reference.<name>` (signature and docstring) dispatched like the other kernels: its
+    tensor arguments choose the backend."""
+    spec = getattr(reference, name)
+
+    @functools.wraps(spec)
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        return getattr(_fused_implementation(*tensors), name)(*args, **kwargs)
+
+    dispatch.__module__ = __name__
+    return dispatch
+
+
+rms_norm = _fused("rms_norm")
+add_rms_norm = _fused("add_rms_norm")
+apply_rotary = _fused("apply_rotary")
+silu_mul = _fused("silu_mul")
+
+
 __all__ = [
     "BACKEND_ENV",
+    "add_rms_norm",
+    "apply_rotary",
     "backend_for",
     "chain_gated_delta_rule",
+    "rms_norm",
+    "silu_mul",
     "tree_attention",
     "tree_causal_conv1d",
     "tree_gated_delta_rule",

@@ -1,7 +1,9 @@
 """Plain-torch references for the tree kernels: these functions ARE the specification.
 
 Each Triton kernel in engine/kernels/ must match the function of the same name here (tests
-compare them). Shapes carry no batch dimension: the engine decodes one sequence at a time.
+compare them). The tree kernels' shapes carry no batch dimension: the engine decodes one
+sequence at a time. The fused layer pieces at the end (RMSNorm, RoPE, SiLU-multiply) take any
+leading dimensions, as the model layers do.
 
 A "tree" of T pending tokens is given by `parents` [T] (int64): parents[i] < i is the index
 of token i's parent among the T tokens, or -1 when its parent is the last committed token.
@@ -167,3 +169,59 @@ def tree_causal_conv1d(
     if activation == "silu":
         out = F.silu(out)
     return out.to(x.dtype)
+
+
+# --- fused layer pieces: RMSNorm (+ residual add), RoPE, SiLU-multiply ------------------------
+# Each is the plain torch the model layers run, op for op (so the CPU's results stay those of
+# transformers); the Triton versions (engine/kernels/triton_fused.py) do the same in one launch,
+# rounding where these round.
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., N]
+    weight: torch.Tensor,  # [N]
+    eps: float,
+    zero_centered: bool = False,
+) -> torch.Tensor:  # [..., N]
+    """x / rms(x), normalised in `compute_dtype`, then scaled.
+
+    zero_centered=False (Qwen3's RMSNorm): weight * (normalised, rounded to x's dtype).
+    zero_centered=True (Qwen3.5's): (normalised * (1 + weight)) in the compute dtype, rounded once.
+    """
+    dt = compute_dtype(x.dtype)
+    xf = x.to(dt)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centered:
+        return (xf * (1.0 + weight.to(dt))).to(x.dtype)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [..., N] the residual stream
+    delta: torch.Tensor,  # [..., N] what a sublayer adds to it
+    weight: torch.Tensor,  # [N]
+    eps: float,
+    zero_centered: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # rms_norm(x + delta), x + delta (in x's dtype)
+    """The residual add before a pre-norm sublayer, and that sublayer's norm of the sum."""
+    summed = x + delta
+    return rms_norm(summed, weight, eps, zero_centered), summed
+
+
+def apply_rotary(
+    x: torch.Tensor,  # [..., T, heads, D]
+    cos: torch.Tensor,  # [..., T, R] (R <= D, even)
+    sin: torch.Tensor,  # [..., T, R]
+) -> torch.Tensor:  # [..., T, heads, D]
+    """RoPE in HF's "rotate_half" layout on the first R dims of each head; the rest pass through."""
+    R = cos.shape[-1]
+    rot, rest = x[..., :R], x[..., R:]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [..., T, 1, R]
+    half = R // 2
+    rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * cos + rotated_half * sin, rest], dim=-1)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [..., I]
+    """SwiGLU's activation: silu(gate) * up."""
+    return F.silu(gate) * up

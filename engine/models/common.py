@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from engine import kernels
 from engine.kernels import tree_attention
 from engine.tree import on_device
 
@@ -51,7 +52,10 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class RMSNorm(nn.Module):
-    """y = weight * x / rms(x), normalised in float32 (float64 for float64 inputs), like HF Qwen3."""
+    """y = weight * x / rms(x), normalised in float32 (float64 for float64 inputs), like HF Qwen3.
+
+    One fused kernel on CUDA, the plain torch of `reference.rms_norm` elsewhere (engine.kernels).
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -59,13 +63,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(compute_dtype(x.dtype))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+    def add_then_norm(
+        self, x: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x + delta), x + delta): a residual add and the next sublayer's pre-norm, fused."""
+        return kernels.add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), no biases."""
+    """down(silu(gate(x)) * up(x)), no biases; silu-multiply is one fused kernel on CUDA."""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
@@ -74,13 +82,14 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class Rotary(nn.Module):
     """Rotary position embedding (HF "rotate_half" layout) on the first `rotary_dim` of head_dim.
 
     `rotary_dim = head_dim * partial_rotary_factor`; the remaining dims pass through unrotated.
+    `apply` is one fused kernel on CUDA.
     """
 
     def __init__(self, head_dim: int, theta: float, partial_rotary_factor: float = 1.0) -> None:
@@ -100,11 +109,7 @@ class Rotary(nn.Module):
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [..., T, heads, D] rotated by tables [..., T, R] (broadcast over heads)."""
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [..., T, 1, R]
-        half = self.rotary_dim // 2
-        rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-        return torch.cat([rot * cos + rotated_half * sin, rest], dim=-1)
+        return kernels.apply_rotary(x, cos, sin)
 
 
 class QKNormProjections(nn.Module):
