@@ -1,23 +1,31 @@
-"""GPU check of the Triton tree kernels: correctness against the references, verify-vs-decode time.
+"""GPU check of the engine's kernels and rounds at Qwen3.6-27B shapes, each figure beside its target.
 
-Run on a CUDA machine (about 2 minutes on an H200 before the memory check, well under 8):
+Run on a CUDA machine (sized to finish within 8 minutes on an H200 with the defaults):
 
     python -m engine.tools.gpu_check [--out gpu_check.json] [--layers 4] [--prefix 4096] \\
         [--memory-layers 4] [--memory-prompt 32768]
 
 1. Correctness: each Triton kernel against its reference (engine/kernels/reference.py), both on
-   CUDA, at Qwen3.6-27B layer shapes, float32 and bf16 (float64 at a small shape), on several
-   16-token trees (chain, all roots, wide, random).
-2. Kernel times: each kernel on a 16-token tree vs a single token (Triton and reference).
+   CUDA, at Qwen3.6-27B shapes, float32 and bf16 (float64 at a small shape): the tree kernels on
+   several 16-token trees (chain, all roots, wide, random; attention also over a whole cache with
+   a device-side prefix length), the fused RMSNorm (+ residual), RoPE and SiLU-multiply.
+2. Kernel times: each tree kernel on a 16-token tree vs a single token (Triton and reference).
 3. Layer times: a stack of Qwen3.6-27B-shaped layers (3 Gated DeltaNet + 1 gated attention per
-   4, random bf16 weights, real sizes) running one verify of a 16-token tree vs one decode
-   step, with the Triton kernels and with the references (DDOPS_KERNELS=reference).
-4. Memory (engine/tools/gpu_memory.py): loading a Qwen3.6-27B-layout checkpoint of
+   4, random bf16 weights, real sizes, the engine's kernels) running one verify of a 16-token
+   tree vs one decode step, with the Triton kernels and with the references.
+4. Recompiles while the context grows: the stack's verify and decode at contexts from 64 to
+   32k tokens, attention over a growing slice and over a whole cache with a device-side length;
+   Triton compiles counted after the smallest and largest context ran (target 0).
+5. Memory (engine/tools/gpu_memory.py): loading a Qwen3.6-27B-layout checkpoint of
    --memory-layers layers peaks within 1.05x its weights, and a --memory-prompt-token prefill
    (32k) on it stays within the memory plan (engine/plan.py). --memory-layers 0 skips it.
+6. Rounds (engine/tools/gpu_rounds.py `check_rounds`, with --rounds-layers layers and twice as
+   many; 0 skips them): the ar step against the bandwidth floor, verify / step, host syncs per
+   round, graphs vs eager, recompiles of whole generations as the prefix grows.
 
-Prints a report and writes it as JSON with --out. Exit status: 0 all checks passed, 1 a check
-failed, 2 no CUDA device or no triton (nothing was run).
+Prints a report ending in every figure beside its target, and writes it as JSON with --out.
+Exit status: 0 every figure met its target, 1 one did not, 2 no CUDA device or no triton
+(nothing was run).
 """
 
 from __future__ import annotations
@@ -37,17 +45,23 @@ import torch.nn.functional as F
 
 from engine import kernels
 from engine.kernels import reference
-from engine.tools.gpu_memory import check_memory, print_memory_report
+from engine.kernels.batched import ancestor_matrix
+from engine.models.common import Rotary
+from engine.tools.gpu_memory import LOAD_PEAK_LIMIT, check_memory, print_memory_report
+from engine.tools.gpu_rounds import check_rounds, counted_compiles
 
 # Qwen3.6-27B text config (config.json "text_config").
 HIDDEN = 5120
 INTERMEDIATE = 17408
-ATTN_Q_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM, ROTARY_DIM = 24, 4, 256, 64  # partial RoPE 0.25
+ATTN_Q_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM = 24, 4, 256
+ROPE = Rotary(ATTN_HEAD_DIM, theta=1e7, partial_rotary_factor=0.25)  # 64 rotated dims
+EPS = 1e-6
 GDN_K_HEADS, GDN_V_HEADS, GDN_HEAD_DIM, CONV_KERNEL = 16, 48, 128, 4
 GDN_KEY_DIM = GDN_K_HEADS * GDN_HEAD_DIM  # 2048
 GDN_VALUE_DIM = GDN_V_HEADS * GDN_HEAD_DIM  # 6144
 GDN_CONV_DIM = 2 * GDN_KEY_DIM + GDN_VALUE_DIM  # 10240: conv over [q ; k ; v]
 VERIFY_TOKENS = 16  # DDTree budget 15 + the bonus root
+CONTEXTS = (64, 100, 128, 255, 512, 1000, 1024, 2047, 3000, 4096, 6000, 8192, 12345, 16384, 32768)
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float64: 1e-10}
 
@@ -57,7 +71,8 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float64: 1e-10}
 
 @dataclass(frozen=True)
 class Sizes:
-    """The kernel shapes of one layer: Gated DeltaNet heads, conv channels, attention heads."""
+    """The kernel shapes of one layer: Gated DeltaNet heads, conv channels, attention heads,
+    the hidden and MLP widths."""
 
     delta_heads: int
     delta_head_dim: int
@@ -65,15 +80,23 @@ class Sizes:
     q_heads: int
     kv_heads: int
     attn_head_dim: int
+    hidden: int
+    intermediate: int
 
 
-QWEN36 = Sizes(GDN_V_HEADS, GDN_HEAD_DIM, GDN_CONV_DIM, ATTN_Q_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM)
-SMALL = Sizes(4, 32, 64, 4, 2, 32)
+QWEN36 = Sizes(
+    GDN_V_HEADS, GDN_HEAD_DIM, GDN_CONV_DIM, ATTN_Q_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM,
+    HIDDEN, INTERMEDIATE,
+)  # fmt: skip
+SMALL = Sizes(4, 32, 64, 4, 2, 32, 96, 160)
 
 _TRITON_MODULES = {
     "tree_gated_delta_rule": "engine.kernels.triton_gated_delta",
     "tree_causal_conv1d": "engine.kernels.triton_conv",
     "tree_attention": "engine.kernels.triton_attention",
+    **dict.fromkeys(
+        ("rms_norm", "add_rms_norm", "apply_rotary", "silu_mul"), "engine.kernels.triton_fused"
+    ),
 }
 
 
@@ -86,16 +109,6 @@ def _trees(T: int, device: torch.device) -> dict[str, torch.Tensor]:
         "random": [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(T)],
     }
     return {name: torch.tensor(p, dtype=torch.int64, device=device) for name, p in shapes.items()}
-
-
-def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:  # [T, T] bool
-    """visible[i, j]: j is i or one of its ancestors."""
-    T = parents.shape[0]
-    visible = torch.eye(T, dtype=torch.bool, device=parents.device)
-    for i, parent in enumerate(parents.tolist()):
-        if parent >= 0:
-            visible[i] |= visible[parent]
-    return visible
 
 
 def kernel_calls(
@@ -116,7 +129,7 @@ def kernel_calls(
     C = sizes.conv_channels
     conv = (randn(T, C), parents, randn(C, CONV_KERNEL - 1), randn(C, CONV_KERNEL, std=0.5), None)
     Hkv, Dh = sizes.kv_heads, sizes.attn_head_dim
-    visible = None if causal else ancestor_mask(parents)
+    visible = None if causal else ancestor_matrix(parents)
     attention = (
         randn(T, sizes.q_heads, Dh),
         randn(prefix + T, Hkv, Dh),
@@ -125,11 +138,36 @@ def kernel_calls(
         visible,
         Dh**-0.5,
     )
+    q, k, v = attention[:3]
+    slack = torch.zeros(100, Hkv, Dh, device=device, dtype=dtype)  # a cache's unused slots
+    length = torch.tensor([prefix], device=device)
+    whole_cache = (q, torch.cat([k, slack]), torch.cat([v, slack]), length, *attention[4:])
     return {
         "gated_delta": ("tree_gated_delta_rule", delta),
         "gated_delta+states": ("tree_gated_delta_rule", (*delta, True)),
         "conv1d": ("tree_causal_conv1d", conv),
         "attention" + ("(causal)" if causal else ""): ("tree_attention", attention),
+        "attention(whole cache)": ("tree_attention", whole_cache),
+    }
+
+
+def fused_calls(T: int, sizes: Sizes, dtype: torch.dtype, device) -> dict[str, tuple[str, tuple]]:
+    """Random inputs for each fused layer kernel at one layer's widths: {label: (name, args)}."""
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device).to(dtype)
+
+    hidden, heads = randn(T, sizes.hidden), randn(T, sizes.q_heads, 2 * sizes.attn_head_dim)
+    queries = heads[..., : sizes.attn_head_dim]  # a strided view, as Qwen3.5's q beside its gate
+    norm = (hidden, randn(sizes.hidden) * 0.1, EPS)
+    cos, sin = Rotary(sizes.attn_head_dim, 1e7, 0.25).tables(torch.arange(T, device=device), dtype)
+    return {
+        "rms_norm": ("rms_norm", norm),
+        "rms_norm(1+w)": ("rms_norm", (*norm, True)),
+        "rms_norm(1+w) heads": ("rms_norm", (queries, norm[1][: sizes.attn_head_dim], EPS, True)),
+        "add_rms_norm(1+w)": ("add_rms_norm", (hidden, randn(T, sizes.hidden), *norm[1:], True)),
+        "rotary(partial)": ("apply_rotary", (queries, cos, sin)),
+        "silu_mul": ("silu_mul", (randn(T, sizes.intermediate), randn(T, sizes.intermediate))),
     }
 
 
@@ -174,15 +212,18 @@ def check_correctness(device: torch.device, prefix: int) -> list[Comparison]:
         torch.manual_seed(0)
         for tree, parents in _trees(T, device).items():
             calls = kernel_calls(parents, sizes, prefix_len, dtype, causal=tree == "chain")
-            for label, (name, args) in calls.items():
-                triton_fn = getattr(importlib.import_module(_TRITON_MODULES[name]), name)
-                try:
-                    expected = getattr(reference, name)(*args)
-                    results.append(_compare(label, tree, dtype, triton_fn(*args), expected))
-                except Exception as exc:  # the report names it, and the other checks still run
-                    dtype_name = str(dtype).removeprefix("torch.")
-                    results.append(Comparison(label, tree, dtype_name, error=repr(exc)))
+            results += [_check_call(label, tree, dtype, *call) for label, call in calls.items()]
+        fused = fused_calls(T, sizes, dtype, device)
+        results += [_check_call(label, "-", dtype, *call) for label, call in fused.items()]
     return results
+
+
+def _check_call(label: str, tree: str, dtype: torch.dtype, name: str, args: tuple) -> Comparison:
+    triton_fn = getattr(importlib.import_module(_TRITON_MODULES[name]), name)
+    try:
+        return _compare(label, tree, dtype, triton_fn(*args), getattr(reference, name)(*args))
+    except Exception as exc:  # the report names it, and the other checks still run
+        return Comparison(label, tree, str(dtype).removeprefix("torch."), error=repr(exc))
 
 
 # --- 2. kernel times --------------------------------------------------------------------------
@@ -228,9 +269,9 @@ def time_kernels(device: torch.device, prefix: int) -> dict[str, dict[str, float
 # --- 3. a Qwen3.6-27B-shaped layer stack ------------------------------------------------------
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+def _norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Qwen3.5's RMSNorm, (1 + weight) * x / rms(x)."""
+    return kernels.rms_norm(x, weight, EPS, zero_centered=True)
 
 
 def _linear(in_features: int, out_features: int, device, dtype) -> torch.Tensor:
@@ -244,7 +285,7 @@ class _Mlp:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
         gate, up = (x @ self.gate_up.T).chunk(2, dim=-1)  # [T, I] each
-        return (F.silu(gate) * up) @ self.down.T
+        return kernels.silu_mul(gate, up) @ self.down.T
 
 
 class GatedDeltaNetLayer:
@@ -260,11 +301,11 @@ class GatedDeltaNetLayer:
         self.mlp = _Mlp(device, dtype)
         self.conv_state = torch.zeros(GDN_CONV_DIM, CONV_KERNEL - 1, device=device, dtype=dtype)
         self.state = torch.zeros(GDN_V_HEADS, GDN_HEAD_DIM, GDN_HEAD_DIM, device=device)
-        self.ones = torch.ones(HIDDEN, device=device, dtype=dtype)
+        self.zeros = torch.zeros(HIDDEN, device=device, dtype=dtype)  # norm weights (1 + 0)
 
     def __call__(self, x: torch.Tensor, tree: Tree) -> torch.Tensor:  # [T, H]
         T, parents = x.shape[0], tree.parents
-        h = _rms_norm(x, self.ones)
+        h = _norm(x, self.zeros)
         mixed, z = (h @ self.qkvz.T).split([GDN_CONV_DIM, GDN_VALUE_DIM], dim=-1)
         b, a = (h @ self.ba.T).chunk(2, dim=-1)  # [T, Hv] each
         mixed = kernels.tree_causal_conv1d(mixed, parents, self.conv_state, self.conv_weight, None)
@@ -277,20 +318,14 @@ class GatedDeltaNetLayer:
             q.to(x.dtype), k.to(x.dtype), v.view(T, GDN_V_HEADS, -1), g, b.float().sigmoid(),
             parents, self.state, GDN_HEAD_DIM**-0.5,
         )  # fmt: skip
-        o = _rms_norm(o, self.ones[:GDN_HEAD_DIM]) * F.silu(z.view(T, GDN_V_HEADS, -1))
-        x = x + o.reshape(T, GDN_VALUE_DIM) @ self.out.T
-        return x + self.mlp(_rms_norm(x, self.ones))
+        o = _norm(o, self.zeros[:GDN_HEAD_DIM]) * F.silu(z.view(T, GDN_V_HEADS, -1))
+        return _residual_mlp(x, o.reshape(T, GDN_VALUE_DIM) @ self.out.T, self.zeros, self.mlp)
 
 
-def _rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [T, heads, D]
-    """RoPE on the first ROTARY_DIM dims (partial rotary, theta 1e7)."""
-    half = ROTARY_DIM // 2
-    freqs = 1e7 ** (-torch.arange(half, device=x.device) / half)  # [half]
-    angles = positions[:, None].float() * freqs  # [T, half]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-    x1, x2, rest = x[..., :half].float(), x[..., half:ROTARY_DIM].float(), x[..., ROTARY_DIM:]
-    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-    return torch.cat([rotated, rest], dim=-1)
+def _residual_mlp(x: torch.Tensor, mixed: torch.Tensor, weight: torch.Tensor, mlp: _Mlp):
+    """x + mixed, then the post-mixer norm and MLP with their residual."""
+    normed, x = kernels.add_rms_norm(x, mixed, weight, EPS, zero_centered=True)
+    return x + mlp(normed)
 
 
 @dataclass(frozen=True)
@@ -299,14 +334,18 @@ class Tree:
 
     parents: torch.Tensor  # [T] int64
     visible: torch.Tensor  # [T, T] bool, ancestor mask
-    positions: torch.Tensor  # [T] int64, prefix + depth
+    cos: torch.Tensor  # [T, rotary dim] at positions prefix + depth
+    sin: torch.Tensor
     prefix: int
+    length: torch.Tensor | None  # [1] int64 = prefix on the device: attention reads the whole
+    # cache and the pending K/V go in by index (a captured graph's way), else slices of it
 
     @classmethod
-    def of(cls, parents: torch.Tensor, prefix: int) -> Tree:
-        visible = ancestor_mask(parents)
-        depth = visible.sum(dim=1) - 1  # ancestors of a node = its depth
-        return cls(parents, visible, prefix + depth, prefix)
+    def of(cls, parents: torch.Tensor, prefix: int, dtype, whole_cache: bool = False) -> Tree:
+        visible = ancestor_matrix(parents)
+        positions = prefix + visible.sum(dim=1) - 1  # ancestors of a node = its depth
+        length = torch.tensor([prefix], device=parents.device) if whole_cache else None
+        return cls(parents, visible, *ROPE.tables(positions, dtype), prefix, length)
 
 
 class GatedAttentionLayer:
@@ -320,25 +359,32 @@ class GatedAttentionLayer:
         shape = (max_len, ATTN_KV_HEADS, ATTN_HEAD_DIM)
         self.k_cache = torch.randn(shape, device=device, dtype=dtype)
         self.v_cache = torch.randn(shape, device=device, dtype=dtype)
-        self.ones = torch.ones(HIDDEN, device=device, dtype=dtype)
+        self.zeros = torch.zeros(HIDDEN, device=device, dtype=dtype)  # norm weights (1 + 0)
 
     def __call__(self, x: torch.Tensor, tree: Tree) -> torch.Tensor:  # [T, H]
-        T, prefix = x.shape[0], tree.prefix
+        T = x.shape[0]
         q_dim, kv_dim = ATTN_Q_HEADS * ATTN_HEAD_DIM, ATTN_KV_HEADS * ATTN_HEAD_DIM
-        h = _rms_norm(x, self.ones)
+        h = _norm(x, self.zeros)
         q, gate, k, v = (h @ self.qkv.T).split([q_dim, q_dim, kv_dim, kv_dim], dim=-1)
-        head_norm = self.ones[:ATTN_HEAD_DIM]
-        q = _rotate(_rms_norm(q.view(T, ATTN_Q_HEADS, -1), head_norm), tree.positions)
-        k = _rotate(_rms_norm(k.view(T, ATTN_KV_HEADS, -1), head_norm), tree.positions)
-        self.k_cache[prefix : prefix + T] = k
-        self.v_cache[prefix : prefix + T] = v.view(T, ATTN_KV_HEADS, -1)
-        o = kernels.tree_attention(
-            q, self.k_cache[: prefix + T], self.v_cache[: prefix + T], prefix, tree.visible,
-            ATTN_HEAD_DIM**-0.5,
-        )  # fmt: skip
+        head_norm = self.zeros[:ATTN_HEAD_DIM]
+        q = kernels.apply_rotary(_norm(q.view(T, ATTN_Q_HEADS, -1), head_norm), tree.cos, tree.sin)
+        k = kernels.apply_rotary(_norm(k.view(T, ATTN_KV_HEADS, -1), head_norm), tree.cos, tree.sin)
+        keys, values, prefix = self._write(tree, k, v.view(T, ATTN_KV_HEADS, -1))
+        o = kernels.tree_attention(q, keys, values, prefix, tree.visible, ATTN_HEAD_DIM**-0.5)
         o = o.reshape(T, q_dim) * gate.sigmoid()
-        x = x + o @ self.out.T
-        return x + self.mlp(_rms_norm(x, self.ones))
+        return _residual_mlp(x, o @ self.out.T, self.zeros, self.mlp)
+
+    def _write(self, tree: Tree, k: torch.Tensor, v: torch.Tensor):
+        """The pending K/V into the cache; (keys, values, prefix) for the attention."""
+        T = k.shape[0]
+        if tree.length is None:
+            end = tree.prefix + T
+            self.k_cache[tree.prefix : end], self.v_cache[tree.prefix : end] = k, v
+            return self.k_cache[:end], self.v_cache[:end], tree.prefix
+        slots = tree.length + torch.arange(T, device=k.device)
+        self.k_cache.index_copy_(0, slots, k)
+        self.v_cache.index_copy_(0, slots, v)
+        return self.k_cache, self.v_cache, tree.length
 
 
 def build_stack(n_layers: int, device, dtype, max_len: int) -> list:
@@ -351,35 +397,98 @@ def build_stack(n_layers: int, device, dtype, max_len: int) -> list:
     ]
 
 
+def _forward(stack: list, parents: torch.Tensor, prefix: int, whole_cache: bool = False):
+    """One pass of a random [T, hidden] input through the stack: verify (T = 16) or decode."""
+    x = torch.randn(parents.shape[0], HIDDEN, device=parents.device, dtype=torch.bfloat16) * 0.1
+
+    def forward() -> torch.Tensor:
+        h, tree = x, Tree.of(parents, prefix, x.dtype, whole_cache)
+        for layer in stack:
+            h = layer(h, tree)
+        return h
+
+    return forward
+
+
 def time_stack(device: torch.device, n_layers: int, prefix: int) -> dict[str, float]:
     """ms for one verify of a 16-token tree vs one decode step through the layer stack."""
-    dtype = torch.bfloat16
     torch.manual_seed(0)
-    stack = build_stack(n_layers, device, dtype, prefix + VERIFY_TOKENS)
-    tree = _trees(VERIFY_TOKENS, device)["random"]
-    single = torch.tensor([-1], device=device)
-
-    def run(parents: torch.Tensor) -> Callable[[], torch.Tensor]:
-        x = torch.randn(parents.shape[0], HIDDEN, device=device, dtype=dtype) * 0.1
-
-        def forward() -> torch.Tensor:
-            h, shape = x, Tree.of(parents, prefix)
-            for layer in stack:
-                h = layer(h, shape)
-            return h
-
-        return forward
-
+    stack = build_stack(n_layers, device, torch.bfloat16, prefix + VERIFY_TOKENS)
+    tree, single = _trees(VERIFY_TOKENS, device)["random"], torch.tensor([-1], device=device)
     times = {}
     for backend in ("auto", "reference"):
         label = "triton" if backend == "auto" else "reference"
         with kernel_backend(backend), torch.inference_mode():
-            times[f"{label}: verify 16-token tree"] = time_ms(run(tree))
-            times[f"{label}: decode step"] = time_ms(run(single))
+            times[f"{label}: verify 16-token tree"] = time_ms(_forward(stack, tree, prefix))
+            times[f"{label}: decode step"] = time_ms(_forward(stack, single, prefix))
     return times
 
 
+# --- 4. recompiles while the context grows -----------------------------------------------------
+
+
+def check_recompiles(device: torch.device, contexts: tuple[int, ...] = CONTEXTS) -> dict:
+    """Compiles while one attention + one Gated DeltaNet layer verify and decode at growing
+    contexts, after the smallest and the largest ran once: {form: compiles}."""
+    torch.manual_seed(0)
+    dtype, max_len = torch.bfloat16, max(contexts) + VERIFY_TOKENS
+    stack = [GatedDeltaNetLayer(device, dtype), GatedAttentionLayer(device, dtype, max_len)]
+    passes = (_trees(VERIFY_TOKENS, device)["random"], torch.tensor([-1], device=device))
+    report = {}
+    for form, whole_cache in (("growing slice", False), ("whole cache", True)):
+
+        def run(prefix: int, whole_cache: bool = whole_cache) -> None:
+            for parents in passes:
+                _forward(stack, parents, prefix, whole_cache)()
+
+        with torch.inference_mode():
+            run(contexts[0]), run(contexts[-1])
+            with counted_compiles() as compiled:
+                for prefix in contexts[1:-1]:
+                    run(prefix)
+        report[form] = len(compiled)
+    return report
+
+
 # --- report -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure of the report beside its target."""
+
+    name: str
+    value: float | int | str
+    target: str
+    passed: bool
+    unit: str = ""
+
+
+def figures(report: dict) -> list[Figure]:
+    """Every figure of the report with its target (the issue's, or the check's own limit)."""
+    rows = report["correctness"]
+    failed = sum(not row["passed"] for row in rows)
+    stack = report["stack_ms"]
+    ratio = stack["triton: verify 16-token tree"] / stack["triton: decode step"]
+    recompiles = sum(report["recompiles"].values())
+    out = [
+        Figure("kernels vs references (failed)", failed, f"0 of {len(rows)}", failed == 0),
+        Figure("layer stack verify(16) / decode", round(ratio, 3), "<= 1.15", ratio <= 1.15),
+        Figure("recompiles while the context grows", recompiles, "0", recompiles == 0),
+    ]
+    if memory := report.get("memory"):
+        load = memory["load_peak_ratio"]
+        within = memory["prefill_peak_bytes"] <= memory["plan_total_bytes"]
+        share = round(memory["prefill_peak_bytes"] / memory["plan_total_bytes"], 3)
+        out += [
+            Figure("load peak / weights", load, f"<= {LOAD_PEAK_LIMIT}", load <= LOAD_PEAK_LIMIT),
+            Figure("prefill peak / plan", share, "<= 1", within),
+        ]
+    for row in report.get("rounds") or ():  # gpu_rounds' figures: a limit, or None for none
+        target = "-" if row["limit"] is None else f"<= {row['limit']:g}"
+        value, unit = round(row["value"], 3), row["unit"].strip()
+        out.append(Figure(row["name"], value, target, bool(row["passed"]), unit))
+    return out
 
 
 def _no_device_reason() -> str | None:
@@ -395,13 +504,23 @@ def _print_report(report: dict) -> None:
     for row in report["correctness"]:
         verdict = "ok  " if row["passed"] else "FAIL"
         detail = row["error"] or f"max|diff| {row['max_abs_diff']:.3g}"
-        print(f"  {verdict} {row['kernel']:<20} {row['tree']:<10} {row['dtype']:<9} {detail}")
+        print(f"  {verdict} {row['kernel']:<22} {row['tree']:<10} {row['dtype']:<9} {detail}")
     print(f"kernel ms (bf16, random tree, attention prefix {report['prefix']}):")
     for name, cols in report["kernel_ms"].items():
         print(f"  {name:<26} " + "  ".join(f"{k} {v:.4f}" for k, v in cols.items()))
     print(f"layer stack ms ({report['layers']} layers, prefix {report['prefix']}, bf16):")
     for name, ms in report["stack_ms"].items():
         print(f"  {name:<36} {ms:.3f}")
+    print(f"compiles while the context grows {CONTEXTS[1]} .. {CONTEXTS[-2]}:")
+    for form, compiles in report["recompiles"].items():
+        print(f"  {form:<14} {compiles}")
+    if "memory" in report:
+        print_memory_report(report["memory"])
+    print(f"figures ({report['seconds']} s):")
+    for fig in report["figures"]:
+        value = f"{fig['value']} {fig['unit']}".strip()
+        verdict = "ok" if fig["passed"] else "FAIL"
+        print(f"  {verdict:<4} {fig['name']:<44} {value:>14}   target {fig['target']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -411,32 +530,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", type=int, default=4096, help="committed tokens before the tree")
     parser.add_argument("--memory-layers", type=int, default=4, help="0 skips the memory check")
     parser.add_argument("--memory-prompt", type=int, default=32768, help="prefill tokens")
+    parser.add_argument("--rounds-layers", type=int, default=4, help="0 skips the round figures")
     args = parser.parse_args(argv)
     if reason := _no_device_reason():
         print(f"gpu_check: {reason}: nothing to check", file=sys.stderr)
         return 2
     device = torch.device("cuda")
     started = time.monotonic()
-    comparisons = check_correctness(device, args.prefix)
     report = {
         "device": torch.cuda.get_device_name(device),
-        "correctness": [vars(c) for c in comparisons],
+        "correctness": [vars(c) for c in check_correctness(device, args.prefix)],
         "kernel_ms": time_kernels(device, args.prefix),
         "layers": args.layers,
         "prefix": args.prefix,
         "stack_ms": time_stack(device, args.layers, args.prefix),
+        "recompiles": check_recompiles(device),
     }
     if args.memory_layers:
         report["memory"] = check_memory(device, args.memory_layers, args.memory_prompt)
+    if args.rounds_layers:
+        report["rounds"] = check_rounds(device, layers=args.rounds_layers)
     report["seconds"] = round(time.monotonic() - started, 1)
+    report["figures"] = [vars(f) for f in figures(report)]
     _print_report(report)
-    if "memory" in report:
-        print_memory_report(report["memory"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
-    memory_ok = report.get("memory", {}).get("passed", True)
-    return 0 if memory_ok and all(c.passed for c in comparisons) else 1
+    return 0 if all(f["passed"] for f in report["figures"]) else 1
 
 
 if __name__ == "__main__":
