@@ -3,7 +3,7 @@
 Run on a CUDA machine (sized to finish within 8 minutes on an H200 with the defaults):
 
     python -m engine.tools.gpu_check [--out gpu_check.json] [--layers 4] [--prefix 4096] \\
-        [--memory-layers 4] [--memory-prompt 32768]
+        [--memory-layers 4] [--memory-prompt 32768] [--rounds-layers 4]
 
 1. Correctness: each Triton kernel against its reference (engine/kernels/reference.py), both on
    CUDA, at Qwen3.6-27B shapes, float32 and bf16 (float64 at a small shape): the tree kernels on

@@ -18,9 +18,12 @@ from tests.helpers.kernel_cases import compiled_copy
 
 attention = compiled_copy("engine.kernels.triton_attention")
 fused = compiled_copy("engine.kernels.triton_fused")
+gated_delta = compiled_copy("engine.kernels.triton_gated_delta")
+conv = compiled_copy("engine.kernels.triton_conv")
 
 SHARED_MEMORY = {90: 227 * 1024, 120: 99 * 1024}  # bytes a block may use
 Q_HEADS, KV_HEADS, HEAD_DIM, HIDDEN, ROTARY_DIM = 24, 4, 256, 5120, 64  # Qwen3.6-27B
+GDN_HEAD_DIM, CONV_KERNEL = 128, 4
 
 
 def _compile(kernel, types: dict[str, str], constexprs: dict, capability: int, **options) -> int:
@@ -60,6 +63,27 @@ def test_attention_compiles_within_shared_memory(
     """A verify (16 tokens x 6 query heads a kv head) reading the length on the device, as a
     captured graph does, and a decode step (6 rows) with a host length."""
     assert 0 < _attention_shared(capability, rows, device_prefix) <= SHARED_MEMORY[capability]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability", [90, 120])
+def test_gated_delta_and_conv_kernels_compile(capability: int) -> None:
+    """The Gated DeltaNet kernels at Qwen3.6-27B's 128 x 128 heads, bf16 inputs."""
+    delta_types = {name: "*fp32" for name in gated_delta._tree_gated_delta_kernel.arg_names}
+    delta_types |= {"k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16"}
+    delta_types |= {"parents_ptr": "*i64", "slots_ptr": "*i64"}
+    for name in ("T", "H", "Dk", "Dv"):
+        del delta_types[name]
+    delta = dict(COMPUTE=tl.float32, BLOCK_K=GDN_HEAD_DIM, BLOCK_V=4096 // GDN_HEAD_DIM)
+    conv_types = dict.fromkeys(("x_ptr", "state_ptr", "weight_ptr", "bias_ptr", "out_ptr"), "*bf16")
+    conv_types["parents_ptr"] = "*i64"
+    convolution = dict(K=CONV_KERNEL, COMPUTE=tl.float32, HAS_BIAS=False, SILU=True, BLOCK_C=256)
+    for kernel, types, constexprs in [
+        (gated_delta._tree_gated_delta_kernel, delta_types, delta),
+        (conv._tree_conv_kernel, conv_types, convolution),
+    ]:
+        shared = _compile(kernel, types, constexprs, capability, num_warps=4)
+        assert shared <= SHARED_MEMORY[capability]
 
 
 @pytest.mark.slow
