@@ -66,9 +66,15 @@ def _implementation(triton_module: str, tensor: torch.Tensor) -> ModuleType:
 
 
 def _fused_implementation(*tensors: torch.Tensor) -> ModuleType:
-    if backend_for(tensors[0]) != "triton" or _needs_grad(tensors):
+    if _fused_backend(tensors[0]) != "triton" or _needs_grad(tensors):
         return reference
     return importlib.import_module("engine.kernels.triton_fused")
+
+
+def _fused_backend(tensor: torch.Tensor) -> str:
+    """`backend_for`, without reading the environment for a CPU tensor: there a fused piece
+    runs its reference under any DDOPS_KERNELS, and it runs several times a layer."""
+    return backend_for(tensor) if tensor.is_cuda else "reference"
 
 
 def _needs_grad(tensors: tuple[torch.Tensor, ...]) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -186,7 +187,7 @@ def _plain(layers: _Layers, x: torch.Tensor, positions: torch.Tensor) -> torch.T
 @pytest.fixture
 def fused_launches(monkeypatch: pytest.MonkeyPatch) -> Counter:
     """The dispatch as on CUDA (backend "triton"), counting calls of each fused kernel."""
-    monkeypatch.setattr(kernels, "backend_for", lambda tensor: "triton")
+    monkeypatch.setattr(kernels, "_fused_backend", lambda tensor: "triton")
     calls: Counter = Counter()
     for name in ("rms_norm", "add_rms_norm", "apply_rotary", "silu_mul"):
         kernel = getattr(triton_fused, name)
@@ -235,3 +236,13 @@ def test_layers_compile_without_graph_breaks_on_cpu() -> None:
     compiled = torch.compile(layers, fullgraph=True, backend="eager")
     with torch.no_grad():
         assert torch.equal(compiled(X, POSITIONS), layers(X, POSITIONS))
+
+
+def test_fused_backend_follows_the_kernels_choice_on_cuda_only(monkeypatch) -> None:
+    on_cuda, on_cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+    monkeypatch.setattr(kernels, "_triton_importable", lambda: True)
+    monkeypatch.delenv(kernels.BACKEND_ENV, raising=False)
+    assert kernels._fused_backend(on_cuda) == "triton"
+    assert kernels._fused_backend(on_cpu) == "reference"
+    monkeypatch.setenv(kernels.BACKEND_ENV, "reference")
+    assert kernels._fused_backend(on_cuda) == "reference"
