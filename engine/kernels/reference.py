@@ -33,11 +33,13 @@ def key_visibility(
 
     Built without reading prefix_len back, so a device tensor costs no host sync.
     """
+    if T == 0:
+        return torch.zeros(0, S, dtype=torch.bool, device=device)
     if tree_visible is None:
         tree_visible = torch.ones(T, T, dtype=torch.bool, device=device).tril()
     column = torch.arange(S, device=device) - prefix_len  # [S] tree column; < 0 in the prefix
     in_tree = (column >= 0) & (column < T)
-    sees = tree_visible.to(device)[:, column.clamp(0, max(T - 1, 0))]  # [T, S]
+    sees = tree_visible.to(device)[:, column.clamp(0, T - 1)]  # [T, S]
     return (column < 0) | (in_tree & sees)
 
 

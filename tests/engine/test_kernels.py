@@ -317,7 +317,10 @@ def test_float64_inputs_compute_in_float64() -> None:
 def test_empty_trees_give_empty_outputs() -> None:
     no_parents = torch.empty(0, dtype=torch.int64)
     q, k, v = _attention_inputs(0, 3, 2, 1, 16, torch.float32)
-    assert triton_attention.tree_attention(q, k, v, 3, None, 0.25).shape == (0, 2, 16)
+    for impl in (triton_attention, reference, batched):
+        assert impl.tree_attention(q, k, v, 3, None, 0.25).shape == (0, 2, 16)
+        no_tree = torch.zeros(0, 0, dtype=torch.bool)
+        assert impl.tree_attention(q, k, v, torch.tensor([3]), no_tree, 0.25).shape == (0, 2, 16)
     x, conv_state, weight, bias = _conv_inputs(0, 4, 3, 4, torch.float32)
     assert triton_conv.tree_causal_conv1d(x, no_parents, conv_state, weight, bias).shape == (0, 4)
     q, k, v, g, beta, state0 = _delta_inputs(0, 2, 16, 8, torch.float32)
