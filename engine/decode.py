@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -81,6 +82,7 @@ class GenerationResult:
     decode_tokens_per_s: float
     ttft_s: float
     rounds: list[dict] | None  # with trace: {"tree": {"tokens", "parents"}, "accepted"}
+    round_seconds: list[dict[str, float]] | None = None  # with trace: each round's stage seconds
 
 
 class _StageClock:
@@ -91,6 +93,7 @@ class _StageClock:
         self._seconds = dict.fromkeys(STAGES, 0.0)
         self._cuda = device.type == "cuda"
         self._events: list[tuple[str, Any, Any]] = []
+        self._read = dict(self._seconds)  # the totals when `since_last` was last called
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -113,6 +116,13 @@ class _StageClock:
                 self._seconds[name] += start.elapsed_time(end) / 1000
             self._events.clear()
         return dict(self._seconds)
+
+    def since_last(self) -> dict[str, float]:
+        """Seconds per stage since the previous call (the first: since the start)."""
+        now = self.seconds
+        spent = {name: now[name] - self._read[name] for name in STAGES}
+        self._read = now
+        return spent
 
 
 class _Pass:
@@ -152,12 +162,10 @@ class _Passes:
 
     def __init__(self) -> None:
         self._passes: dict[str, tuple[tuple, _Pass]] = {}
-        self.built = 0  # passes built (graphs captured, on CUDA)
 
     def get(self, kind: str, key: tuple, build: Callable[[], _Pass]) -> _Pass:
         if kind not in self._passes or self._passes[kind][0] != key:
             self._passes[kind] = (key, build())
-            self.built += 1
         return self._passes[kind][1]
 
 
@@ -268,7 +276,7 @@ class _Sequence:
         context = torch.zeros(self.width, width, dtype=self.context.dtype, device=self.device)
         scalars = torch.zeros(3, dtype=torch.long, device=self.device)
         inputs = DraftInputs(context, *scalars)
-        run = lambda: self.drafter.draft_static(self.target, self.draft_cache, inputs, keys)  # noqa: E731
+        run = partial(self.drafter.draft_static, self.target, self.draft_cache, inputs, keys)
         return _Pass(run, {"context": context, "scalars": scalars}, self.graphs)
 
     def verify(self, tree: DraftTree) -> tuple[list[int], torch.Tensor | None, tuple | None]:
@@ -296,7 +304,7 @@ class _Sequence:
     def _verify_pass(self, keys: int) -> _Pass:
         packed = torch.zeros(packed_size(self.width), dtype=torch.long, device=self.device)
         inputs = unpack_pass(packed, self.width)
-        run = lambda: self.target.forward_static(inputs, self.cache, keys, self.layers)  # noqa: E731
+        run = partial(self.target.forward_static, inputs, self.cache, keys, self.layers)
         return _Pass(run, {"packed": packed}, self.graphs)
 
     def _verify_growing(self, tree: DraftTree):
@@ -350,9 +358,12 @@ def generate(
     out = _Output(cfg, on_tokens)
     acceptance: list[int] = []
     rounds: list[dict] | None = [] if cfg.trace else None
+    round_seconds: list[dict[str, float]] = []
 
     out.add([seq.prefill(prompt_ids)])
     ttft = time.perf_counter() - started
+    if rounds is not None:
+        seq.clock.since_last()  # round_seconds: each round's own
     while out.finish_reason is None:
         if should_stop is not None and should_stop():
             out.finish_reason = "cancelled"
@@ -366,6 +377,7 @@ def generate(
         acceptance.append(out.add(new_tokens))
         if rounds is not None:
             rounds.append(_trace(tree, accepted))
+            round_seconds.append(seq.clock.since_last())
 
     decode_seconds = time.perf_counter() - started - ttft
     decoded = len(out.ids) - 1
@@ -377,6 +389,7 @@ def generate(
         decode_tokens_per_s=decoded / decode_seconds if decoded and decode_seconds > 0 else 0.0,
         ttft_s=ttft,
         rounds=rounds,
+        round_seconds=round_seconds if cfg.trace else None,
     )
 
 

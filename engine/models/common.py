@@ -2,9 +2,9 @@
 
 - `RMSNorm`, `SwiGLU`, `Rotary` (RoPE with an optional partial rotary factor);
 - `KVCache`: a preallocated per-layer K/V store with pending tokens and `commit`;
-- static-shape attention (`key_window`, `window_mask`, `window_attention`): a pass reads a fixed
-  window of cache slots whatever the committed length, which lives on the device, so one CUDA
-  graph serves every length inside the window;
+- static-shape attention (`key_window`, `WindowPass`): a pass reads a fixed window of cache
+  slots whatever the committed length, which lives on the device, so one CUDA graph serves
+  every length inside the window;
 - HF-directory loading: `read_config`, `materialize` (meta-built module -> empty storage of
   the target dtype on the target device) and `load_checkpoint` (each tensor copied from its
   memory-mapped shard into its parameter, one at a time; unused tensors never read);
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
@@ -218,39 +217,6 @@ def key_window(needed: int, capacity: int) -> int:
     return min(window, capacity)
 
 
-def window_mask(
-    length: torch.Tensor,  # [] committed slots
-    visible: torch.Tensor,  # [T, T] bool among the pending tokens
-    keys: int,
-) -> torch.Tensor:  # [T, keys] bool
-    """Each pending token sees the committed slots and the pending ones `visible` allows."""
-    T = visible.shape[0]
-    rel = torch.arange(keys, device=visible.device) - length  # slot relative to the pending
-    pending = (rel >= 0) & (rel < T)
-    among = visible[:, rel.clamp(0, T - 1)]  # [T, keys]
-    return (rel < 0)[None, :] | (pending[None, :] & among)
-
-
-def window_attention(
-    q: torch.Tensor,  # [T, Hq, D]
-    k: torch.Tensor,  # [keys, Hkv, D]
-    v: torch.Tensor,  # [keys, Hkv, D]
-    mask: torch.Tensor,  # [T, keys] bool
-    scale: float,
-) -> torch.Tensor:  # [T, Hq, D]
-    """Grouped-query attention over a key window under a boolean mask, by torch's
-    scaled_dot_product_attention with each KV head's query group as rows: no kernel that falls
-    back to copying K/V once per query head (a 32k window at 27B would copy 400 MB a layer)."""
-    T, Hq, D = q.shape
-    Hkv = k.shape[1]
-    group = Hq // Hkv
-    rows = q.unflatten(1, (Hkv, group)).permute(1, 0, 2, 3).reshape(1, Hkv, T * group, D)
-    keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, keys, D]
-    row_mask = mask.repeat_interleave(group, dim=0)  # [T * group, keys]
-    out = F.scaled_dot_product_attention(rows, keys, values, row_mask, scale=scale)
-    return out[0].reshape(Hkv, T, group, D).permute(1, 0, 2, 3).reshape(T, Hq, D)
-
-
 @dataclass
 class GrowingPass:
     """Attention of a pass whose keys are exactly the committed prefix and its T tokens (a
@@ -265,16 +231,18 @@ class GrowingPass:
 
 @dataclass
 class WindowPass:
-    """Attention of a static-shape pass: pending K/V written at device `slots`, a fixed window
-    of `keys` slots read under `mask` (see `window_mask`)."""
+    """Attention of a static-shape pass: pending K/V written at device `slots` (right after the
+    device-side `length` committed), the first `keys` slots read (the rest of the window
+    ignored by the kernel)."""
 
     slots: torch.Tensor  # [T]
-    mask: torch.Tensor  # [T, keys] bool
+    length: torch.Tensor  # [] committed slots before the pending ones
+    visible: torch.Tensor  # [T, T] bool among the pending
     keys: int
 
     def attend(self, cache: KVCache, layer: int, q, k, v, scale: float) -> torch.Tensor:
         keys, values = cache.write_at(layer, self.slots, k, v, self.keys)
-        return window_attention(q, keys, values, self.mask, scale)
+        return tree_attention(q, keys, values, self.length, self.visible, scale)
 
 
 def materialize(module: nn.Module, dtype: torch.dtype, device) -> nn.Module:

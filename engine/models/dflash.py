@@ -43,7 +43,6 @@ from engine.models.common import (
     finish_loading,
     read_config,
     rope_theta,
-    window_mask,
 )
 
 CONTEXT_PIECE = 2048  # context tokens projected at once: bounds the first draft after a prefill
@@ -260,13 +259,14 @@ class DFlashDrafter(nn.Module):
         first = torch.arange(B, device=device) == 0
         x = self._embed(target, torch.where(first, inputs.bonus, self.mask_token_id))  # [B, H]
         in_block = torch.ones(B, B, dtype=torch.bool, device=device)
-        causal_mask = window_mask(start, in_block.tril(), keys)
-        full_mask = window_mask(start, in_block, keys)
+        passes = {
+            causal: WindowPass(block_slots, start, in_block.tril() if causal else in_block, keys)
+            for causal in {self.config.attention_kind(i)[0] for i in range(len(self.layers))}
+        }
         for index, layer in enumerate(self.layers):
             cache.write_at(index, context_slots, *layer.self_attn.key_values(ctx, ctx_rope), keys)
             q, k, v = layer.block_qkv(x, block_rope)
-            causal, _ = self.config.attention_kind(index)
-            block = WindowPass(block_slots, causal_mask if causal else full_mask, keys)
+            block = passes[self.config.attention_kind(index)[0]]
             x = layer.finish(x, block.attend(cache, index, q, k, v, self._scale))
         return self._logits(target, x[1:])
 

@@ -49,7 +49,6 @@ from torch import nn
 from engine.kernels import (
     backend_for,
     chain_gated_delta_rule,
-    reference,
     tree_causal_conv1d,
     tree_gated_delta_rule,
 )
@@ -199,14 +198,17 @@ class GatedDeltaNet(nn.Module):
         state: RecurrentState,
         inputs: TreeInputs,
         keep: str,  # "factored" | "snapshot" | "replay"
+        taps: torch.Tensor | None,  # [T, K] conv_taps of the tree, with "factored"
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """`forward` over the device-side tree: the output [T, hidden] and the tensors `keep`
         needs for commit (see `pending_from`); no host reads, static shapes."""
+        keep = keep_for(keep, x.shape[0])
         conv_inputs, beta, g = self._inputs(x)
-        # The batched conv tells a chain from a tree on the host; the reference one gathers
-        # each node's window on the device (T small: a verify).
-        conv = reference.tree_causal_conv1d if keep == "factored" else tree_causal_conv1d
-        conv_outputs = conv(conv_inputs, inputs.parents, state.conv, self.conv1d.weight[:, 0], None)
+        weight = self.conv1d.weight[:, 0]
+        if keep == "factored":  # the batched conv would tell a chain from a tree on the host
+            conv_outputs = conv_at_taps(conv_inputs, state.conv, weight, taps)
+        else:
+            conv_outputs = tree_causal_conv1d(conv_inputs, inputs.parents, state.conv, weight, None)
         q, k, v = self._heads(conv_outputs)
         scale = self.shape.key_dim**-0.5
         if keep == "factored":
@@ -304,6 +306,36 @@ class GatedDeltaNet(nn.Module):
         return q, k, v.reshape(T, s.value_heads, s.value_dim)
 
 
+def conv_taps(parents: torch.Tensor, kernel: int) -> torch.Tensor:  # [T, K]
+    """Each node's conv window (oldest first) as columns of [committed K-1 inputs ; the T
+    pending], walking parents on the device: computed once a pass, shared by its GDN layers."""
+    window, T = kernel - 1, parents.shape[0]
+    device = parents.device
+    previous = torch.cat(
+        [
+            torch.arange(-1, window - 1, device=device),
+            torch.where(parents >= 0, parents + window, window - 1),
+        ]
+    )  # [K-1 + T] each column's predecessor on its path
+    taps = [torch.arange(window, window + T, device=device)]
+    for _ in range(window):
+        taps.append(previous[taps[-1]])
+    return torch.stack(taps[::-1], dim=1)
+
+
+def conv_at_taps(
+    x: torch.Tensor,  # [T, C]
+    conv_state: torch.Tensor,  # [C, K-1]
+    weight: torch.Tensor,  # [C, K]
+    taps: torch.Tensor,  # [T, K] see conv_taps
+) -> torch.Tensor:  # [T, C]
+    """silu(depthwise causal conv) of each node over its window, `reference.tree_causal_conv1d`
+    with the windows given."""
+    dt = compute_dtype(x.dtype)
+    columns = torch.cat([conv_state.to(dt), x.to(dt).T], dim=1)  # [C, K-1 + T]
+    return F.silu((columns[:, taps] * weight.to(dt)[:, None, :]).sum(dim=-1).T).to(x.dtype)
+
+
 def solve_visible(
     q: torch.Tensor,  # [T, H, Dk]
     k: torch.Tensor,  # [T, H, Dk]
@@ -327,6 +359,7 @@ def pending_from(
 ) -> PendingRecurrence:
     """The PendingRecurrence of what `forward_static` kept under `keep`."""
     conv_inputs, *rest = kept
+    keep = keep_for(keep, conv_inputs.shape[0])
     pending = PendingRecurrence(parents=None, conv_inputs=conv_inputs)
     if keep == "factored":
         piece = SolvedPiece(*rest, initial=state.recurrent)
@@ -336,6 +369,12 @@ def pending_from(
     else:
         pending.conv_outputs, pending.g, pending.beta = rest
     return pending
+
+
+def keep_for(keep: str, tokens: int) -> str:
+    """`keep` for a pass of `tokens`: a snapshot sized by `choose_keep` for at most
+    STATIC_VERIFY_TOKENS, so a wider verify (a budget above 15) replays instead."""
+    return "replay" if keep == "snapshot" and tokens > STATIC_VERIFY_TOKENS else keep
 
 
 def choose_keep(shape: GDNShape, layers: int, weight: torch.Tensor) -> str:

@@ -40,7 +40,6 @@ from engine.models.common import (
     finish_loading,
     read_config,
     rope_theta,
-    window_mask,
 )
 from engine.tree import TreeInputs, tree_layout
 
@@ -160,9 +159,7 @@ class Qwen3Model(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:  # logits [T, V], hidden, pending
         """`forward` of inputs.ids at device length inputs.length, reading `keys` cache slots."""
         rope = self.rotary.tables(inputs.length + inputs.depths, self.embed_tokens.weight.dtype)
-        attention = WindowPass(
-            inputs.slots(), window_mask(inputs.length, inputs.visible, keys), keys
-        )
+        attention = WindowPass(inputs.slots(), inputs.length, inputs.visible, keys)
         x, hidden = self._layers(inputs.ids, rope, cache, attention, hidden_layers)
         return self._logits(x), hidden, ()
 

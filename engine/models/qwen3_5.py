@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine import kernels
 from engine.models.common import (
     GrowingPass,
     KVCache,
@@ -44,7 +45,6 @@ from engine.models.common import (
     finish_loading,
     read_config,
     rope_theta,
-    window_mask,
 )
 from engine.models.gated_deltanet import (
     STATE_STRATEGIES,
@@ -54,6 +54,7 @@ from engine.models.gated_deltanet import (
     RecurrentState,
     StateStrategy,
     choose_keep,
+    conv_taps,
     pending_from,
 )
 from engine.plan import FULL, LINEAR, hybrid_layer_types
@@ -128,11 +129,8 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dt = compute_dtype(x.dtype)
-        xf = x.to(dt)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.to(dt))).to(x.dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # one fused kernel on CUDA
+        return kernels.rms_norm(x, self.weight, self.eps, zero_centered=True)
 
 
 @dataclass
@@ -169,6 +167,7 @@ class TreePass:
     rotary: Rotary
     extend: bool = False  # a chain committed as it runs (a prefill chunk): nothing pending
     static: TreeInputs | None = None  # forward_static: the device-side tree
+    taps: torch.Tensor | None = None  # forward_static: each node's conv window (conv_taps)
     pending: list = field(default_factory=list)
 
 
@@ -229,7 +228,7 @@ class HybridDecoderLayer(nn.Module):
                 mixed = self.linear_attn.extend(normed, state)
             elif tree.static is not None:
                 mixed, kept = self.linear_attn.forward_static(
-                    normed, state, tree.static, tree.cache.keep
+                    normed, state, tree.static, tree.cache.keep, tree.taps
                 )
                 tree.pending.append(kept)
             else:
@@ -315,9 +314,12 @@ class Qwen3_5Model(nn.Module):
         reads `keys` cache slots; returns (logits, hidden, what each GDN layer keeps)."""
         h = self.embed_tokens(inputs.ids)
         cos, sin = self.rotary.tables(inputs.length + inputs.depths, h.dtype)
-        mask = window_mask(inputs.length, inputs.visible, keys)
-        attention = WindowPass(inputs.slots(), mask, keys)
-        tree = TreePass(cache, inputs.parents, attention, cos, sin, self.rotary, static=inputs)
+        attention = WindowPass(inputs.slots(), inputs.length, inputs.visible, keys)
+        kernel = self.config.linear_conv_kernel_dim
+        taps = conv_taps(inputs.parents, kernel) if cache.keep == "factored" else None
+        tree = TreePass(
+            cache, inputs.parents, attention, cos, sin, self.rotary, static=inputs, taps=taps
+        )
         h, hidden = self._layers(h, tree, hidden_layers)
         return self._logits(h), hidden, tuple(tree.pending)
 

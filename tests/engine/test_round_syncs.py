@@ -118,3 +118,14 @@ def test_rounds_run_the_static_passes(pair, monkeypatch):
         result = generate(target, None if method == "ar" else drafter, prompt, cfg)
         assert len(result.output_ids) == 20
         assert drafts == ([] if method == "ar" else [1])
+
+
+def test_a_traced_round_carries_its_own_stage_seconds(pair):
+    target, drafter = pair
+    cfg = GenerationConfig(method="ddtree", budget=6, max_new_tokens=24, trace=True)
+    result = generate(target, drafter, [5, 9, 17, 4, 30, 8], cfg)
+    rounds = result.round_seconds
+    assert len(rounds) == len(result.rounds) == len(result.acceptance_lengths)
+    assert all(r["prefill"] == 0 and r["verify"] > 0 for r in rounds)
+    for stage in ("draft", "tree", "verify", "commit"):
+        assert sum(r[stage] for r in rounds) == pytest.approx(result.stage_seconds[stage])

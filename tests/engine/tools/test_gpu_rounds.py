@@ -58,3 +58,7 @@ def test_without_cuda_it_says_so_in_one_line_and_exits_2(monkeypatch, capsys):
     assert captured.err.strip().splitlines() == [
         "gpu_rounds: needs CUDA (no CUDA device here): nothing measured"
     ]
+
+
+def test_steady_figures_leave_the_capturing_rounds_out():
+    assert gpu_rounds.steady([900.0, 500.0, 11.0, 12.0, 10.0]) == 11.0
