@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.methods import METHODS
 from engine.models.common import key_window
 from engine.models.dflash import DraftInputs
 from engine.sampling import choose, make_generator
@@ -56,7 +57,6 @@ from engine.tree import (
     walk,
 )
 
-METHODS = ("ar", "linear", "ddtree")
 STAGES = ("prefill", "draft", "tree", "verify", "commit")
 
 

@@ -14,13 +14,15 @@ import json
 import sys
 from pathlib import Path
 
+from engine.methods import METHODS
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", required=True, type=Path, help="target model directory (HF format)"
     )
     parser.add_argument("--draft", type=Path, help="DFlash drafter directory (linear, ddtree)")
-    parser.add_argument("--method", choices=("ar", "linear", "ddtree"), default="ddtree")
+    parser.add_argument("--method", choices=METHODS, default="ddtree")
     parser.add_argument("--budget", type=int, default=15, help="ddtree node budget")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument(

@@ -4,7 +4,7 @@
         [--max-model-len N] [--tp N] [--prefill-chunk 2048] [--budget 15] [--json]
 
 Prints the weights, KV bytes per token, recurrent state, the largest transient and the longest
-context that fits (engine/plan.py), or with --json one document of them. Exit 2 on bad input
+context that fits (engine/memory_plan.py), or with --json one document of them. Exit 2 on bad input
 or when --max-model-len cannot fit (one line saying why, with the numbers).
 """
 
@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from engine.plan import DEFAULT_PREFILL_CHUNK, DTYPE_BYTES, parse_size, plan_from_dirs
+from engine.memory_plan import DEFAULT_PREFILL_CHUNK, DTYPE_BYTES, parse_size, plan_from_dirs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

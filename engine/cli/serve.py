@@ -7,7 +7,7 @@
         [--tool-call-parser auto|none|hermes|qwen3_coder] [--reasoning-parser auto|none|qwen3] \\
         [--max-request-bytes 8388608] [--shutdown-grace-s 5]
 
-Before anything loads, the memory plan (engine/plan.py) is held against the device's free
+Before anything loads, the memory plan (engine/memory_plan.py) is held against the device's free
 memory, read at start: on CUDA what `torch.cuda.mem_get_info` reports free on the (rank 0)
 device; on the CPU the RAM the kernel reports available (MemAvailable), since the process has
 no other bound there. A --max-model-len that cannot fit refuses to start (one line, exit 2);
@@ -28,11 +28,12 @@ import os
 import sys
 from pathlib import Path
 
+from engine.methods import METHODS
+from engine.server import API_KEY_ENV
 from engine.server.body import DEFAULT_MAX_REQUEST_BYTES
 from engine.server.reasoning import REASONING_PARSERS
 from engine.server.tools import TOOL_CALL_PARSERS
 
-API_KEY_ENV = "DDOPS_API_KEY"
 GRACEFUL_SHUTDOWN_S = 5.0
 
 
@@ -66,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--method",
-        choices=["ar", "linear", "ddtree"],
+        choices=METHODS,
         help="default decoding method (default: ddtree with --draft, else ar)",
     )
     parser.add_argument("--budget", type=int, default=15, help="default ddtree node budget")
@@ -145,7 +146,7 @@ def available_memory(device: str) -> int:
 
 def context_limit(args: argparse.Namespace) -> tuple[int, str | None]:
     """(the context to serve, why it cannot be served or None), from the memory plan."""
-    from engine.plan import GIB, plan_from_dirs
+    from engine.memory_plan import GIB, plan_from_dirs
 
     plan = plan_from_dirs(
         args.model,

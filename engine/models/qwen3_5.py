@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from engine import kernels
+from engine.memory_plan import FULL, LINEAR, hybrid_layer_types
 from engine.models.common import (
     GrowingPass,
     KVCache,
@@ -57,7 +58,6 @@ from engine.models.gated_deltanet import (
     conv_taps,
     pending_from,
 )
-from engine.plan import FULL, LINEAR, hybrid_layer_types
 from engine.tree import TreeInputs, on_device, tree_layout
 
 MULTIMODAL_TEXT_PREFIX = "model.language_model."  # `qwen3_5` checkpoints (vision + text)

@@ -8,3 +8,5 @@
 - worker.py: the one thread that runs generations; metrics.py: /metrics; shutdown.py: draining
   at SIGTERM.
 """
+
+API_KEY_ENV = "DDOPS_API_KEY"  # the server's API key when --api-key is not given

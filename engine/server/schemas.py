@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from engine.decode import METHODS
+from engine.methods import METHODS
 
 log = logging.getLogger(__name__)
 

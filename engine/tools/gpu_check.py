@@ -18,7 +18,7 @@ Run on a CUDA machine (sized to finish within 8 minutes on an H200 with the defa
    Triton compiles counted after the smallest and largest context ran (target 0).
 5. Memory (engine/tools/gpu_memory.py): loading a Qwen3.6-27B-layout checkpoint of
    --memory-layers layers peaks within 1.05x its weights, and a --memory-prompt-token prefill
-   (32k) on it stays within the memory plan (engine/plan.py). --memory-layers 0 skips it.
+   (32k) on it stays within the memory plan (engine/memory_plan.py). --memory-layers 0 skips it.
 6. Rounds (engine/tools/gpu_rounds.py `check_rounds`, with --rounds-layers layers and twice as
    many; 0 skips them): the ar step against the bandwidth floor, verify / step, host syncs per
    round, graphs vs eager, recompiles of whole generations as the prefix grows.

@@ -7,7 +7,7 @@
    LOAD_PEAK_LIMIT (1.05x) of the weights' bytes.
 2. Prefill: that model prefills a `prompt`-token prompt (32k by default) in 2048-token chunks
    through `extend`, exactly as decoding does; the peak allocated must stay within the plan's
-   total for that context (engine/plan.py, less its runtime reserve, which is for what
+   total for that context (engine/memory_plan.py, less its runtime reserve, which is for what
    max_memory_allocated does not count: the CUDA context, the allocator's slack), and the
    measured transient (peak less weights, caches and state) is reported next to the plan's.
 
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from engine.memory_plan import FULL, GIB, hybrid_layer_types, plan_from_configs
 from engine.models.qwen3_5 import Qwen3_5Config, Qwen3_5Model, load_qwen3_5
-from engine.plan import FULL, GIB, hybrid_layer_types, plan_from_configs
 
 LOAD_PEAK_LIMIT = 1.05
 SHARD_BYTES = 2 * GIB

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.cli.serve import API_KEY_ENV
+from engine.server import API_KEY_ENV
 
 WARM_UP_REQUESTS = 50
 RSS_SAMPLE_EVERY = 100

@@ -173,7 +173,7 @@ def model_config(ref: ModelRef, endpoint: str | None, token: str | None) -> dict
 
 @dataclass(frozen=True)
 class GpuFit:
-    """The engine's memory plan (engine/plan.py) held against the CT's smallest GPU."""
+    """The engine's memory plan (engine/memory_plan.py) held against the CT's smallest GPU."""
 
     problem: str | None
     evidence: str
@@ -184,7 +184,7 @@ def gpu_capacity(
 ) -> GpuFit:
     """Whether the target and drafter, with engine.max_model_len tokens (or any context when it
     is unset), fit each GPU the CT's engine runs on (under tensor parallelism, per rank)."""
-    from engine.plan import GIB, plan_from_configs  # arithmetic only: no torch
+    from engine.memory_plan import GIB, plan_from_configs  # arithmetic only: no torch
 
     memory = gpu_memory(t)
     missing = [gpu for gpu in ct.gpus if gpu not in memory]

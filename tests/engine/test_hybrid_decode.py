@@ -18,7 +18,6 @@ from tests.helpers.tiny_hybrid import (
     build_tiny_hybrid,
     save_tiny_hybrid,
     save_tiny_hybrid_drafter,
-    torch_threads,
 )
 
 VOCAB = 8
@@ -31,10 +30,7 @@ TARGET = dict(  # one GDN + one attention layer; peaked logits, so greedy has no
 SPECULATIVE = [("linear", 0), ("ddtree", 1), ("ddtree", 4), ("ddtree", 15), ("ddtree", 64)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    with torch_threads(1):  # tiny ops: one thread is several times faster on a busy machine
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

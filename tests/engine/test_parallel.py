@@ -13,45 +13,28 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from torch import nn
 
 from engine.decode import GenerationConfig, generate
 from engine.models import load_drafter, load_target
-from engine.parallel import TensorParallelTarget, launch_target, shard_model
+from engine.parallel import launch_target, shard_model
 from engine.tokenizer import load_tokenizer
-from tests.engine.test_decode import OracleDrafter
 from tests.helpers.engine_server import start_engine_server
+from tests.helpers.parallel_pair import PROMPT, TOLERANCE, Pair, oracle_for, prefill_tree_chain
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_qwen3 import save_tiny_dflash, save_tiny_qwen3
 
 torch.set_num_threads(1)
 
 CASES = {"dense": (save_tiny_qwen3, "replicated"), "hybrid": (save_tiny_hybrid, "sharded")}
-PROMPT = [5, 17, 3, 42, 8, 23, 11]
-TOLERANCE = 1e-5
-
-
-@dataclass
-class Pair:
-    """The same checkpoint whole (one process) and over two ranks."""
-
-    whole: nn.Module
-    sharded: TensorParallelTarget
-
-    @property
-    def vocab(self) -> int:
-        return self.whole.config.vocab_size
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -63,33 +46,12 @@ def pair(request, tmp_path_factory):
     sharded.close()
 
 
-def prefill_tree_chain(target, layers: tuple[int, ...]) -> list[torch.Tensor]:
-    """Logits and hidden states of: prefill, a branching tree, its commit, then a chain."""
-    cache = target.new_cache(64)
-    outputs = list(target.forward(torch.tensor(PROMPT), cache, None, layers))
-    target.commit(cache, torch.arange(len(PROMPT)))
-    tree_ids, parents = torch.tensor([7, 8, 9, 10, 11]), torch.tensor([-1, 0, 0, 1, 3])
-    outputs += target.forward(tree_ids, cache, parents, layers)
-    target.commit(cache, torch.tensor([0, 1, 3, 4]))
-    outputs += target.forward(torch.tensor([12, 13]), cache, None, layers)
-    return outputs
-
-
 def test_logits_and_hidden_states_equal_one_rank(pair):
     expected = prefill_tree_chain(pair.whole, (0, 1))
     got = prefill_tree_chain(pair.sharded, (0, 1))
     for want, have in zip(expected, got, strict=True):
         assert have.shape == want.shape
         torch.testing.assert_close(have, want, atol=TOLERANCE, rtol=0)
-
-
-def oracle_for(pair: Pair, seed: int) -> OracleDrafter:
-    """A drafter that knows one rank's greedy output: often first, sometimes second, or absent."""
-    cfg = GenerationConfig(method="ar", max_new_tokens=24)
-    sequence = PROMPT + generate(pair.whole, None, PROMPT, cfg).output_ids
-    rng = random.Random(seed)
-    ranks = {p: rng.choice([0, 0, 0, 1, None]) for p in range(len(sequence))}
-    return OracleDrafter(sequence, pair.vocab, block_size=5, ranks=ranks)
 
 
 @pytest.mark.parametrize(

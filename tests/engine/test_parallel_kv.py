@@ -18,8 +18,8 @@ import torch
 from engine.decode import GenerationConfig, generate
 from engine.models import load_target
 from engine.parallel import launch_target
-from tests.engine.test_parallel import PROMPT, TOLERANCE, Pair, oracle_for, prefill_tree_chain
 from tests.helpers.checkpoint_reads import record_reads
+from tests.helpers.parallel_pair import PROMPT, TOLERANCE, Pair, oracle_for, prefill_tree_chain
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_qwen3 import save_tiny_qwen3
 

@@ -19,17 +19,13 @@ from tests.helpers.tiny_hybrid import (
     build_tiny_hybrid,
     save_tiny_hybrid,
     save_tiny_hybrid_drafter,
-    torch_threads,
 )
 from tests.helpers.tiny_qwen3 import save_tiny_dflash, save_tiny_qwen3
 
 PROMPT = torch.randint(3, 90, (37,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", params=["dense", "hybrid"])

@@ -17,17 +17,14 @@ import torch
 from engine.models import gated_deltanet
 from engine.models.gated_deltanet import pending_bytes
 from engine.models.qwen3_5 import Qwen3_5Model, load_qwen3_5
-from tests.helpers.tiny_hybrid import build_tiny_hybrid, save_tiny_hybrid, torch_threads
+from tests.helpers.tiny_hybrid import build_tiny_hybrid, save_tiny_hybrid
 
 TOL_VS_TRANSFORMERS = 2e-4
 TOL_FLOAT64 = 1e-10
 VOCAB = 128
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    with torch_threads(1):  # tiny ops: one thread is several times faster on a busy machine
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

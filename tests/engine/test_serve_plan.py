@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from engine.cli import serve
-from engine.plan import GIB, plan_from_dirs
+from engine.memory_plan import GIB, plan_from_dirs
 from tests.helpers.engine_server import start_engine_server
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 

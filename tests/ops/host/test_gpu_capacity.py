@@ -1,4 +1,4 @@
-"""The engine's memory plan (engine/plan.py) held against the host's GPUs before anything is
+"""The engine's memory plan (engine/memory_plan.py) held against the host's GPUs before anything is
 created: `ddops provision`'s gpu-capacity check, on a simulated host whose fake GPUs carry a
 memory size (`ddops sim init --gpu-memory-mib`), with Qwen3.6-27B's published config.json files
 (tests/data/qwen36_27b) served by a local hub (no weights: the plan needs the shapes only).

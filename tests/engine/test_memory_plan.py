@@ -1,6 +1,6 @@
-"""The memory plan (engine/plan.py, `python -m engine plan`).
+"""The memory plan (engine/memory_plan.py, `python -m engine plan`).
 
-    python -m pytest -q tests/engine/test_plan.py
+    python -m pytest -q tests/engine/test_memory_plan.py
 
 Qwen3.6-27B and its DFlash drafter (config fixtures in tests/data/qwen36_27b, no download) give
 the figures computed here by hand from the published shapes; on the tiny real models the plan's
@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from engine.plan import GIB, parse_size, plan_from_configs, plan_from_dirs
+from engine.memory_plan import GIB, parse_size, plan_from_configs, plan_from_dirs
 from tests.helpers import DATA
 
 QWEN36 = DATA / "qwen36_27b"
