@@ -201,7 +201,10 @@ def test_no_test_module_imports_another():
     offenders = []
     for path in (REPO / "tests").rglob("test_*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                if node.module.split(".")[-1].startswith("test_"):
-                    offenders.append((path.relative_to(REPO), node.module))
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.split(".")[-1].startswith("test_")
+            ):
+                offenders.append((path.relative_to(REPO), node.module))
     assert not offenders
