@@ -265,15 +265,16 @@ class _Sequence:
         if not self.static_draft or count > self.width or needed > cache.max_len:
             return self.drafter.draft(self.target, cache, self.context, self.bonus)
         keys = key_window(needed, cache.max_len)
-        step = self.passes.get("draft", (keys,), lambda: self._draft_pass(keys))
+        rows = self.width if self.graphs else count  # padding serves a captured graph only
+        step = self.passes.get("draft", (keys, rows), lambda: self._draft_pass(keys, rows))
         scalars = staged(np.array([cache.length, count, self.bonus], np.int64), self.device)
         logits = step(context=self.context, scalars=scalars)
         cache.length += count
         return logits
 
-    def _draft_pass(self, keys: int) -> _Pass:
+    def _draft_pass(self, keys: int, rows: int) -> _Pass:
         width = self.context.shape[1]
-        context = torch.zeros(self.width, width, dtype=self.context.dtype, device=self.device)
+        context = torch.zeros(rows, width, dtype=self.context.dtype, device=self.device)
         scalars = torch.zeros(3, dtype=torch.long, device=self.device)
         inputs = DraftInputs(context, *scalars)
         run = partial(self.drafter.draft_static, self.target, self.draft_cache, inputs, keys)
