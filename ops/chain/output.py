@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ops.chain.last_recover import describe
-from ops.chain.report import OK, STYLE, ChainReport, CheckResult
+from ops.chain.report import OK, STYLE, ChainReport, CheckResult, Mode
 
 _STATUS_STYLE = {**STYLE, OK: "green"}
 
@@ -69,7 +69,7 @@ class PlainChainOutput:
     def __init__(self, console: Console) -> None:
         self.console = console
 
-    def start(self, c, mode: str) -> None:
+    def start(self, c, mode: Mode) -> None:
         self.console.print(f"{mode} {c.name} on {c.t.label}", markup=False, highlight=False)
 
     def result(self, result: CheckResult) -> None:
@@ -96,7 +96,7 @@ class LiveChainOutput:
         self._title = ""
         self._done = 0
 
-    def start(self, c, mode: str) -> None:
+    def start(self, c, mode: Mode) -> None:
         self.stop()
         self._title, self._done = f"{mode} {c.name} on {c.t.label}", 0
         self._status = self.stderr.status(f"{self._title}: starting")

@@ -28,7 +28,7 @@ CHANGED, UNCHANGED, WOULD_CHANGE, FAILED, SKIPPED = (
 
 @dataclass(frozen=True)
 class Outcome:
-    """What a step found or did. `diff` is shown with --dry-run."""
+    """What a remedy found or did. `diff` is shown with --dry-run."""
 
     changed: bool
     detail: str = ""

@@ -16,7 +16,7 @@ import click
 from ops.chain import last_recover
 from ops.chain.checks import ChainContext, Policy
 from ops.chain.output import chain_output
-from ops.chain.report import FAILED, ChainReport, reports_json
+from ops.chain.report import FAILED, ChainReport, Mode, reports_json
 from ops.chain.runner import contexts, health, provision, recover
 from ops.host.pve import VMID_RANGE
 from ops.site.selection import open_site
@@ -46,7 +46,7 @@ VIA = click.option(
 
 def run_chain_command(
     ctx: click.Context,
-    mode: str,
+    mode: Mode,
     vmids: Sequence[int],
     policy: Policy,
     dry_run: bool = False,
@@ -88,7 +88,7 @@ def run_chain_command(
         ctx.exit(1)
 
 
-def _run(c: ChainContext, mode: str, dry_run: bool, trigger: str, on_result) -> ChainReport:
+def _run(c: ChainContext, mode: Mode, dry_run: bool, trigger: str, on_result) -> ChainReport:
     """One CT's chain in `mode`; a recover leaves its record on the host, health shows it."""
     if mode == "health":
         report = health(c, on_result=on_result)
