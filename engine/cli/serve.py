@@ -182,8 +182,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"Error: {problem}", file=sys.stderr)
         return 2
 
-    from engine.server.app import ServerConfig, create_app, load_engine
+    from engine.server.app import create_app, load_engine
     from engine.server.shutdown import draining_server
+    from engine.server.state import ServerConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     config = ServerConfig(

@@ -1,6 +1,9 @@
 """The engine's OpenAI-compatible HTTP server.
 
-- app.py: the Starlette app, its routes and `load_engine` (what `python -m engine serve` runs);
+- app.py: the FastAPI app, its service routes (health, ready, metrics, models, tokenize) and
+  `load_engine` (what `python -m engine serve` runs); state.py: the state the APIs share;
+- a module per API: completions.py, chat_completions.py (both answer in choices.py's shape),
+  over one generation path, generation.py (submit to the worker, events, usage, errors);
 - schemas.py: request bodies, validated; body.py: reading them under a size limit;
 - chat.py, chat_template.py: prompts rendered from messages and tools; tools.py, reasoning.py:
   tool calls and `<think>` blocks parsed back out of the generated text; text.py: incremental

@@ -2,7 +2,7 @@
 
 On SIGTERM uvicorn stops accepting connections, waits `timeout_graceful_shutdown` for the open
 ones, then cancels what is left: a cancelled request is a 500 and a traceback in the log.
-`DrainingServer` tells the app first (`_Server.begin_shutdown`): running and waiting generations
+`DrainingServer` tells the app first (`ServerState.begin_shutdown`): running and waiting generations
 go on for `shutdown_grace_s`, then the worker cuts them and each is answered 503 "server shutting
 down" (a stream ends with that error event, then `[DONE]`). uvicorn's own timeout comes
 CUT_SLACK_S later: a cut generation stops at the end of its current round, and one round (a

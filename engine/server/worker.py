@@ -35,7 +35,7 @@ from engine.server.text import TextAssembler
 log = logging.getLogger(__name__)
 
 # generate(prompt_ids, cfg, on_tokens=..., should_stop=...) -> GenerationResult: the engine
-# with its models bound (see engine.server.app.bind_engine).
+# with its models bound (see engine.server.app.load_engine).
 GenerateFn = Callable[..., Any]
 
 

@@ -19,9 +19,10 @@ from collections.abc import Callable, Iterator
 import httpx
 
 from engine.decode import GenerationConfig, GenerationResult
-from engine.server.app import LoadedEngine, ServerConfig, create_app
+from engine.server.app import create_app
 from engine.server.chat_template import render
 from engine.server.shutdown import draining_server
+from engine.server.state import LoadedEngine, ServerConfig
 
 EOS = 0
 WAIT_S = 10.0

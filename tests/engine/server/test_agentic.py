@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 
-from engine.server.app import LoadedEngine, ServerConfig, create_app
+from engine.server.app import create_app
+from engine.server.state import LoadedEngine, ServerConfig
 from tests.helpers.conversations import DEMO_TARGET, PARALLEL, TOOLS, openai_messages
 from tests.helpers.scripted_server import EOS, WAIT_S, CharTokenizer, ScriptedEngine, serving
 

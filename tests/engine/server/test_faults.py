@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from engine.server.app import LoadedEngine
 from engine.server.body import DEFAULT_MAX_REQUEST_BYTES
+from engine.server.state import LoadedEngine
 from engine.tokenizer import load_tokenizer
 from tests.helpers.scripted_server import WAIT_S, CharTokenizer, ScriptedEngine, complete, running
 from tests.helpers.tiny_tokenizer import save_byte_tokenizer

@@ -1,4 +1,4 @@
-"""The HTTP layer of engine/server/app.py over a scripted engine, served by a real uvicorn on loopback.
+"""The HTTP layer of engine/server/ over a scripted engine, served by a real uvicorn on loopback.
 
 The scripted engine has `engine.decode.generate`'s calling convention (on_tokens per round,
 should_stop polled per round) and events to hold, watch and release a generation, so queueing,
@@ -20,7 +20,8 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.__main__ import main as engine_main
-from engine.server.app import LoadedEngine, ServerConfig, create_app
+from engine.server.app import create_app
+from engine.server.state import LoadedEngine, ServerConfig
 from engine.tools import loadtest
 from tests.helpers.scripted_server import (
     EOS,

@@ -12,10 +12,10 @@ import random
 
 import pytest
 
-from engine.server.app import ServerConfig, output_parsing
 from engine.server.chat import ChatOutput, ChatPrompt, OutputParsing, build_chat_prompt
 from engine.server.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from engine.server.schemas import ApiError, ChatRequest, parse_body
+from engine.server.state import ServerConfig, output_parsing
 from engine.server.tools import FORMATS, ToolCallExtractor, detect_format
 from tests.helpers.conversations import DEMO_TARGET, TEMPLATES, TOOLS
 from tests.helpers.scripted_server import CharTokenizer

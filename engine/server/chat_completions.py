@@ -1,0 +1,37 @@
+"""`POST /v1/chat/completions`: messages and tools rendered with the model's chat template; the
+output parsed back into content, `reasoning_content` and `tool_calls` (engine/server/chat.py)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from engine.server.chat import ChatOutput, ChatPrompt, build_chat_prompt
+from engine.server.choices import ChoicesShape, serve_choices
+from engine.server.generation import check_prompt_ids
+from engine.server.schemas import ChatRequest, parse_body
+from engine.server.state import ServerState
+
+CHAT_COMPLETIONS = ChoicesShape(
+    "/v1/chat/completions", "chatcmpl-", "chat.completion", "chat.completion.chunk", chat=True
+)
+
+
+def router(state: ServerState) -> APIRouter:
+    async def chat_completions(request: Request) -> Response:
+        body, prompt_ids, chat = await state.prepare(lambda raw: _prompt(state, raw), request)
+        output = ChatOutput(chat)
+        return await serve_choices(state, request, CHAT_COMPLETIONS, body, prompt_ids, output)
+
+    routes = APIRouter()
+    routes.add_api_route(CHAT_COMPLETIONS.endpoint, chat_completions, methods=["POST"])
+    return routes
+
+
+def _prompt(state: ServerState, raw: bytes) -> tuple[ChatRequest, list[int], ChatPrompt]:
+    body = parse_body(ChatRequest, raw)
+    engine = state.ready_engine()
+    chat = build_chat_prompt(body, engine.tokenizer, state.parsing)
+    prompt_ids = engine.tokenizer.encode(chat.text)
+    check_prompt_ids(prompt_ids, engine.vocab_size)
+    return body, prompt_ids, chat

@@ -1,0 +1,269 @@
+"""The one generation path every API shares: a request's job on the worker and its events.
+
+`submit` validates a request against the loaded engine (model name, context limit, speculative
+method), builds its `GenerationConfig`, queues its `Job` on the worker and returns the
+`Generation` the handler reads: its events (`Delta` text, then `Done` or `Failed`) arrive on an
+asyncio queue, filled from the worker thread. `collect` gathers a whole generation (a client that
+hangs up cancels it); a streaming handler iterates `events` and sets `job.cancel` when it ends.
+`usage`, `speculative_stats` and `finish_reason` are what every API reports of a finished job.
+
+The body is any request of the API modules with `model`, `temperature`, `seed`, `speculative`,
+`stop_strings()`, `requested_max_tokens()` and `include_usage_chunk()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from engine.decode import GenerationConfig
+from engine.server.schemas import ApiError
+from engine.server.state import LoadedEngine, ServerState
+from engine.server.text import TextAssembler
+from engine.server.worker import (
+    SHUTTING_DOWN,
+    Delta,
+    Done,
+    Failed,
+    Job,
+    QueueFull,
+    ShuttingDown,
+)
+
+NO_CACHE = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class Generation:
+    """One accepted request: its job on the worker, and what its response needs."""
+
+    job: Job
+    events: asyncio.Queue
+    prompt_tokens: int
+    method: str
+    budget: int | None  # None unless the method is ddtree
+    include_usage: bool
+    id: str
+    created: int
+
+
+def submit(
+    state: ServerState, endpoint: str, id_prefix: str, body: Any, prompt_ids: list[int]
+) -> Generation:
+    """Validate against the engine, queue the job, or raise an ApiError."""
+    engine = state.ready_engine()
+    state.check_model(body.model)
+    cfg = _generation_config(state, engine, body, prompt_ids)
+    text = TextAssembler(engine.tokenizer.decode, body.stop_strings(), cfg.stop_token_ids)
+    events: asyncio.Queue = asyncio.Queue()
+    emit = _recording_emitter(state, events, cfg.method, len(prompt_ids), text)
+    job = Job(prompt_ids, cfg, text, emit=emit)
+    try:
+        state.worker.submit(job)
+    except QueueFull as exc:
+        raise ApiError(
+            503, f"engine busy: {exc}; retry later", kind="server_error", code="queue_full"
+        ) from None
+    except ShuttingDown:
+        raise ApiError(
+            503, f"{SHUTTING_DOWN}; retry later", kind="server_error", code="shutting_down"
+        ) from None
+    state.metrics.requests.labels(endpoint, cfg.method).inc()
+    return Generation(
+        job=job,
+        events=events,
+        prompt_tokens=len(prompt_ids),
+        method=cfg.method,
+        budget=cfg.budget if cfg.method == "ddtree" else None,
+        include_usage=body.include_usage_chunk(),
+        id=id_prefix + uuid.uuid4().hex,
+        created=int(time.time()),
+    )
+
+
+def _generation_config(
+    state: ServerState, engine: LoadedEngine, body: Any, prompt_ids: list[int]
+) -> GenerationConfig:
+    max_tokens = _max_tokens(body.requested_max_tokens(), len(prompt_ids), engine)
+    method, budget = _speculative(state, body, engine)
+    return GenerationConfig(
+        method=method,
+        budget=budget,
+        max_new_tokens=max_tokens,
+        temperature=body.temperature,
+        seed=body.seed,
+        stop_token_ids=tuple(engine.tokenizer.eos_token_ids),
+    )
+
+
+def _max_tokens(requested: int | None, prompt_tokens: int, engine: LoadedEngine) -> int:
+    limit = engine.max_model_len
+    max_tokens = limit - prompt_tokens if requested is None else requested
+    if prompt_tokens + max_tokens > limit or max_tokens < 1:
+        raise ApiError(
+            400,
+            "prompt and max_tokens exceed the context limit: "
+            f"prompt has {prompt_tokens} tokens, max_tokens {max_tokens}, limit {limit}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def _speculative(state: ServerState, body: Any, engine: LoadedEngine) -> tuple[str, int]:
+    choice = body.speculative
+    method = (choice and choice.method) or state.config.default_method
+    budget = (choice and choice.budget) or state.config.default_budget
+    if method != "ar" and not engine.has_drafter:
+        raise ApiError(
+            400,
+            f"speculative method '{method}' needs a drafter; this server was started "
+            "without --draft, so only 'ar' is available",
+            param="speculative.method",
+        )
+    return method, budget
+
+
+def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
+    if not prompt_ids:
+        raise ApiError(400, "the prompt is empty (0 tokens)", param="prompt")
+    if not all(0 <= token < vocab_size for token in prompt_ids):
+        raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+
+
+def _recording_emitter(
+    state: ServerState,
+    events: asyncio.Queue,
+    method: str,
+    prompt_tokens: int,
+    text: TextAssembler,
+) -> Callable[[Delta | Done | Failed], None]:
+    """The job's `emit`: records a finished generation's metrics (even when its client has
+    gone), then hands the event to the request's handler."""
+    put = _thread_safe_put(events)
+
+    def emit(event: Delta | Done | Failed) -> None:
+        if isinstance(event, Done) and event.result is not None:
+            finish = _engine_finish_reason(text, event.result)
+            state.metrics.observe_generation(method, prompt_tokens, event.result, finish)
+        put(event)
+
+    return emit
+
+
+def _thread_safe_put(events: asyncio.Queue) -> Callable[[Any], None]:
+    """An `emit` for the worker thread that puts into `events` on this event loop."""
+    loop = asyncio.get_running_loop()
+
+    def put(event: Any) -> None:
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+    return put
+
+
+# -- reading a generation ---------------------------------------------------------------------
+
+
+async def events(generation: Generation) -> AsyncIterator[Delta | Done | Failed]:
+    """A job's events up to and including its last (Done or Failed)."""
+    while True:
+        event = await generation.events.get()
+        yield event
+        if not isinstance(event, Delta):
+            return
+
+
+async def collect(request: Request, generation: Generation) -> tuple[str, Done]:
+    """The whole generation's text and its Done; a client that hangs up cancels it, a Failed
+    job raises its ApiError."""
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    watch.add_done_callback(lambda task: task.cancelled() or generation.job.cancel.set())
+    pieces: list[str] = []
+    try:
+        async for event in events(generation):
+            if isinstance(event, Delta):
+                pieces.append(event.text)
+            elif isinstance(event, Failed):
+                raise failure(event)
+            else:
+                return "".join(pieces), event
+    finally:
+        watch.cancel()
+        generation.job.cancel.set()
+    raise AssertionError("the worker ended a job without Done or Failed")
+
+
+def event_stream(generation: Generation, lines: AsyncIterator[str]) -> StreamingResponse:
+    """Server-sent `lines`; a client that hangs up cancels the generation."""
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for line in lines:
+                yield line
+        finally:
+            generation.job.cancel.set()
+
+    return StreamingResponse(guarded(), media_type="text/event-stream", headers=NO_CACHE)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # After the body is read, the server's receive() returns only when the client hangs up.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# -- what a finished generation reports -------------------------------------------------------
+
+
+def finish_reason(generation: Generation, result: Any) -> str:
+    """OpenAI's finish_reason: "stop" | "length", or "cancelled" (client gone, shutdown)."""
+    return _engine_finish_reason(generation.job.text, result)
+
+
+def _engine_finish_reason(text: TextAssembler, result: Any) -> str:
+    if result is None:
+        return "cancelled"
+    if result.finish_reason == "cancelled" and text.stopped:
+        return "stop"  # we stopped the engine: a stop string appeared
+    return result.finish_reason
+
+
+def usage(generation: Generation, result: Any) -> dict:
+    completion = len(result.output_ids) if result is not None else 0
+    return {
+        "prompt_tokens": generation.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": generation.prompt_tokens + completion,
+    }
+
+
+def speculative_stats(generation: Generation, result: Any) -> dict:
+    stats = {"method": generation.method, "budget": generation.budget, "rounds": 0}
+    if result is None:
+        return stats
+    lengths = result.acceptance_lengths
+    return {
+        **stats,
+        "rounds": len(lengths),
+        "mean_acceptance_length": statistics.fmean(lengths) if lengths else 0.0,
+        "decode_tokens_per_s": result.decode_tokens_per_s,
+        "ttft_s": result.ttft_s,
+    }
+
+
+def failure(event: Failed) -> ApiError:
+    return ApiError(event.status, event.message, kind="server_error", code=event.code)
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
