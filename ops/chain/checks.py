@@ -26,12 +26,12 @@ from pathlib import Path
 from ops.agents.staging import SHM_MODELS
 from ops.bench.store import find_stale_runs, quarantine_run
 from ops.chain import deploy
+from ops.chain import install as host_install
+from ops.chain import setup as host_setup
 from ops.chain.report import Outcome
 from ops.chain.stage_model import check_staged, stage_model
 from ops.diffs import unified_diff
 from ops.errors import DdopsError
-from ops.host import install as host_install
-from ops.host import setup as host_setup
 from ops.host.gpu import driver_version, gpu_facts, loaded_modules, parse_char_majors
 from ops.host.lxcconf import GpuBlock, GpuDevice, find_stale_rules, plan_gpu_block
 from ops.host.pve import (

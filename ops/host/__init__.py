@@ -3,6 +3,5 @@
 - transport.py (the seam: run an argv, read and write files), ssh.py (over paramiko),
   targets.py (`local`, `sim:PATH`, `ssh://...` strings -> Transports);
 - pve.py (`pct`, `pveversion`), gpu.py (NVIDIA devices and driver), lxcconf.py (CT configs);
-- setup.py (what only provision sets up on the host), install.py (ddops itself on the host),
-  wheel.py (this ddops as a wheel).
+- wheel.py (this ddops as a wheel).
 """

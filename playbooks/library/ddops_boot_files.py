@@ -1,7 +1,7 @@
 #!/usr/bin/python
 """Ansible module: the boot files `ddops provision` installs on a host, as template variables.
 
-Read-only. It asks ddops (ops.host.setup.boot_specs) which files make a booted host recover its
+Read-only. It asks ddops (ops.chain.setup.boot_specs) which files make a booted host recover its
 GPU containers, and returns for each: its template under templates/, its variables and where it
 goes on the host (below `sysroot` for a simulated host). The play then renders them with
 Ansible's own `template` module from the same template files, so the playbook and the CLI write
@@ -155,7 +155,7 @@ ARGUMENT_SPEC = {
 
 def boot_files(containers: list[dict], sysroot: str | None) -> dict:
     """{name: {template, dest, unit, variables}} for the host's containers."""
-    from ops.host.setup import boot_specs
+    from ops.chain.setup import boot_specs
     from ops.site.inventory import ContainerSpec
 
     cts = [ContainerSpec(**ct) for ct in containers]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from ops.chain.install import install_host_ddops
 from ops.cli import cli
-from ops.host.install import install_host_ddops
 from ops.host.transport import LocalTransport
 from ops.sim import faults, pveconf
 

@@ -22,10 +22,10 @@ from pathlib import Path
 
 from ops.agents.staging import hub_errors
 from ops.chain.deploy import engine_device_dtype
+from ops.chain.install import HF_TOKEN_FILE, HOST_DDOPS, HOST_SITE
 from ops.chain.report import Outcome
 from ops.diffs import unified_diff
 from ops.host.gpu import gpu_memory
-from ops.host.install import HF_TOKEN_FILE, HOST_DDOPS, HOST_SITE
 from ops.host.pve import ct_config, validate_vmid
 from ops.host.transport import Transport
 from ops.site.inventory import ContainerSpec, EngineSpec, ModelRef, ModelSpec
@@ -64,7 +64,7 @@ def pct_create_argv(ct: ContainerSpec) -> list[str]:
 # -- recovery at boot --------------------------------------------------------------------------
 def boot_specs(gpu_minors: tuple[int, ...], vmids: tuple[int, ...]) -> list[TemplateSpec]:
     """The files that make a booted host recover its GPU CTs without a person: the recover unit
-    runs the host's own ddops on the host's own site file (ops/host/install.py)."""
+    runs the host's own ddops on the host's own site file (ops/chain/install.py)."""
     return [
         NvidiaModules(),
         GpuNodesUnit(gpu_minors=gpu_minors),

@@ -1,8 +1,8 @@
-"""ops/host/install.py: ddops and the host's own site file on the Proxmox host, for recovery at
+"""ops/chain/install.py: ddops and the host's own site file on the Proxmox host, for recovery at
 boot with nobody acting. Here on a simulated host reached locally (the wrapper path); the SSH
 path (a venv from a wheel over SFTP) runs in tests/integration/test_remote_boot.py.
 
-    python -m pytest -q tests/ops/host/test_install.py
+    python -m pytest -q tests/ops/chain/test_install.py
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ops.host import install as host_install
+from ops.chain import install as host_install
 from ops.host.transport import LocalTransport
 from ops.host.wheel import ddops_version
 from ops.sim.boot import unit_env

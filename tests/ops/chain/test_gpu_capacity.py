@@ -3,7 +3,7 @@ created: `ddops provision`'s gpu-capacity check, on a simulated host whose fake 
 memory size (`ddops sim init --gpu-memory-mib`), with Qwen3.6-27B's published config.json files
 (tests/data/qwen36_27b) served by a local hub (no weights: the plan needs the shapes only).
 
-    python -m pytest -q tests/ops/host/test_gpu_capacity.py
+    python -m pytest -q tests/ops/chain/test_gpu_capacity.py
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ops.host import setup as host_setup
+from ops.chain import setup as host_setup
 from ops.host.transport import LocalTransport
 from ops.sim.host import destroy_host, init_host
 from ops.sim.hub import LocalHub
