@@ -1,7 +1,7 @@
 """The engine's service manager where a container has no systemd (busybox, Alpine): a small supervisor.
 
 It runs INSIDE the container, with the engine's own Python, and runs the same systemd unit that
-a systemd container would run (one source of truth: ops/site/render.py's EngineUnit):
+a systemd container would run (one source of truth: ops/render.py's EngineUnit):
 
     python -m ops.agents.supervise start --unit /etc/ddops/ddops-engine.service   # detaches, then returns
     python -m ops.agents.supervise stop                                           # SIGTERM, then SIGKILL the group
@@ -48,7 +48,7 @@ SUPERVISOR_MODULE = "ops.agents.supervise"
 CLEAN_SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE)
 
 
-# -- the unit, read as systemd reads what ops/site/render.py writes ---------------------------------
+# -- the unit, read as systemd reads what ops/render.py writes --------------------------------------
 @dataclass(frozen=True)
 class UnitCommand:
     """What a unit runs: argv, its environment (Environment= lines), env files, restart delay."""

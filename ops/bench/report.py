@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ops.bench.matrix import SCENARIOS, parse_method
 from ops.bench.store import RunStore
-from ops.site.inventory import METHODS
+from ops.methods import METHODS
 
 METRICS = (
     "decode_tok_s",

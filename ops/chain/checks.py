@@ -46,8 +46,8 @@ from ops.host.pve import (
     supports_dev_entries,
 )
 from ops.host.transport import Transport
+from ops.render import TemplateSpec
 from ops.site.inventory import ContainerSpec, EngineSpec, HostSpec, ModelRef, ModelSpec
-from ops.site.render import TemplateSpec
 
 REQUIRED_MODULES = ("nvidia", "nvidia_uvm")
 PROBE_SCRIPT = (

@@ -6,7 +6,7 @@
     service_problem(t, 200)                    # None, or one line saying what is wrong
 
 Everything runs inside the CT through `pct exec` / `pct push` over a Transport. The service is
-ops/site/render.py's EngineUnit, rendered once: a CT with systemd (/run/systemd/system) gets it as
+ops/render.py's EngineUnit, rendered once: a CT with systemd (/run/systemd/system) gets it as
 /etc/systemd/system/ddops-engine.service; a CT without (busybox, Alpine) gets the same file as
 /etc/ddops/ddops-engine.service, run by the ddops supervisor (ops/agents/supervise.py) started
 detached inside the CT. The API key belongs to the host side: it lives in /etc/ddops/engine.env
@@ -34,8 +34,8 @@ from ops.errors import DdopsError
 from ops.host.pve import ct_exec, ct_push, validate_vmid
 from ops.host.transport import Result, Transport
 from ops.host.wheel import built_wheel, ddops_version
+from ops.render import EngineUnit, render
 from ops.site.inventory import EngineSpec
-from ops.site.render import EngineUnit, render
 
 API_KEY_ENV = "DDOPS_API_KEY"
 ENV_FILE = "/etc/ddops/engine.env"

@@ -28,8 +28,7 @@ from ops.diffs import unified_diff
 from ops.host.gpu import gpu_memory
 from ops.host.pve import ct_config, validate_vmid
 from ops.host.transport import Transport
-from ops.site.inventory import ContainerSpec, EngineSpec, ModelRef, ModelSpec
-from ops.site.render import (
+from ops.render import (
     GpuNodesUnit,
     Hookscript,
     NvidiaModules,
@@ -37,6 +36,7 @@ from ops.site.render import (
     TemplateSpec,
     render,
 )
+from ops.site.inventory import ContainerSpec, EngineSpec, ModelRef, ModelSpec
 
 WANTS_DIR = "/etc/systemd/system/multi-user.target.wants"
 ENGINE_RUNTIME_MIB = 2048  # Python + torch + CUDA context of the engine, beside the weights

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from enum import Enum, StrEnum
 
 from ops.errors import DdopsError
-from ops.site.render import render_template
+from ops.render import render_template
 
 GPU_BLOCK_TEMPLATE = "ct-gpu.conf.j2"
 NVIDIA_FRONTEND_MAJOR = 195  # /dev/nvidia0..N, /dev/nvidiactl, /dev/nvidia-modeset: fixed

@@ -35,6 +35,7 @@ import yaml
 from ops.errors import DdopsError, InputError
 from ops.host.pve import VMID_RANGE, VMID_RULE, validate_vmid
 from ops.host.targets import parse_target_syntax, valid_hostname
+from ops.methods import METHODS
 
 REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
 REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
@@ -48,11 +49,6 @@ NET_KEYS = ("name", "bridge", "ip", "ip6", "gw", "gw6", "hwaddr", "firewall", "t
 NET_PROPERTY = re.compile(rf"(?:{'|'.join(NET_KEYS)})=[A-Za-z0-9._:/-]+")
 ENGINE_PYTHON = re.compile(r"(/[A-Za-z0-9._+-]+)+")
 USER = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
-METHODS = (
-    "ar",
-    "linear",
-    "ddtree",
-)  # the engine's decoding methods, the one definition on the ops side
 DTYPES = ("auto", "float32", "bfloat16", "float64")
 DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]{1,2})?")
 DEFAULT_ENGINE_PYTHON = "/opt/ddops/venv/bin/python"

@@ -36,10 +36,10 @@ from ops.chain.stage_model import stage_model
 from ops.errors import DdopsError
 from ops.host.pve import ct_exec
 from ops.host.transport import LocalTransport, Result, Transport
+from ops.render import EngineUnit, render
 from ops.sim.host import destroy_host, init_host
 from ops.sim.hub import LocalHub
 from ops.site.inventory import EngineSpec, ModelRef
-from ops.site.render import EngineUnit, render
 from tests.helpers.engine_server import free_port
 from tests.helpers.tiny_qwen3 import save_tiny_qwen3
 
@@ -620,7 +620,7 @@ def test_engine_problem_names_a_missing_engine_and_a_version_mismatch(monkeypatc
 
 def test_the_unit_on_a_gpu_host_sees_the_cts_gpus_and_tp():
     from ops.host.transport import LocalTransport
-    from ops.site.render import render
+    from ops.render import render
 
     engine = EngineSpec(tp=2, python="/opt/ddops/venv/bin/python")
     unit = render(deploy.engine_unit(LocalTransport(), engine, "/dev/shm/models/t", "/d", None, 2))

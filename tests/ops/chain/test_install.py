@@ -15,10 +15,10 @@ import yaml
 from ops.chain import install as host_install
 from ops.host.transport import LocalTransport
 from ops.host.wheel import ddops_version
+from ops.render import RecoverUnit, render
 from ops.sim.boot import unit_env
 from ops.sim.host import destroy_host, init_host
 from ops.site.inventory import parse_site
-from ops.site.render import RecoverUnit, render
 from tests.helpers.site import inventory_document
 
 

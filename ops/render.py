@@ -5,7 +5,7 @@ environment copies that module's settings (trim_blocks on, lstrip_blocks off, th
 trailing newline kept, undefined variables an error) and every template takes all of its
 variables explicitly: the same variables give byte-identical files on both paths.
 
-    from ops.site.render import EngineUnit, render
+    from ops.render import EngineUnit, render
     unit = EngineUnit(python="/opt/ddops/bin/python", model="/dev/shm/models/target", ...)
     text = render(unit)                 # validated first: DdopsError names the bad value
     unit.INSTALL_PATH                   # where the file goes ("/etc/systemd/system/...")
@@ -25,8 +25,8 @@ from typing import Any, ClassVar, NoReturn
 import jinja2
 
 from ops.errors import DdopsError
+from ops.methods import METHODS
 from ops.resources import templates_dir
-from ops.site.inventory import METHODS
 
 MODULE_NAME = re.compile(r"[A-Za-z0-9_-]+")
 CUDA_DEVICE_LIST = re.compile(r"\d+(,\d+)*")

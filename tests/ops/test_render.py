@@ -1,6 +1,6 @@
-"""templates/ rendered by ops/site/render.py: golden text, validation, quoting, and parity with Ansible.
+"""templates/ rendered by ops/render.py: golden text, validation, quoting, and parity with Ansible.
 
-python -m pytest -q tests/ops/site/test_render.py
+python -m pytest -q tests/ops/test_render.py
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import pytest
 from engine.cli import serve
 from ops.errors import DdopsError
 from ops.host.lxcconf import GpuBlock, GpuDevice
-from ops.resources import templates_dir
-from ops.site.render import (
+from ops.render import (
     EngineUnit,
     GpuNodesUnit,
     Hookscript,
@@ -29,6 +28,7 @@ from ops.site.render import (
     render,
     render_template,
 )
+from ops.resources import templates_dir
 
 UVM = GpuDevice("/dev/nvidia-uvm", 509, 0, gid=44)
 BLOCK = GpuBlock((GpuDevice("/dev/nvidia0", 195, 0), UVM), style="devN", shm_size_gib=16)
