@@ -7,16 +7,17 @@
     render_report(result.run_dir)
 
 Modules: matrix (what to measure), prompts (scenario prompts sized with /tokenize), client
-(streamed, timed requests), store (run directories, crash-safe), runner (run_bench), report
-(markdown, CSV, JSON, PNG), endpoint (preflight: the recover chain, or a plain URL), tunnel
-(SSH port forward to a remote CT's engine). `ddops bench` is ops/commands/bench.py.
+(streamed, timed requests), runner (run_bench), report (markdown, CSV, JSON, PNG), endpoint
+(preflight: the recover chain, or a plain URL), tunnel (SSH port forward to a remote CT's
+engine). The result store (run directories, crash-safe) is ops/results.py, below the chain that
+quarantines its stale runs. `ddops bench` is ops/commands/bench.py.
 """
 
 from ops.bench.client import EngineClient
 from ops.bench.matrix import AgenticShape, BenchConfig, Cell, Method, parse_methods
 from ops.bench.report import render_report
 from ops.bench.runner import NullProgress, RichProgress, RunResult, run_bench
-from ops.bench.store import RunStore, find_stale_runs, quarantine_run
+from ops.results import RunStore, find_stale_runs, quarantine_run
 
 __all__ = [
     "AgenticShape",

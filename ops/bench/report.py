@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ops.bench.matrix import SCENARIOS, parse_method
-from ops.bench.store import RunStore
 from ops.methods import METHODS
+from ops.results import RunStore
 
 METRICS = (
     "decode_tok_s",

@@ -27,7 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ops.bench.client import EngineClient, Sample
 from ops.bench.matrix import BenchConfig, Cell
 from ops.bench.prompts import AgenticTranscript, decode_prompt, long_prompt
-from ops.bench.store import RunStore
+from ops.results import RunStore
 
 WARMUP_TOKENS = 8
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ops.agents.staging import SHM_MODELS
-from ops.bench.store import find_stale_runs, quarantine_run
 from ops.chain import deploy
 from ops.chain import install as host_install
 from ops.chain import setup as host_setup
@@ -47,6 +46,7 @@ from ops.host.pve import (
 )
 from ops.host.transport import Transport
 from ops.render import TemplateSpec
+from ops.results import find_stale_runs, quarantine_run
 from ops.site.inventory import ContainerSpec, EngineSpec, HostSpec, ModelRef, ModelSpec
 
 REQUIRED_MODULES = ("nvidia", "nvidia_uvm")

@@ -34,10 +34,10 @@ from ops.bench.matrix import (
 )
 from ops.bench.report import load_rows, markdown_report, render_report, summary_table
 from ops.bench.runner import RichProgress, run_bench
-from ops.bench.store import RunStore
 from ops.chain.deploy import API_KEY_ENV
 from ops.commands.shared import VIA, VMID
 from ops.errors import DdopsError
+from ops.results import RunStore
 
 
 def _parsed(parse):

@@ -25,8 +25,8 @@ from ops.bench.client import EngineClient
 from ops.bench.matrix import BenchConfig, Method, parse_methods
 from ops.bench.prompts import long_prompt
 from ops.bench.runner import NullProgress, run_bench
-from ops.bench.store import MANIFEST, RUNNING, RunStore, find_stale_runs, read_json
 from ops.errors import DdopsError
+from ops.results import MANIFEST, RUNNING, RunStore, find_stale_runs, read_json
 from tests.helpers.engine_server import start_engine_server
 from tests.helpers.tiny_qwen3 import save_tiny_dflash, save_tiny_qwen3
 from tests.helpers.tiny_tokenizer import BYTE_VOCAB_SIZE, save_byte_tokenizer

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from ops.bench.store import find_stale_runs
 from ops.chain import checks, output
 from ops.chain import report as report_module
 from ops.chain import runner as recover
 from ops.chain.checks import ChainContext, Check, Finding, Policy
 from ops.chain.report import Outcome
 from ops.host.transport import LocalTransport
+from ops.results import find_stale_runs
 from ops.sim import faults
 from ops.sim.host import reboot_host
 from ops.site.inventory import ContainerSpec, EngineSpec, ModelRef, ModelSpec

@@ -16,7 +16,7 @@ from ops.bench.client import EngineClient
 from ops.bench.matrix import AgenticShape, BenchConfig, parse_methods
 from ops.bench.prompts import AGENT_TOOLS, AgenticTranscript
 from ops.bench.runner import NullProgress, run_bench
-from ops.bench.store import RunStore
+from ops.results import RunStore
 from tests.helpers.conversations import DEMO_TARGET
 from tests.helpers.engine_server import start_engine_server
 

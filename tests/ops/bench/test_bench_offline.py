@@ -36,7 +36,9 @@ from ops.bench.prompts import (
 )
 from ops.bench.report import csv_text, load_rows, render_report
 from ops.bench.runner import NullProgress, percentile, run_bench, summarize
-from ops.bench.store import (
+from ops.cli import cli
+from ops.errors import DdopsError
+from ops.results import (
     COMPLETE,
     CRASHED,
     MANIFEST,
@@ -46,8 +48,6 @@ from ops.bench.store import (
     quarantine_run,
     read_json,
 )
-from ops.cli import cli
-from ops.errors import DdopsError
 from tests.helpers import DATA as HELPERS_DATA
 
 DATA = HELPERS_DATA / "bench"

@@ -15,7 +15,7 @@ A run whose manifest says running, started on this machine, whose pid is gone, i
 the finished cells) into `crashed-<UTC stamp>/`; nothing is ever deleted. `RunStore.open` does
 that to every stale run first, then resumes the newest unfinished run with the same config
 fingerprint, measuring only its missing cells. The recover chain's check 10 calls
-`find_stale_runs` and `quarantine_run` (the layout matches ops/benchstate.py's).
+`find_stale_runs` and `quarantine_run`, so the store sits below both the chain and the bench.
 """
 
 from __future__ import annotations
