@@ -17,18 +17,18 @@ from pathlib import Path
 
 import click
 
-from ops.bench.matrix import BenchConfig
-from ops.bench.report import summary_table
-from ops.chain.checks import Policy
-from ops.chain.output import render_reports
-from ops.chain.report import reports_json
-from ops.site.ansible import (
+from ops.ansible import (
     bench_documents,
     hosts_json,
     render_hosts,
     run_bench_playbook,
     run_chain_playbook,
 )
+from ops.bench.matrix import BenchConfig
+from ops.bench.report import summary_table
+from ops.chain.checks import Policy
+from ops.chain.output import render_reports
+from ops.chain.report import reports_json
 from ops.site.selection import OpenedSite, open_site, results_dir
 
 

@@ -1,3 +1,1 @@
-"""The site: the inventory the CLI and the playbooks read, the containers a command acts on,
-and the playbooks run over it with ansible-runner.
-"""
+"""The site: the inventory the CLI and the playbooks read, and the containers a command acts on."""

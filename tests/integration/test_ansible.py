@@ -24,6 +24,15 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from ops.ansible import (
+    PLAYBOOKS,
+    PlaybookRun,
+    bench_args,
+    connection_vars,
+    run_playbook,
+    site_inventory,
+    with_local_connections,
+)
 from ops.bench.matrix import AgenticShape, BenchConfig, parse_methods
 from ops.chain.checks import Policy, chain_for
 from ops.chain.deploy import SUPERVISED_UNIT
@@ -34,15 +43,6 @@ from ops.host.wheel import built_wheel, ddops_version
 from ops.resources import playbooks_dir
 from ops.sim.host import destroy_host, init_host, reboot_host
 from ops.sim.hub import LocalHub
-from ops.site.ansible import (
-    PLAYBOOKS,
-    PlaybookRun,
-    bench_args,
-    connection_vars,
-    run_playbook,
-    site_inventory,
-    with_local_connections,
-)
 from ops.site.inventory import parse_site
 from ops.site.selection import open_site
 from tests.helpers.site import inventory_document, run_ddops, sim_site
@@ -154,7 +154,7 @@ def _check_item(vmid: int, key: str, status: str, evidence: str = "") -> dict:
 
 def test_a_skipped_check_task_is_a_skipped_check_of_each_ct_of_its_host():
     """Ansible drops a skipped task's result (no `res`): the report names the unmet needs."""
-    from ops.site.ansible import _on_event
+    from ops.ansible import _on_event
 
     run = PlaybookRun()
     planned = {"changed": True, "results": [_check_item(200, "ct-exists", "would change")]}
@@ -188,7 +188,7 @@ def test_every_check_task_is_named_as_its_check():
 
 
 def test_events_become_per_ct_reports_and_per_host_outcomes():
-    from ops.site.ansible import _on_event
+    from ops.ansible import _on_event
 
     run, lines = PlaybookRun(), []
     events = [
