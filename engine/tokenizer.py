@@ -7,7 +7,7 @@ The engine itself works on token ids; the CLI and the HTTP server use this to wr
     text = tok.decode(ids)
     prompt = tok.render_chat(messages, tools=tools, enable_thinking=False)
 
-Chat templates render through engine/server/chat_template.py, as transformers renders them; the special
+Chat templates render through engine/chat_template.py, as transformers renders them; the special
 tokens named in tokenizer_config.json (bos, eos, unk, pad) are template variables there too.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from engine.server.chat_template import render
+from engine.chat_template import render
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -86,7 +86,7 @@ class Tokenizer:
         documents: list[dict] | None = None,
         **template_kwargs: Any,
     ) -> str:
-        """The prompt text; a template's refusal raises engine.server.chat_template.ChatTemplateError."""
+        """The prompt text; a template's refusal raises engine.chat_template.ChatTemplateError."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         return render(

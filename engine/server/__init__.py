@@ -5,9 +5,9 @@
 - a module per API: completions.py, chat_completions.py (both answer in choices.py's shape),
   over one generation path, generation.py (submit to the worker, events, usage, errors);
 - schemas.py: request bodies, validated; body.py: reading them under a size limit;
-- chat.py, chat_template.py: prompts rendered from messages and tools; tools.py, reasoning.py:
-  tool calls and `<think>` blocks parsed back out of the generated text; text.py: incremental
-  detokenisation;
+- chat.py: prompts rendered from messages and tools (through engine/chat_template.py);
+  tools.py, reasoning.py: tool calls and `<think>` blocks parsed back out of the generated text;
+  text.py: incremental detokenisation;
 - worker.py: the one thread that runs generations; metrics.py: /metrics; shutdown.py: draining
   at SIGTERM.
 """

@@ -1,6 +1,6 @@
 """Chat completions for agents: OpenAI messages and tools -> the prompt; output -> message fields.
 
-`build_chat_prompt` renders a request with the model's own chat template (engine/server/chat_template.py):
+`build_chat_prompt` renders a request with the model's own chat template (engine/chat_template.py):
 assistant `tool_calls` (their JSON `arguments` read into objects, as templates expect), `tool`
 messages, `tools`, `documents` and `chat_template_kwargs` (e.g. `enable_thinking`). It refuses, as
 a 400, what the template or the server cannot honour instead of dropping it: tools for a template
@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.server.chat_template import RESERVED_VARIABLES, ChatTemplateError, template_variables
+from engine.chat_template import RESERVED_VARIABLES, ChatTemplateError, template_variables
 from engine.server.reasoning import CLOSE_OPEN_BLOCK, ReasoningSplitter, prompt_opens_reasoning
 from engine.server.schemas import ApiError, ChatTemplateInputs, Message
 from engine.server.tools import Schemas, ToolCall, ToolCallExtractor, ToolCallFormat

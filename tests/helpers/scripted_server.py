@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterator
 
 import httpx
 
+from engine.chat_template import render
 from engine.decode import GenerationConfig, GenerationResult
 from engine.server.app import create_app
-from engine.server.chat_template import render
 from engine.server.shutdown import draining_server
 from engine.server.state import LoadedEngine, ServerConfig
 

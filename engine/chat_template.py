@@ -11,7 +11,7 @@ tokenizer's special tokens and any extra keyword (e.g. `enable_thinking`).
     text = render(template, messages, tools=tools, add_generation_prompt=True,
                   special_tokens={"eos_token": "<|im_end|>"}, enable_thinking=False)
 
-tests/engine/server/test_chat_template.py checks that this and transformers give byte-identical text.
+tests/engine/test_chat_template.py checks that this and transformers give byte-identical text.
 """
 
 from __future__ import annotations

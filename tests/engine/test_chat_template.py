@@ -5,7 +5,7 @@ the demo pair's own, a Qwen3.5-style one (XML tool calls, <think> opened in the 
 prompt) and one that reaches for the rest of transformers' Jinja environment (bos_token,
 strftime_now, documents, dict, tojson options, {% generation %}, loop controls,
 raise_exception). Every message shape an agent sends goes through both renderers, once as
-plain dicts (engine/server/chat_template.py via engine/tokenizer.py) and once as an OpenAI request body
+plain dicts (engine/chat_template.py via engine/tokenizer.py) and once as an OpenAI request body
 through the server's own path (engine/server/chat.py: `content: null`, arguments as JSON strings).
 transformers is handed the arguments as objects, as its docs ask; the server reads them so too.
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from engine.chat_template import ChatTemplateError, render, template_variables
 from engine.server.chat import OutputParsing, build_chat_prompt
-from engine.server.chat_template import ChatTemplateError, render, template_variables
 from engine.server.schemas import ApiError, ChatRequest, parse_body
 from engine.server.tools import FORMATS
 from engine.tokenizer import load_tokenizer
