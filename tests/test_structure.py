@@ -1,5 +1,6 @@
-"""The project's shape: no import cycle, the engine's runtime apart from its tools, no module
-sharing a name with a package beside or above it, and the README's layout matching the tree.
+"""The project's shape: no import cycle, ops/ in layers (each importing only the ones below it) and
+no cycle among engine/'s folders, the engine's runtime apart from its tools, no module sharing a
+name with a package beside or above it, and the README's layout matching the tree.
 
 Imports are read from the source (every `import` and `from ... import`, at any depth of a file),
 so an import inside a function counts as much as one at the top.
@@ -8,6 +9,7 @@ so an import inside a function counts as much as one at the top.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,105 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_no_import_cycle_among_the_projects_modules():
     assert find_cycle(import_graph()) is None
+
+
+# ops/, bottom up: a folder or top-level module (a unit) imports only units of the layers below
+# its own. README's Layout lists the same order.
+OPS_LAYERS = (
+    ("ops", "ops.errors", "ops.diffs", "ops.methods", "ops.resources"),
+    ("ops.render",),
+    ("ops.host",),
+    ("ops.site",),
+    ("ops.agents",),
+    ("ops.results",),
+    ("ops.chain",),
+    ("ops.bench",),
+    ("ops.ansible",),
+    ("ops.demo_story",),
+    ("ops.commands",),
+    ("ops.cli",),
+)
+# The simulator, host's test double, stands beside the layers between `above` and `below`: it
+# imports only layers up to `above`'s, and only layers from `below`'s up import it.
+OPS_SIDE = {"ops.sim": ("ops.agents", "ops.demo_story")}
+# Landing with issue 32 (i32): selection's default site from the caller, the sim's own.
+PENDING = {"ops.site imports ops.sim"}
+
+
+def unit_of(module: str) -> str:
+    """The folder or top-level module of its package that `module` belongs to."""
+    return ".".join(module.split(".")[:2])
+
+
+def unit_graph(package: str) -> dict[str, set[str]]:
+    """Which units of `package` import which (a unit's own imports of itself left out)."""
+    graph: dict[str, set[str]] = {}
+    for module, imported in import_graph().items():
+        if module.split(".")[0] == package:
+            unit = unit_of(module)
+            graph.setdefault(unit, set()).update(unit_of(i) for i in imported if unit_of(i) != unit)
+    return graph
+
+
+def layer_spans() -> dict[str, tuple[float, float]]:
+    """Each ops unit's (lowest, highest) layer: the same for a layer's units; a unit beside the
+    layers spans the gap between the layers it stands on and the ones that use it."""
+    spans = {unit: (float(i), float(i)) for i, layer in enumerate(OPS_LAYERS) for unit in layer}
+    for unit, (above, below) in OPS_SIDE.items():
+        spans[unit] = (spans[above][1] + 0.5, spans[below][0] - 0.5)
+    return spans
+
+
+def layering_offences(
+    graph: dict[str, set[str]], spans: dict[str, tuple[float, float]]
+) -> list[str]:
+    """Each import of a unit that is not wholly below the importer, and each unit with no layer."""
+    offences = [f"{unit} has no layer" for unit in sorted(graph.keys() - spans.keys())]
+    for unit, imported in sorted(graph.items()):
+        for other in sorted(imported & spans.keys()):
+            if unit in spans and not spans[other][1] < spans[unit][0]:
+                offences.append(f"{unit} imports {other}")
+    return offences
+
+
+def test_the_layering_check_finds_an_import_upwards_and_a_unit_without_a_layer():
+    spans = {"low": (0, 0), "side": (0.5, 1.5), "mid": (1, 1), "top": (2, 2)}
+    graph = {"low": {"mid"}, "mid": {"low", "side"}, "side": {"low"}, "top": {"side"}, "new": set()}
+    assert layering_offences(graph, spans) == [
+        "new has no layer",
+        "low imports mid",
+        "mid imports side",
+    ]
+
+
+def test_every_ops_unit_imports_only_the_layers_below_it():
+    """Function-level imports count: a lazy import upwards is still an upward dependency."""
+    offences = set(layering_offences(unit_graph("ops"), layer_spans())) - PENDING
+    assert not offences, "\n".join(sorted(offences))
+
+
+def test_no_cycle_among_the_engines_folders():
+    cycle = find_cycle(unit_graph("engine"))
+    assert cycle is None, " imports ".join(cycle)
+
+
+def readme_ops_layers() -> list[tuple[str, ...]]:
+    """The layers README's Layout lists, bottom up: one numbered line each, its paths in
+    backquotes before the colon (`host/` for ops.host, `cli.py` for ops.cli, `__init__.py` for
+    ops itself)."""
+    section = (REPO / "README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    layers = []
+    for line in section.splitlines():
+        if match := re.match(r"\d+\. ((?:`[^`]+`(?:, )?)+):", line):
+            names = (
+                p.removesuffix("/").removesuffix(".py") for p in re.findall("`([^`]+)`", match[1])
+            )
+            layers.append(tuple("ops" if n == "__init__" else f"ops.{n}" for n in names))
+    return layers
+
+
+def test_the_readme_lists_the_layers_of_ops_in_order():
+    assert readme_ops_layers() == list(OPS_LAYERS)
 
 
 def test_no_runtime_engine_module_imports_a_tool():
