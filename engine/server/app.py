@@ -2,7 +2,7 @@
 
 Run it with `python -m engine serve --model DIR [--draft DIR] ...` (engine/cli/serve.py).
 
-Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (both with
+Endpoints: `GET /v1/models` (and `/v1/models/{id}`), `POST /v1/completions`, `POST /v1/chat/completions` (both with
 `"stream": true` as server-sent events ending in `data: [DONE]`), `POST /tokenize`,
 `GET /health` (alive), `GET /ready` or `/health?ready=1` (model loaded and a 1-token generation
 succeeded), `GET /metrics` (Prometheus text). With an API key, every endpoint but /health and
@@ -41,7 +41,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from engine.decode import GenerationConfig
 from engine.server import chat_completions, completions
@@ -109,6 +111,8 @@ def create_app(
     )
     app.state.server = state
     app.add_exception_handler(ApiError, state.api_error_response)
+    app.add_exception_handler(HTTPException, _http_error(state))
+    app.add_exception_handler(RequestValidationError, _validation_error(state))
     app.include_router(_open_routes(state))
     protected = [Depends(state.require_api_key)]
     app.include_router(_service_routes(state), dependencies=protected)
@@ -135,17 +139,50 @@ def _open_routes(state: ServerState) -> APIRouter:
     return router
 
 
+def _http_error(state: ServerState):
+    """Starlette's own errors (an unknown route, a method the route lacks) in OpenAI's shape."""
+
+    async def handle(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code in (404, 405):
+            message = f"Invalid URL ({request.method} {request.url.path})"  # OpenAI's words
+        else:
+            message = str(exc.detail)
+        error = ApiError(exc.status_code, message)
+        response = await state.api_error_response(request, error)
+        response.headers.update(exc.headers or {})
+        return response
+
+    return handle
+
+
+def _validation_error(state: ServerState):
+    """FastAPI's checks of query and path parameters: a 400 naming the first bad one."""
+
+    async def handle(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        param = ".".join(str(part) for part in first["loc"][1:]) or None
+        error = ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param)
+        return await state.api_error_response(request, error)
+
+    return handle
+
+
 def _service_routes(state: ServerState) -> APIRouter:
-    async def models() -> dict:
-        engine = state.ready_engine()
-        card = {
+    def card() -> dict:
+        return {
             "id": state.config.model_name,
             "object": "model",
             "created": state.started,
             "owned_by": "ddops",
-            "max_model_len": engine.max_model_len,
+            "max_model_len": state.ready_engine().max_model_len,
         }
-        return {"object": "list", "data": [card]}
+
+    async def models() -> dict:
+        return {"object": "list", "data": [card()]}
+
+    async def model(model: str) -> dict:
+        state.check_model(model)
+        return card()
 
     async def metrics_text() -> Response:
         state.metrics.queue_waiting.set(state.worker.waiting)
@@ -156,6 +193,7 @@ def _service_routes(state: ServerState) -> APIRouter:
 
     router = APIRouter()
     router.add_api_route("/v1/models", models, methods=["GET"])
+    router.add_api_route("/v1/models/{model:path}", model, methods=["GET"])
     router.add_api_route("/tokenize", tokenize, methods=["POST"])
     router.add_api_route("/metrics", metrics_text, methods=["GET"])
     return router

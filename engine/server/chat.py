@@ -203,7 +203,7 @@ class ChatOutput:
         """The non-streamed message from all of one generation's deltas."""
         content = "".join(d.get("content", "") for d in deltas)
         reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
-        message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        message: dict[str, Any] = {"role": "assistant", "content": content or None, "refusal": None}
         if not self.calls:
             message["content"] = content
         if reasoning:

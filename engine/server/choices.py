@@ -74,7 +74,7 @@ class _Answer:
     async def stream(self) -> AsyncIterator[str]:
         shape = self.shape
         if shape.chat:
-            first = {"role": "assistant", "content": ""}
+            first = {"role": "assistant", "content": "", "refusal": None}
             yield gen.sse(self._chunk(shape.chunk_choice(first, None)))
         async for event in gen.events(self.generation):
             if isinstance(event, Delta):
@@ -101,7 +101,7 @@ class _Answer:
             "model": self.state.config.model_name,
             "choices": [self.shape.choice(output, self._finish_reason(result))],
             "usage": gen.usage(self.generation, result),
-            "speculative": gen.speculative_stats(self.generation, result),
+            "speculative": gen.speculative_stats(self.generation, done),
         }
 
     def _chunk(self, choice: dict | None, **extra) -> dict:
@@ -122,7 +122,7 @@ class _Answer:
                 chunks.append(self._chunk(shape.chunk_choice(delta, None)))
         finish = self._finish_reason(done.result)
         choice = shape.chunk_choice({} if shape.chat else "", finish)
-        stats = gen.speculative_stats(self.generation, done.result)
+        stats = gen.speculative_stats(self.generation, done)
         chunks.append(self._chunk(choice, speculative=stats))
         if self.generation.include_usage:
             chunks.append(self._chunk(None, usage=gen.usage(self.generation, done.result)))

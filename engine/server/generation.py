@@ -154,7 +154,9 @@ def _recording_emitter(
     def emit(event: Delta | Done | Failed) -> None:
         if isinstance(event, Done) and event.result is not None:
             finish = _engine_finish_reason(text, event.result)
-            state.metrics.observe_generation(method, prompt_tokens, event.result, finish)
+            state.metrics.observe_generation(
+                method, prompt_tokens, event.result, finish, event.ttft_s
+            )
         put(event)
 
     return emit
@@ -247,8 +249,10 @@ def usage(generation: Generation, result: Any) -> dict:
     }
 
 
-def speculative_stats(generation: Generation, result: Any) -> dict:
+def speculative_stats(generation: Generation, done: Done) -> dict:
+    """`ttft_s` counts the time the request waited in the queue."""
     stats = {"method": generation.method, "budget": generation.budget, "rounds": 0}
+    result = done.result
     if result is None:
         return stats
     lengths = result.acceptance_lengths
@@ -257,7 +261,7 @@ def speculative_stats(generation: Generation, result: Any) -> dict:
         "rounds": len(lengths),
         "mean_acceptance_length": statistics.fmean(lengths) if lengths else 0.0,
         "decode_tokens_per_s": result.decode_tokens_per_s,
-        "ttft_s": result.ttft_s,
+        "ttft_s": done.ttft_s,
     }
 
 

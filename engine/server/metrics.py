@@ -9,7 +9,8 @@ Each server owns its registry, so several apps (tests) never share counters. Nam
 - `ddops_engine_prompt_tokens_total{method}`, `ddops_engine_generated_tokens_total{method}`
 - `ddops_engine_acceptance_length{method}`: histogram of tokens committed per round (bonus
   included), the speculative decoders' tau
-- `ddops_engine_decode_tokens_per_second{method}`, `ddops_engine_ttft_seconds{method}`: histograms
+- `ddops_engine_decode_tokens_per_second{method}`, `ddops_engine_ttft_seconds{method}` (from
+  the request's submission: its wait in the queue counts): histograms
 - `ddops_engine_queue_waiting`: requests waiting for the worker
 """
 
@@ -68,7 +69,7 @@ class ServerMetrics:
         )
         self.ttft = Histogram(
             "ddops_engine_ttft_seconds",
-            "Time to first token of each generation.",
+            "Time to first token of each generation, its wait in the queue included.",
             ["method"],
             buckets=_TTFT_BUCKETS,
             registry=r,
@@ -78,16 +79,17 @@ class ServerMetrics:
         )
 
     def observe_generation(
-        self, method: str, prompt_tokens: int, result, finish_reason: str
+        self, method: str, prompt_tokens: int, result, finish_reason: str, ttft_s: float
     ) -> None:
-        """Record one finished generation (an engine.decode.GenerationResult)."""
+        """Record one finished generation (an engine.decode.GenerationResult); `ttft_s` counts
+        the time it waited in the queue."""
         self.generations.labels(method, finish_reason).inc()
         self.prompt_tokens.labels(method).inc(prompt_tokens)
         self.generated_tokens.labels(method).inc(len(result.output_ids))
         for accepted in result.acceptance_lengths:
             self.acceptance_length.labels(method).observe(accepted)
         self.decode_speed.labels(method).observe(result.decode_tokens_per_s)
-        self.ttft.labels(method).observe(result.ttft_s)
+        self.ttft.labels(method).observe(ttft_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,6 +1,9 @@
 """Request bodies of the engine's OpenAI-compatible API, and its error shape.
 
-Bodies are parsed strictly (a string where a number belongs is an error, not a coercion).
+Bodies are parsed strictly (a string where a number belongs is an error, not a coercion), with
+two allowances OpenAI's own schema makes: a JSON null for a field with a default means that
+default (OpenAI marks `stream`, `temperature`, `n`, `echo`, ... nullable; a null `prompt` is the
+document separator OpenAI defaults it to), and an integral number (`2.0`) is an integer.
 `parse_body` turns every parse or validation failure into an `ApiError`, which the server renders
 as OpenAI's `{"error": {"message", "type", "param", "code"}}` with status 400: bad input never
 becomes a 500.
@@ -17,9 +20,17 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from engine.methods import METHODS
 
@@ -27,6 +38,8 @@ log = logging.getLogger(__name__)
 
 # torch.Generator.manual_seed takes a 64-bit integer; a seed is accepted as a signed one (as vLLM).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# What a completion's prompt is when null: OpenAI's default, the document separator.
+DOCUMENT_START = "<|endoftext|>"
 
 # Fields of OpenAI's API (openai-python's CompletionCreateParams, chat and legacy).
 CHAT_API_FIELDS = frozenset(
@@ -153,8 +166,34 @@ class ApiError(Exception):
         }
 
 
+def _integral(value: Any) -> Any:
+    """`2.0` -> 2: JSON Schema's integer is any number without a fraction (so is OpenAI's)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Integer = Annotated[int, BeforeValidator(_integral)]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_takes_the_default(cls, data: Any) -> Any:
+        """A JSON null for a field with a (non-null) default means that default."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            name: value
+            for name, value in data.items()
+            if value is not None
+            or name not in fields
+            or fields[name].is_required()
+            or fields[name].default is None
+        }
 
 
 class _Request(_Body):
@@ -168,7 +207,7 @@ class Speculative(_Body):
     """Per-request decoding choice; fields left out take the server's defaults."""
 
     method: Literal[METHODS] | None = None  # type: ignore[valid-type]  # the tuple unpacks
-    budget: int | None = Field(None, ge=1, le=1024)
+    budget: Integer | None = Field(None, ge=1, le=1024)
 
 
 class StreamOptions(_Body):
@@ -180,11 +219,11 @@ class _Sampling(_Request):
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    seed: Integer | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = Field(None, max_length=4)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: Integer = Field(1, ge=1, le=1)
     speculative: Speculative | None = None
 
     def stop_strings(self) -> list[str]:
@@ -200,9 +239,14 @@ class CompletionRequest(_Sampling):
 
     api_fields: ClassVar[frozenset[str]] = COMPLETION_API_FIELDS
 
-    prompt: str | list[int] = Field(min_length=1)
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: str | list[Integer] | None = Field(min_length=1)
+    max_tokens: Integer | None = Field(16, ge=1)
     echo: Literal[False] = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _null_prompt_starts_a_document(cls, prompt: str | list[int] | None) -> str | list[int]:
+        return DOCUMENT_START if prompt is None else prompt
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -290,8 +334,8 @@ class ChatRequest(ChatTemplateInputs, _Sampling):
     """`POST /v1/chat/completions`: messages rendered with the model directory's chat template."""
 
     api_fields: ClassVar[frozenset[str]] = CHAT_API_FIELDS
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Integer | None = Field(None, ge=1)
+    max_completion_tokens: Integer | None = Field(None, ge=1)
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:

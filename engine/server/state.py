@@ -151,9 +151,10 @@ class ServerState:
         return self.engine
 
     def check_model(self, model: str | None) -> None:
+        """A model this server does not serve is a 404 (as OpenAI and vLLM answer)."""
         if model and model != self.config.model_name:
             raise ApiError(
-                400,
+                404,
                 f"model '{model}' is not served here; this server serves '{self.config.model_name}'",
                 param="model",
                 code="model_not_found",

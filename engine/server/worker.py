@@ -26,6 +26,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +59,12 @@ class Delta:
 @dataclass(frozen=True)
 class Done:
     result: Any  # engine.decode.GenerationResult; None when the job was skipped (cancelled early)
+    queued_s: float = 0.0  # how long the job waited for the worker before its generation began
+
+    @property
+    def ttft_s(self) -> float:
+        """Time to first token as the client sees it: the wait in the queue, then the engine's."""
+        return self.queued_s + self.result.ttft_s
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,7 @@ class Job:
     text: TextAssembler
     emit: Callable[[Delta | Done | Failed], None]
     cancel: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.monotonic)
 
 
 _STOP = object()  # queue sentinel
@@ -158,6 +166,7 @@ class GenerationWorker:
         if job.cancel.is_set():
             job.emit(Done(None))
             return
+        queued_s = time.monotonic() - job.submitted
         try:
             result = self._generate(
                 job.prompt_ids,
@@ -179,7 +188,7 @@ class GenerationWorker:
             job.emit(_CUT)  # cut short by the shutdown, not finished
             return
         _emit_text(job, job.text.finish())
-        job.emit(Done(result))
+        job.emit(Done(result, queued_s))
 
     def _fail_waiting_jobs(self) -> None:
         while True:

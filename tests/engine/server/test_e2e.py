@@ -164,7 +164,7 @@ def test_context_limit_is_exact(http):
     ("body", "status"),
     [
         (b"{", 400),
-        (b'{"prompt": "x", "model": "other"}', 400),
+        (b'{"prompt": "x", "model": "other"}', 404),
         (b'{"prompt": "x", "max_tokens": -5}', 400),
         (b'{"prompt": "x", "temperature": "hot"}', 400),
         (b'{"messages": "hi"}', 400),

@@ -228,6 +228,7 @@ def test_reasoning_then_parallel_calls_make_one_message_streamed_or_not():
     assert messages[0] == {
         "role": "assistant",
         "content": None,
+        "refusal": None,
         "reasoning_content": "Two cities.",
         "tool_calls": [
             {
@@ -262,7 +263,7 @@ def test_a_forced_opening_is_the_start_of_the_output():
 def test_without_parsers_the_text_is_all_content():
     output = chat_output(tool_format=None, starts_in_reasoning=None)
     message = output.message(output.feed(AGENT_TURN) + output.finish())
-    assert message == {"role": "assistant", "content": AGENT_TURN}
+    assert message == {"role": "assistant", "content": AGENT_TURN, "refusal": None}
 
 
 class ThinkingRenderer(CharTokenizer):
