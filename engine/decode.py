@@ -30,7 +30,7 @@ over a fixed window of cache slots; on CUDA each is captured once as a CUDA grap
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -39,10 +39,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.grammar import Constraint, Guide, mask_logits
 from engine.methods import METHODS
 from engine.models.common import key_window
 from engine.models.dflash import DraftInputs
-from engine.sampling import choose, make_generator
+from engine.sampling import NO_SAMPLING, Penalties, Sampling, choose, make_generator
 from engine.tree import (
     DraftTree,
     build_tree,
@@ -50,6 +51,7 @@ from engine.tree import (
     pack_pass,
     packed_size,
     padded_parents,
+    path_tokens,
     staged,
     to_device,
     top_k_log_probs,
@@ -71,6 +73,8 @@ class GenerationConfig:
     trace: bool = False
     prefill_chunk: int = 2048  # prompt tokens per target pass: bounds a prefill's activations
     cuda_graphs: bool = True  # on CUDA: replay the static passes as captured CUDA graphs
+    sampling: Sampling = NO_SAMPLING  # top_p, top_k, min_p and the penalties (engine/sampling.py)
+    constraint: Constraint | None = None  # a grammar the output follows (engine/grammar.py)
 
 
 @dataclass
@@ -210,6 +214,8 @@ def _check(cfg: GenerationConfig, drafter) -> None:
         raise ValueError("max_new_tokens must be >= 1 and temperature >= 0")
     if cfg.prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, not {cfg.prefill_chunk}")
+    if cfg.constraint and not set(cfg.constraint.stop_token_ids) <= set(cfg.stop_token_ids):
+        raise ValueError("the grammar's stop tokens must be among stop_token_ids")
 
 
 class _Sequence:
@@ -231,6 +237,8 @@ class _Sequence:
         self.static_draft = self.speculative and getattr(drafter, "static_ok", False)
         self.graphs = cfg.cuda_graphs and self.device.type == "cuda"
         self.passes = _Passes()
+        self.guide = Guide(cfg.constraint) if cfg.constraint else None
+        self.penalties: Penalties | None = None  # made at the prefill's logits (their width)
 
     def prefill(self, prompt_ids: list[int]) -> int:
         """Run the prompt in chunks of cfg.prefill_chunk, each committed as it goes; the bonus
@@ -244,18 +252,41 @@ class _Sequence:
                     if self.context is None:  # the drafter's features of the whole prompt
                         self.context = hidden.new_empty(len(prompt_ids), hidden.shape[1])
                     self.context[start : start + len(chunk)] = hidden
-            self.bonus = int(choose(logits, self.cfg.temperature, self.generator)[0])
+            if self.cfg.sampling.penalized:
+                self.penalties = Penalties(self.cfg.sampling, logits.shape[-1], self.device)
+                self.penalties.start(prompt_ids)
+            self.bonus = int(self._choose(logits, None)[0])
+            self._advance([0], self.bonus)
         return self.bonus
+
+    def _choose(self, logits: torch.Tensor, tree: DraftTree | None) -> torch.Tensor:
+        """The target's choice at verify indices 0..n of `tree` (None: the prefill's last token)
+        under the grammar's state and the penalties along each index's own path."""
+        if self.guide is not None:
+            masks = self.guide.masks(logits.shape[0])  # host work while the device computes
+            logits = mask_logits(logits, to_device(masks, self.device))
+        if self.penalties is not None:
+            logits = self.penalties.apply(logits, path_tokens(tree) if tree else None)
+        return choose(logits, self.cfg.temperature, self.generator, self.cfg.sampling)
+
+    def _advance(self, accepted: list[int], next_bonus: int, tokens: Sequence[int] = ()) -> None:
+        """The grammar and the penalties follow the output: `tokens`, then the next bonus."""
+        if self.guide is not None:
+            self.guide.advance(accepted, next_bonus)
+        if self.penalties is not None:
+            self.penalties.add([*tokens, next_bonus])
 
     def propose(self, depth_room: int, node_room: int) -> DraftTree:
         """The draft to verify after the bonus: empty for ar or when nothing more fits."""
+        if self.guide is not None:
+            self.guide.start_round()
         if not self.speculative or min(depth_room, node_room) <= 0:
             return chain_tree(np.zeros(0, np.int64))
         with self.clock.stage("draft"):
             logits = self._draft()
             self.context = None
         with self.clock.stage("tree"):
-            return _shape_draft(self.cfg, logits, depth_room, node_room)
+            return _shape_draft(self.cfg, logits, depth_room, node_room, self.guide)
 
     def _draft(self) -> torch.Tensor:  # [B-1, V]
         """The drafter's logits after the bonus: a static pass unless the context is longer
@@ -289,8 +320,7 @@ class _Sequence:
                 logits, hidden, pending = self._verify_static(tree)
             else:
                 logits, hidden, pending = self._verify_growing(tree)
-            choices = choose(logits[:n], self.cfg.temperature, self.generator)
-            return choices.tolist(), hidden, pending
+            return self._choose(logits[:n], tree).tolist(), hidden, pending
 
     def _verify_static(self, tree: DraftTree):
         """[bonus, nodes..., padding] as one static pass of `width` tokens."""
@@ -331,8 +361,10 @@ class _Sequence:
                 path = to_device(host_path.numpy(), self.device)
                 fresh = hidden[path]  # [K, n*H] features of the newly committed tokens
                 self.context = fresh if self.context is None else torch.cat([self.context, fresh])
+            drafted = [int(tree.tokens[i - 1]) for i in accepted[1:]]
+            self._advance(accepted, next_bonus, drafted)
         self.bonus = next_bonus
-        return accepted, [int(tree.tokens[i - 1]) for i in accepted[1:]] + [next_bonus]
+        return accepted, [*drafted, next_bonus]
 
 
 def generate(
@@ -401,13 +433,22 @@ def _draft_width(cfg: GenerationConfig, drafter) -> int:
     return drafter.block_size - 1 if cfg.method == "linear" else cfg.budget
 
 
-def _shape_draft(cfg: GenerationConfig, logits: torch.Tensor, depth_room: int, node_room: int):
-    """The round's draft from logits [B-1, V]: a chain or a DDTree within the rooms left."""
+def _shape_draft(
+    cfg: GenerationConfig,
+    logits: torch.Tensor,
+    depth_room: int,
+    node_room: int,
+    guide: Guide | None,
+) -> DraftTree:
+    """The round's draft from logits [B-1, V]: a chain or a DDTree within the rooms left, of
+    grammar-valid tokens only under a guide (a chain ends at its first refused token)."""
     depth = min(logits.shape[0], depth_room, node_room)
     if cfg.method == "linear":
-        return chain_tree(logits[:depth].argmax(dim=-1).cpu().numpy())
+        chain = logits[:depth].argmax(dim=-1).cpu().numpy()
+        return chain_tree(chain[: guide.valid_prefix(chain.tolist())] if guide else chain)
     log_probs, token_ids = top_k_log_probs(logits[:depth], cfg.budget)
-    return build_tree(log_probs, token_ids, min(cfg.budget, node_room))
+    allow = guide.allow if guide else None
+    return build_tree(log_probs, token_ids, min(cfg.budget, node_room), allow)
 
 
 def _trace(tree: DraftTree, accepted: list[int]) -> dict:

@@ -1,12 +1,75 @@
-"""The target's choice of token at each position: argmax at temperature 0, else a seeded sample.
+"""The target's choice of token at each position: argmax at temperature 0, else a seeded sample,
+after the request's grammar mask, penalties and warps.
 
 Speculative decoding stays lossless because every committed token is exactly this choice,
-made at the token's own position given its own path (see engine/tree.py's walk).
+made at the token's own position given its own path (see engine/tree.py's walk): a verify
+position's penalties count the output so far plus the draft tokens on that position's path, and
+its grammar mask is the grammar's state after that path (engine/grammar.py).
+
+Order, as vLLM applies them: grammar mask, penalties, temperature, then top_k, top_p and min_p.
+Penalties (OpenAI's and vLLM's definitions): `presence_penalty` is subtracted from the logit of
+every token already in the output, `frequency_penalty` times its count; `repetition_penalty`
+(the CTRL / Hugging Face one) divides a positive logit of a token seen in the prompt or the
+output by it and multiplies a negative one. Greedy decoding applies the mask and the penalties
+(they move the argmax); the warps never change the argmax, so they act only when sampling.
+
+On the device everything runs with static shapes and without reading anything back: the output's
+counts live on the device and grow by non-blocking copies of each round's tokens.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
+import numpy as np
 import torch
+
+from engine.tree import to_device
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Warps beyond temperature; the defaults ask for nothing."""
+
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
+    top_k: int = 0  # keep the k most likely tokens (0: all)
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
+    presence_penalty: float = 0.0  # -2..2
+    frequency_penalty: float = 0.0  # -2..2
+    repetition_penalty: float = 1.0  # > 0; 1 = none
+
+    def __post_init__(self) -> None:
+        problems = [
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
+        ]
+        for name, ok, rule in problems:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, not {getattr(self, name)!r}")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1
+
+    @property
+    def warped(self) -> bool:
+        return self.top_p < 1 or self.top_k > 0 or self.min_p > 0
+
+    def asked(self) -> dict[str, float]:
+        """The fields set away from their defaults (for traces and logs)."""
+        default = Sampling()
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(default, f.name)
+        }
+
+
+NO_SAMPLING = Sampling()
 
 
 def make_generator(device: torch.device, seed: int | None) -> torch.Generator:
@@ -22,9 +85,73 @@ def choose(
     logits: torch.Tensor,  # [T, V] float32
     temperature: float,
     generator: torch.Generator | None = None,
+    sampling: Sampling = NO_SAMPLING,
 ) -> torch.Tensor:  # [T] int64
-    """argmax when temperature is 0, else one sample per row from softmax(logits / temperature)."""
+    """argmax when temperature is 0, else one sample per row from the warped softmax(logits / T)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
+    probs = warped_probs(logits.float() / temperature, sampling)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def warped_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:  # [T, V]
+    """softmax(logits) restricted by top_k, then top_p, then min_p, renormalised."""
+    if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
+        kth = logits.topk(sampling.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if sampling.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
+        drop_sorted = before >= sampling.top_p  # the most likely token is always kept
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if sampling.min_p > 0:
+        threshold = sampling.min_p * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+class Penalties:
+    """The output's token counts (and the prompt's tokens, for repetition_penalty) on the device,
+    applied per verify position with the draft tokens on that position's path added."""
+
+    def __init__(self, sampling: Sampling, vocab: int, device: torch.device) -> None:
+        self.sampling, self.vocab, self.device = sampling, vocab, device
+        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # prompt or output
+
+    def start(self, prompt_ids: list[int]) -> None:
+        if self.sampling.repetition_penalty != 1:
+            self.seen[to_device(np.asarray(prompt_ids, np.int64), self.device)] = True
+
+    def add(self, tokens: list[int]) -> None:
+        """Tokens that joined the output."""
+        ids = to_device(np.asarray(tokens, np.int64), self.device)
+        self.counts.index_add_(0, ids, torch.ones(len(tokens), device=self.device))
+        self.seen[ids] = True
+
+    def apply(self, logits: torch.Tensor, paths: list[list[int]] | None = None) -> torch.Tensor:
+        """logits [T, V] penalised; paths[i]: the draft tokens between the output and row i."""
+        counts = self.counts.expand(logits.shape[0], -1)
+        if paths and any(paths):
+            counts = counts + self._path_counts(paths)
+        s = self.sampling
+        logits = logits - s.presence_penalty * (counts > 0) - s.frequency_penalty * counts
+        if s.repetition_penalty != 1:
+            seen = self.seen | (counts > 0)
+            scaled = torch.where(
+                logits > 0, logits / s.repetition_penalty, logits * s.repetition_penalty
+            )
+            logits = torch.where(seen, scaled, logits)
+        return logits
+
+    def _path_counts(self, paths: list[list[int]]) -> torch.Tensor:  # [T, V]
+        longest = max(len(path) for path in paths)
+        ids = np.full((len(paths), longest), self.vocab, np.int64)  # vocab: a column dropped
+        for row, path in enumerate(paths):
+            ids[row, : len(path)] = path
+        index = to_device(ids, self.device)
+        counts = torch.zeros(len(paths), self.vocab + 1, device=self.device)
+        counts.scatter_add_(1, index, torch.ones(index.shape, device=self.device))
+        return counts[:, : self.vocab]

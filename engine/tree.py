@@ -8,7 +8,9 @@ Tree build (DDTree, best-first under a node budget): take the top-k (k = budget)
 each draft position; a max-heap over prefixes keyed by cumulative log-prob starts at (depth 1,
 rank 0); each pop adds a node, then pushes its next sibling (same depth and parent, rank + 1) and
 its first child (depth + 1, rank 0). Stop at `budget` nodes. A node is always popped after its
-parent, so parents precede children. Equal scores pop in push order (deterministic).
+parent, so parents precede children. Equal scores pop in push order (deterministic). Under a
+grammar (engine/grammar.py) a popped candidate the grammar refuses adds no node and no child,
+only its sibling: the tree holds grammar-valid tokens only.
 
 Walk (lossless at any temperature): from the root, follow the child whose token equals the
 target's choice (argmax, or its sample) at the current node; the first miss is the next bonus.
@@ -23,6 +25,7 @@ and the walk never reaches.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +45,14 @@ class DraftTree:
         return np.concatenate([[-1], self.parents]).astype(np.int64)
 
 
+def path_tokens(tree: DraftTree) -> list[list[int]]:
+    """For each verify index (root 0 first), the node tokens on its path below the root."""
+    paths: list[list[int]] = [[]]
+    for parent, token in zip(tree.parents.tolist(), tree.tokens.tolist(), strict=True):
+        paths.append([*paths[parent], token])
+    return paths
+
+
 def chain_tree(tokens: np.ndarray) -> DraftTree:
     """A chain (DFlash linear drafting): node i's parent is node i - 1."""
     tokens = np.asarray(tokens, dtype=np.int64)
@@ -56,8 +67,17 @@ def top_k_log_probs(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarra
     return both[0].astype(np.float32), both[1].astype(np.int64)
 
 
-def build_tree(log_probs: np.ndarray, token_ids: np.ndarray, budget: int) -> DraftTree:
-    """Best-first tree of at most `budget` nodes from top-k log_probs / token_ids [D, k] (sorted)."""
+def build_tree(
+    log_probs: np.ndarray,
+    token_ids: np.ndarray,
+    budget: int,
+    allow: Callable[[int, int], bool] | None = None,
+) -> DraftTree:
+    """Best-first tree of at most `budget` nodes from top-k log_probs / token_ids [D, k] (sorted).
+
+    `allow(parent, token)`, when given, is asked of every candidate in the order it would join
+    the tree: a refused one is skipped (no node, no children; its next sibling is still tried).
+    """
     depth_limit, k = log_probs.shape
     tokens: list[int] = []
     parents: list[int] = []
@@ -70,13 +90,16 @@ def build_tree(log_probs: np.ndarray, token_ids: np.ndarray, budget: int) -> Dra
     pushed = 1
     while heap and len(tokens) < budget:
         neg_score, _, depth, rank, parent = heapq.heappop(heap)
-        tokens.append(ids[depth - 1][rank])
-        parents.append(parent)
-        node = len(tokens)  # this node's verify index
+        token = ids[depth - 1][rank]
         if rank + 1 < k:
             sibling = neg_score + lp[depth - 1][rank] - lp[depth - 1][rank + 1]
             heapq.heappush(heap, (sibling, pushed, depth, rank + 1, parent))
             pushed += 1
+        if allow is not None and not allow(parent, token):
+            continue
+        tokens.append(token)
+        parents.append(parent)
+        node = len(tokens)  # this node's verify index
         if depth < depth_limit:
             heapq.heappush(heap, (neg_score - lp[depth][0], pushed, depth + 1, 0, node))
             pushed += 1
