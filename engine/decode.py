@@ -10,7 +10,10 @@ the chunk, not the prompt. Each round, with `bonus` the target's latest choice (
     commit  walk the tree with the target's choices (argmax or seeded sample at each node), keep
             the accepted path's KV entries; the first miss is the next bonus token.
 Every output token is the target's own choice given its path, so all three methods produce the
-same tokens at temperature 0 and the same distribution at temperature > 0.
+same tokens at temperature 0 and the same distribution at temperature > 0. A choice honours the
+request's sampling settings and grammar at its own path (engine/sampling.py: penalties counted
+along the path, warps; engine/grammar.py: the tree holds grammar-valid tokens only, each verify
+index is masked with its node's grammar state, computed on the host while the verify runs).
 
 The tree is shrunk so a round never writes past the KV cache and never outputs more than
 `max_new_tokens`.

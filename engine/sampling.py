@@ -6,7 +6,8 @@ made at the token's own position given its own path (see engine/tree.py's walk):
 position's penalties count the output so far plus the draft tokens on that position's path, and
 its grammar mask is the grammar's state after that path (engine/grammar.py).
 
-Order, as vLLM applies them: grammar mask, penalties, temperature, then top_k, top_p and min_p.
+Order, as vLLM applies them: grammar mask, penalties (repetition, then frequency and presence),
+temperature, then top_k, top_p and min_p.
 Penalties (OpenAI's and vLLM's definitions): `presence_penalty` is subtracted from the logit of
 every token already in the output, `frequency_penalty` times its count; `repetition_penalty`
 (the CTRL / Hugging Face one) divides a positive logit of a token seen in the prompt or the
@@ -137,14 +138,13 @@ class Penalties:
         if paths and any(paths):
             counts = counts + self._path_counts(paths)
         s = self.sampling
-        logits = logits - s.presence_penalty * (counts > 0) - s.frequency_penalty * counts
         if s.repetition_penalty != 1:
             seen = self.seen | (counts > 0)
             scaled = torch.where(
                 logits > 0, logits / s.repetition_penalty, logits * s.repetition_penalty
             )
             logits = torch.where(seen, scaled, logits)
-        return logits
+        return logits - s.presence_penalty * (counts > 0) - s.frequency_penalty * counts
 
     def _path_counts(self, paths: list[list[int]]) -> torch.Tensor:  # [T, V]
         longest = max(len(path) for path in paths)

@@ -18,6 +18,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from engine.decode import GenerationConfig, generate
+from engine.grammar import Constraint
+from engine.sampling import Sampling
+from tests.helpers.tiny_grammar import STOP, char_tokenizer
 from tests.helpers.tiny_pairs import KINDS, load_tiny_pair
 
 Tensor = torch.Tensor
@@ -97,6 +100,29 @@ def test_a_round_syncs_at_most_three_times(pair, method, budget):
     assert len(per_round) >= 3
     assert max(per_round) <= 3, per_round
     assert min(per_round) >= 1  # the choices are read back: the counter sees reads
+
+
+@pytest.mark.parametrize(("method", "budget"), [("ar", 0), ("linear", 0), ("ddtree", 6)])
+def test_a_grammar_and_penalties_add_no_sync(pair, method, budget):
+    """Masks and penalties reach the device in non-blocking copies of host data: a constrained,
+    penalised, warped round waits no more often than a plain one."""
+    target, drafter = pair
+    vocab = target.lm_head.weight.shape[0]
+    plain = GenerationConfig(method, budget, max_new_tokens=24, temperature=0.7, seed=1)
+    constrained = GenerationConfig(
+        method,
+        budget,
+        max_new_tokens=24,
+        temperature=0.7,
+        seed=1,
+        stop_token_ids=(STOP,),
+        constraint=Constraint.from_lark(char_tokenizer(vocab), "start: /[a-z]{30,60}/"),
+        sampling=Sampling(top_p=0.9, top_k=5, presence_penalty=1.0, repetition_penalty=1.2),
+    )
+    drafter = None if method == "ar" else drafter
+    per_round = syncs_per_round(target, drafter, constrained)
+    assert len(per_round) >= 3
+    assert max(per_round) <= max(syncs_per_round(target, drafter, plain)), per_round
 
 
 def test_rounds_run_the_static_passes(pair, monkeypatch):
