@@ -139,16 +139,10 @@ def test_sampled_ddtree_keeps_the_warped_penalised_distribution(tmp_path):
         target.lm_head.weight.mul_(25)
     drafter = load_drafter(save_tiny_dflash(tmp_path / "d", target_dir, seed=22, block_size=4))
     prompt = [1, 5, 3]
-    sampling = Sampling(
-        top_k=6,
-        top_p=0.9,
-        min_p=0.05,
-        presence_penalty=1.5,
-        frequency_penalty=1.0,
-        repetition_penalty=1.5,
-    )
+    warps = dict(top_k=6, top_p=0.9, min_p=0.05)
+    sampling = Sampling(**warps, presence_penalty=1.5, frequency_penalty=1, repetition_penalty=1.5)
     exact = joint_first_three(target, prompt, reference_rule(prompt, sampling, temperature))
-    unpenalised = Sampling(top_k=6, top_p=0.9, min_p=0.05)
+    unpenalised = Sampling(**warps)
     plain = joint_first_three(target, prompt, reference_rule(prompt, unpenalised, temperature))
     noise = sampling_noise(exact, runs)
     assert total_variation({k: round(p * 1e6) for k, p in plain.items()}, exact) > 4 * noise
