@@ -2,7 +2,10 @@
 
 The prompt is prefilled in chunks of `prefill_chunk` tokens (the target's `extend`: each chunk
 committed as it runs, logits of the last token only), so a prefill's activations are bounded by
-the chunk, not the prompt. Each round, with `bonus` the target's latest choice (already output, not yet in the KV cache):
+the chunk, not the prompt. With a server's `CachePool` (engine/cache_pool.py) the sequence decodes
+in the server's caches and starts from the longest prefix of its prompt the prefix cache holds
+(`cache_prompt`): the prefill runs the rest, in the chunks a cold prefill would, and at the end
+what was committed (the prompt and the output but its last token) is stored. Each round, with `bonus` the target's latest choice (already output, not yet in the KV cache):
     draft   the drafter reads the context features of the tokens committed last round and
             proposes logits for the next B-1 positions after `bonus` (skipped for `ar`);
     tree    a chain of the drafter's argmax (`linear`) or the DDTree best-first tree (`ddtree`);
@@ -42,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.cache_pool import CachePool, chunk_bounds
 from engine.grammar import Constraint, Guide, mask_logits
 from engine.methods import METHODS
 from engine.models.common import key_window
@@ -78,6 +82,7 @@ class GenerationConfig:
     cuda_graphs: bool = True  # on CUDA: replay the static passes as captured CUDA graphs
     sampling: Sampling = NO_SAMPLING  # top_p, top_k, min_p and the penalties (engine/sampling.py)
     constraint: Constraint | None = None  # a grammar the output follows (engine/grammar.py)
+    cache_prompt: bool = True  # with a pool's prefix cache: reuse and extend it
 
 
 @dataclass
@@ -90,6 +95,7 @@ class GenerationResult:
     ttft_s: float
     rounds: list[dict] | None  # with trace: {"tree": {"tokens", "parents"}, "accepted"}
     round_seconds: list[dict[str, float]] | None = None  # with trace: each round's stage seconds
+    cached_tokens: int = 0  # prompt tokens the prefix cache held (not prefilled)
 
 
 class _StageClock:
@@ -164,16 +170,19 @@ class _Pass:
 
 
 class _Passes:
-    """The sequence's static passes, one per kind: a pass is rebuilt (and its graph dropped)
-    when its key window grows, which a growing context never undoes."""
+    """Static passes, one per kind, kept in the pool so they outlive a request. A pass reads a
+    window of cache slots: with `graphs` one as wide as needed or wider is reused (its graph
+    was captured once; the kernels read the device-side length), else the pass is rebuilt for
+    exactly the window needed (the CPU's attention costs the whole window)."""
 
-    def __init__(self) -> None:
-        self._passes: dict[str, tuple[tuple, _Pass]] = {}
+    def __init__(self, passes: dict[tuple, tuple[int, _Pass]], graphs: bool) -> None:
+        self._passes, self._graphs = passes, graphs
 
-    def get(self, kind: str, key: tuple, build: Callable[[], _Pass]) -> _Pass:
-        if kind not in self._passes or self._passes[kind][0] != key:
-            self._passes[kind] = (key, build())
-        return self._passes[kind][1]
+    def get(self, kind: tuple, keys: int, build: Callable[[int], _Pass]) -> _Pass:
+        held = self._passes.get(kind)
+        if held is None or held[0] < keys or (held[0] != keys and not self._graphs):
+            held = self._passes[kind] = (keys, build(keys))
+        return held[1]
 
 
 @dataclass
@@ -189,17 +198,20 @@ class _Output:
     def remaining(self) -> int:
         return self.cfg.max_new_tokens - len(self.ids)
 
+    def taking(self, tokens: list[int]) -> int:
+        """How many of `tokens` `add` takes: up to and including a stop token or the limit."""
+        for count, token in enumerate(tokens, 1):
+            if token in self.cfg.stop_token_ids or len(self.ids) + count == self.cfg.max_new_tokens:
+                return count
+        return len(tokens)
+
     def add(self, tokens: list[int]) -> int:
         """Append tokens up to and including a stop token or the length limit; returns how many."""
-        taken = []
-        for token in tokens:
-            taken.append(token)
-            if token in self.cfg.stop_token_ids:
-                self.finish_reason = "stop"
-                break
-            if len(self.ids) + len(taken) == self.cfg.max_new_tokens:
-                self.finish_reason = "length"
-                break
+        taken = tokens[: self.taking(tokens)]
+        if taken and taken[-1] in self.cfg.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.ids) + len(taken) == self.cfg.max_new_tokens:
+            self.finish_reason = "length"
         self.ids.extend(taken)
         if self.on_tokens and taken:
             self.on_tokens(taken)
@@ -224,43 +236,54 @@ def _check(cfg: GenerationConfig, drafter) -> None:
 class _Sequence:
     """One sequence's decoding state and the four round steps over it (see the module docstring)."""
 
-    def __init__(self, target, drafter, cfg: GenerationConfig, max_len: int) -> None:
+    def __init__(self, target, drafter, cfg: GenerationConfig, pool: CachePool) -> None:
         self.target, self.drafter, self.cfg = target, drafter, cfg
         self.device = target.embed_tokens.weight.device
         self.speculative = cfg.method != "ar"
         self.layers = tuple(drafter.target_layer_ids) if self.speculative else ()
         self.generator = make_generator(self.device, cfg.seed) if cfg.temperature > 0 else None
         self.clock = _StageClock(self.device)
-        self.cache = target.new_cache(max_len)
-        self.draft_cache = drafter.new_cache(max_len) if self.speculative else None
+        self.caches = pool.open(self.speculative, cfg.cache_prompt)
+        self.cache, self.draft_cache = self.caches.cache, self.caches.draft_cache
+        self.committed: list[int] = []  # the token ids in the target's cache
         self.context: torch.Tensor | None = None  # [N, n*H] features not yet given to the drafter
         self.bonus = -1  # the target's latest choice: output, not yet in the cache
         self.width = 1 + _draft_width(cfg, drafter)  # tokens of every static verify
         self.static_target = hasattr(target, "forward_static")
         self.static_draft = self.speculative and getattr(drafter, "static_ok", False)
         self.graphs = cfg.cuda_graphs and self.device.type == "cuda"
-        self.passes = _Passes()
+        self.passes = _Passes(pool.passes, self.graphs)
         self.guide = Guide(cfg.constraint) if cfg.constraint else None
         self.penalties: Penalties | None = None  # made at the prefill's logits (their width)
 
     def prefill(self, prompt_ids: list[int]) -> int:
-        """Run the prompt in chunks of cfg.prefill_chunk, each committed as it goes; the bonus
-        comes from the last token's logits (the only ones computed)."""
+        """Run the prompt from its longest cached prefix in chunks of cfg.prefill_chunk, each
+        committed as it goes; the bonus comes from the last token's logits (the only ones
+        computed, or kept by the prefix cache when it held the whole prompt)."""
         with self.clock.stage("prefill"):
-            prompt = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
-            for start in range(0, len(prompt_ids), self.cfg.prefill_chunk):
-                chunk = prompt[start : start + self.cfg.prefill_chunk]
+            cached, total = self.caches.resume(prompt_ids), len(prompt_ids)
+            logits = self.caches.logits
+            prompt = torch.tensor(prompt_ids[cached:], dtype=torch.long, device=self.device)
+            if self.speculative:  # the drafter's features of the prompt's uncached tokens
+                self.context = self._features(total - cached)
+            for start, end in chunk_bounds(cached, total, self.cfg.prefill_chunk):
+                chunk = prompt[start - cached : end - cached]
                 logits, hidden = self.target.extend(chunk, self.cache, self.layers)
                 if hidden is not None:
-                    if self.context is None:  # the drafter's features of the whole prompt
-                        self.context = hidden.new_empty(len(prompt_ids), hidden.shape[1])
-                    self.context[start : start + len(chunk)] = hidden
+                    self.context[start - cached : end - cached] = hidden
+                self.caches.after_chunk(end, total, logits)
             if self.cfg.sampling.penalized:
                 self.penalties = Penalties(self.cfg.sampling, logits.shape[-1], self.device)
                 self.penalties.start(prompt_ids)
             self.bonus = int(self._choose(logits, None)[0])
             self._advance([0], self.bonus)
+        self.committed = list(prompt_ids)
         return self.bonus
+
+    def _features(self, count: int) -> torch.Tensor:  # [count, n*H]
+        width = len(self.layers) * self.target.config.hidden_size
+        dtype = self.target.embed_tokens.weight.dtype
+        return torch.empty(count, width, dtype=dtype, device=self.device)
 
     def _choose(self, logits: torch.Tensor, tree: DraftTree | None) -> torch.Tensor:
         """The target's choice at verify indices 0..n of `tree` (None: the prefill's last token)
@@ -300,7 +323,7 @@ class _Sequence:
             return self.drafter.draft(self.target, cache, self.context, self.bonus)
         keys = key_window(needed, cache.max_len)
         rows = self.width if self.graphs else count  # padding serves a captured graph only
-        step = self.passes.get("draft", (keys, rows), lambda: self._draft_pass(keys, rows))
+        step = self.passes.get(("draft", rows), keys, partial(self._draft_pass, rows=rows))
         scalars = staged(np.array([cache.length, count, self.bonus], np.int64), self.device)
         logits = step(context=self.context, scalars=scalars)
         cache.length += count
@@ -331,7 +354,7 @@ class _Sequence:
         ids[0], ids[1 : tree.size + 1] = self.bonus, tree.tokens
         parents = padded_parents(tree.verify_parents(), self.width)
         keys = key_window(self.cache.length + self.width, self.cache.max_len)
-        step = self.passes.get("verify", (keys,), lambda: self._verify_pass(keys))
+        step = self.passes.get(("verify", self.width, self.layers), keys, self._verify_pass)
         packed = staged(pack_pass(ids, parents, self.cache.length), self.device)
         return step(packed=packed)
 
@@ -349,12 +372,23 @@ class _Sequence:
         return (*self.target.forward(ids, self.cache, parents, self.layers), None)
 
     def commit(
-        self, tree: DraftTree, choices: list[int], hidden, pending: tuple | None
+        self,
+        tree: DraftTree,
+        choices: list[int],
+        hidden,
+        pending: tuple | None,
+        taking: Callable[[list[int]], int],
     ) -> tuple[list[int], list[int]]:
-        """Walk and commit the accepted path; returns (accepted verify indices, new tokens)."""
+        """Walk the tree and commit the accepted path, cut where `taking` says the output ends
+        (so the cache holds the output but its last token, what a next turn extends); returns
+        (accepted verify indices, new tokens)."""
         with self.clock.stage("commit"):
             accepted, next_bonus = walk(tree, choices)
-            host_path = torch.tensor(accepted, dtype=torch.long)
+            drafted = [int(tree.tokens[i - 1]) for i in accepted[1:]]
+            new_tokens = [*drafted, next_bonus]
+            kept = accepted[: taking(new_tokens)]
+            self.committed += [self.bonus, *new_tokens[: len(kept) - 1]]
+            host_path = torch.tensor(kept, dtype=torch.long)
             if pending is not None:
                 parents = padded_parents(tree.verify_parents(), self.width).tolist()
                 self.target.commit(self.cache, host_path, pending, parents=parents)
@@ -364,10 +398,13 @@ class _Sequence:
                 path = to_device(host_path.numpy(), self.device)
                 fresh = hidden[path]  # [K, n*H] features of the newly committed tokens
                 self.context = fresh if self.context is None else torch.cat([self.context, fresh])
-            drafted = [int(tree.tokens[i - 1]) for i in accepted[1:]]
             self._advance(accepted, next_bonus, drafted)
         self.bonus = next_bonus
-        return accepted, [*drafted, next_bonus]
+        return accepted, new_tokens
+
+    def finish(self) -> None:
+        """Store what the sequence committed in the pool's prefix cache (if it uses one)."""
+        self.caches.finish(self.committed, self.context)
 
 
 def generate(
@@ -379,18 +416,43 @@ def generate(
     max_len: int | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    pool: CachePool | None = None,
 ) -> GenerationResult:
     """Generate up to cfg.max_new_tokens after prompt_ids; max_len bounds the KV cache (tokens).
 
     The default max_len leaves room for a full draft on top of the longest output, so only
-    max_new_tokens (never the cache) shrinks the last rounds' drafts.
+    max_new_tokens (never the cache) shrinks the last rounds' drafts. `pool`: a server's caches
+    and prefix cache (engine/cache_pool.py), which also bound max_len; without one the caches
+    are made for this request alone.
     """
     _check(cfg, drafter)
     max_len = max_len or len(prompt_ids) + cfg.max_new_tokens + _draft_width(cfg, drafter)
+    if pool is not None:
+        max_len = min(max_len, pool.max_len)
     if not 0 < len(prompt_ids) <= max_len:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_len {max_len}")
     started = time.perf_counter()
-    seq = _Sequence(target, drafter, cfg, max_len)
+    pool = pool or CachePool(target, drafter if cfg.method != "ar" else None, max_len)
+    seq = _Sequence(target, drafter, cfg, pool)
+    try:
+        result = _decode(seq, prompt_ids, max_len, started, on_tokens, should_stop)
+    except BaseException:
+        seq.caches.abandon()
+        raise
+    seq.finish()
+    return result
+
+
+def _decode(
+    seq: _Sequence,
+    prompt_ids: list[int],
+    max_len: int,
+    started: float,
+    on_tokens: Callable[[list[int]], None] | None,
+    should_stop: Callable[[], bool] | None,
+) -> GenerationResult:
+    """The prefill and the rounds of `generate`."""
+    cfg = seq.cfg
     out = _Output(cfg, on_tokens)
     acceptance: list[int] = []
     rounds: list[dict] | None = [] if cfg.trace else None
@@ -409,7 +471,7 @@ def generate(
             out.finish_reason = "length"
             break
         tree = seq.propose(depth_room=out.remaining - 1, node_room=node_room)  # -1: next bonus
-        accepted, new_tokens = seq.commit(tree, *seq.verify(tree))
+        accepted, new_tokens = seq.commit(tree, *seq.verify(tree), out.taking)
         acceptance.append(out.add(new_tokens))
         if rounds is not None:
             rounds.append(_trace(tree, accepted))
@@ -426,6 +488,7 @@ def generate(
         ttft_s=ttft,
         rounds=rounds,
         round_seconds=round_seconds if cfg.trace else None,
+        cached_tokens=seq.caches.cached_tokens,
     )
 
 

@@ -21,14 +21,21 @@ the whole lm_head and the drafter):
   tokens through the widest layer, their logits, what the GDN layers keep for commit, the
   drafter's block); the chunk's itemised activations are planned at TRANSIENT_SLACK (1.5x),
   set against measurements in engine/NOTES.md;
-- RESERVE_BYTES for the runtime itself (CUDA context and allocator slack, the process).
+- RESERVE_BYTES for the runtime itself (CUDA context and allocator slack, the process);
+- the prefix cache (engine/prefix_cache.py): `prefix_cache_memory` bytes when asked for, else
+  what the served context leaves (the context keeps its priority; a context that fills the
+  device leaves the cache nothing). A cached token costs the target's and the drafter's K/V
+  (`cached_bytes_per_token`), a GDN snapshot the recurrent state of every GDN layer
+  (`snapshot_bytes`); `conversations_held(tokens)` is how many conversations of that length fit
+  (one snapshot per prefill chunk, the prompt's and the generation's ends, their tails).
 The longest context is what the rest leaves, divided by the bytes per token, less one draft
 block (the caches hold a round beyond the context), capped by the model's
 max_position_embeddings. Not counted: the CPU attention's [chunk, context] bool mask (2 KiB per
 token at the default chunk, ~1.5% of Qwen3.6-27B's per-token bytes).
 
 `python -m engine plan --model DIR [--draft DIR] --dtype bfloat16 --device-memory 96GiB
-[--max-model-len N] [--tp N] [--json]` prints it (engine/cli/plan.py).
+[--max-model-len N] [--tp N] [--prefix-cache-memory SIZE | --no-enable-prefix-caching] [--json]`
+prints it (engine/cli/plan.py).
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ SOLVE_PIECE = 64  # engine/kernels/batched.py CHAIN_PIECE: a chain's decay rows 
 # The itemised activations leave out the allocator's slack and short-lived copies: a 2048-token
 # chunk measured 1.3x them on the CPU (engine/NOTES.md), so a chunk is planned at 1.5x.
 TRANSIENT_SLACK = 1.5
+BLOCK_TOKENS = 256  # tokens per prefix-cache KV block (engine/prefix_cache.py)
+CONVERSATION_TOKENS = 32768  # the conversation length the plan counts the prefix cache in
 FULL, LINEAR = "full_attention", "linear_attention"
 _SIZE_UNITS = {
     "": 1,
@@ -73,6 +82,18 @@ def parse_size(text: str) -> int:
     if not match or unit not in _SIZE_UNITS:
         raise ValueError(f"not a size: {text!r} (e.g. 96GiB, 80GB, 512MiB)")
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether an error is an allocation that did not fit: torch.OutOfMemoryError (CUDA), a CPU
+    allocation torch could not make, a MemoryError (the plan was wrong, or others took memory)."""
+    text = str(exc)
+    return (
+        isinstance(exc, MemoryError)
+        or type(exc).__name__ == "OutOfMemoryError"
+        or "can't allocate memory" in text
+        or "out of memory" in text.lower()
+    )
 
 
 def hybrid_layer_types(text_config: dict) -> tuple[str, ...]:
@@ -292,6 +313,9 @@ class Plan:
     prefill_chunk: int
     verify_tokens: int
     max_model_len: int | None = None  # the context asked for, if any (see `problem`)
+    vocab: int = 0
+    prefix_caching: bool = True
+    prefix_cache_memory: int | None = None  # asked for; None: what the served context leaves
 
     @property
     def weights(self) -> int:
@@ -307,8 +331,46 @@ class Plan:
 
     @property
     def fixed_bytes(self) -> int:
-        """Everything that does not grow with the context."""
-        return self.weights + self.recurrent_state + self.transient + self.reserve
+        """Everything that does not grow with the context (a prefix cache asked for included)."""
+        asked = self.prefix_cache_memory if self.prefix_caching else None
+        return self.weights + self.recurrent_state + self.transient + self.reserve + (asked or 0)
+
+    @property
+    def cached_bytes_per_token(self) -> int:
+        """What the prefix cache keeps per token: the target's and the drafter's K/V."""
+        return self.target_kv_per_token + self.draft_kv_per_token
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """One GDN snapshot: every GDN layer's conv window and recurrent state."""
+        return self.recurrent_state
+
+    @property
+    def served_context(self) -> int:
+        return self.max_model_len or self.longest_context
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        """The prefix cache's budget (0: off)."""
+        if not self.prefix_caching:
+            return 0
+        if self.prefix_cache_memory is not None:
+            return self.prefix_cache_memory
+        return max(0, self.device_memory - self.total_bytes(self.served_context))
+
+    def conversation_bytes(self, tokens: int, chunk_snapshots: bool = False) -> int:
+        """The prefix cache's bytes for one conversation of `tokens` that its next turn resumes:
+        their K/V, the snapshots at the last prompt's and generation's ends with their tails
+        (at most a block each) and the prompt end's logits; `chunk_snapshots`: also one per
+        prefill chunk (what a divergence inside the history resumes from; evicted first)."""
+        snapshots = 2 + (tokens // self.prefill_chunk if chunk_snapshots else 0)
+        tails = 2 * BLOCK_TOKENS * self.cached_bytes_per_token
+        logits = self.vocab * (8 if self.dtype == "float64" else 4)
+        kv = tokens * self.cached_bytes_per_token
+        return kv + (snapshots * self.snapshot_bytes if self.snapshot_bytes else 0) + tails + logits
+
+    def conversations_held(self, tokens: int = CONVERSATION_TOKENS, chunk_snapshots=False) -> int:
+        return self.prefix_cache_bytes // self.conversation_bytes(tokens, chunk_snapshots)
 
     @property
     def longest_fit(self) -> int:
@@ -345,6 +407,10 @@ class Plan:
             "transient": self.transient,
             "longest_fit": self.longest_fit,
             "longest_context": self.longest_context,
+            "cached_bytes_per_token": self.cached_bytes_per_token,
+            "snapshot_bytes": self.snapshot_bytes,
+            "prefix_cache_bytes": self.prefix_cache_bytes,
+            "conversations_held": self.conversations_held(),
         }
 
     def lines(self) -> list[str]:
@@ -366,7 +432,22 @@ class Plan:
             f"runtime reserve      {size(self.reserve)}",
             f"longest context      {self.longest_context} tokens (memory allows "
             f"{self.longest_fit}, the model {self.model_limit})",
+            self._prefix_cache_line(size),
         ]
+
+    def _prefix_cache_line(self, size) -> str:
+        if not self.prefix_cache_bytes:
+            return "prefix cache         off" + ("" if self.prefix_caching else " (asked)")
+        held = f"{self.conversations_held()} conversations of {CONVERSATION_TOKENS} tokens"
+        snapshot = ""
+        if self.snapshot_bytes:
+            snapshot = f", {size(self.snapshot_bytes)} per GDN snapshot"
+            held += f" ({self.conversations_held(chunk_snapshots=True)} with chunk snapshots)"
+        return (
+            f"prefix cache         {size(self.prefix_cache_bytes)} beside a context of "
+            f"{self.served_context} ({self.cached_bytes_per_token / KIB:.1f} KiB per cached token"
+            f"{snapshot}): {held}"
+        )
 
 
 def plan_from_configs(
@@ -378,6 +459,8 @@ def plan_from_configs(
     tp: int = 1,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     verify_tokens: int = DEFAULT_VERIFY_TOKENS,
+    prefix_caching: bool = True,
+    prefix_cache_memory: int | None = None,
 ) -> Plan:
     """The plan for these config.json dicts (the drafter's may be None) on a device of
     `device_memory` bytes."""
@@ -385,6 +468,8 @@ def plan_from_configs(
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, not {dtype!r}")
     if tp < 1 or prefill_chunk < 1 or verify_tokens < 1:
         raise ValueError("tp, prefill_chunk and verify_tokens must be at least 1")
+    if prefix_cache_memory is not None and prefix_cache_memory < 0:
+        raise ValueError("the prefix cache's memory cannot be negative")
     width = DTYPE_BYTES[dtype]
     compute = 8 if dtype == "float64" else 4
     target = TargetShape.from_config(target_config)
@@ -414,6 +499,9 @@ def plan_from_configs(
         prefill_chunk=prefill_chunk,
         verify_tokens=verify_tokens,
         max_model_len=max_model_len,
+        vocab=target.vocab,
+        prefix_caching=prefix_caching,
+        prefix_cache_memory=prefix_cache_memory,
     )
 
 
@@ -426,6 +514,8 @@ def plan_from_dirs(
     tp: int = 1,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     verify_tokens: int = DEFAULT_VERIFY_TOKENS,
+    prefix_caching: bool = True,
+    prefix_cache_memory: int | None = None,
 ) -> Plan:
     """`plan_from_configs` with the config.json of each model directory."""
 
@@ -441,4 +531,6 @@ def plan_from_dirs(
         tp,
         prefill_chunk,
         verify_tokens,
+        prefix_caching,
+        prefix_cache_memory,
     )

@@ -1,10 +1,12 @@
 """`python -m engine plan`: the memory plan of a target (and drafter) on one device, no torch.
 
     python -m engine plan --model DIR [--draft DIR] --dtype bfloat16 --device-memory 96GiB \\
-        [--max-model-len N] [--tp N] [--prefill-chunk 2048] [--budget 15] [--json]
+        [--max-model-len N] [--tp N] [--prefill-chunk 2048] [--budget 15] \\
+        [--prefix-cache-memory SIZE | --no-enable-prefix-caching] [--json]
 
-Prints the weights, KV bytes per token, recurrent state, the largest transient and the longest
-context that fits (engine/memory_plan.py), or with --json one document of them. Exit 2 on bad input
+Prints the weights, KV bytes per token, recurrent state, the largest transient, the longest
+context that fits and the prefix cache's budget beside it (engine/memory_plan.py), or with
+--json one document of them. Exit 2 on bad input
 or when --max-model-len cannot fit (one line saying why, with the numbers).
 """
 
@@ -29,7 +31,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
     parser.add_argument("--budget", type=int, default=15, help="ddtree budget (verify = +1)")
+    add_prefix_cache_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON document")
+
+
+def add_prefix_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """The prefix cache's flags, shared with `serve` (vLLM's names for on and off)."""
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the state of cached prompt prefixes across requests (default: on)",
+    )
+    parser.add_argument(
+        "--prefix-cache-memory",
+        help="the prefix cache's budget, e.g. 8GiB (default: what the served context leaves)",
+    )
+
+
+def prefix_cache_memory(args: argparse.Namespace) -> int | None:
+    """--prefix-cache-memory in bytes (None: the default); ValueError for a bad size."""
+    return None if args.prefix_cache_memory is None else parse_size(args.prefix_cache_memory)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
             args.tp,
             args.prefill_chunk,
             args.budget + 1,
+            args.enable_prefix_caching,
+            prefix_cache_memory(args),
         )
     except (OSError, ValueError, KeyError) as error:
         print(f"Error: {_reason(error)}", file=sys.stderr)

@@ -1,7 +1,8 @@
 """Layers and loading shared by every model in the engine (dense Qwen3, hybrid Qwen3.5, DFlash).
 
 - `RMSNorm`, `SwiGLU`, `Rotary` (RoPE with an optional partial rotary factor);
-- `KVCache`: a preallocated per-layer K/V store with pending tokens and `commit`;
+- `KVCache`: a preallocated per-layer K/V store with pending tokens and `commit`; `read` and
+  `place` copy committed slots out and back (the prefix cache, engine/prefix_cache.py);
 - static-shape attention (`key_window`, `WindowPass`): a pass reads a fixed window of cache
   slots whatever the committed length, which lives on the device, so one CUDA graph serves
   every length inside the window;
@@ -185,6 +186,21 @@ class KVCache:
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
         return self.k[layer, :keys], self.v[layer, :keys]
+
+    def reset(self) -> None:
+        """Empty: nothing committed (a pooled cache starting its next sequence)."""
+        self.length = 0
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        """A copy of slots start..end-1 of every layer: [2, L, end - start, Hkv, D] (K, V)."""
+        return torch.stack([self.k[:, start:end], self.v[:, start:end]])
+
+    def place(self, start: int, saved: torch.Tensor) -> None:
+        """Write a `read` copy back at slots start.., in place (captured graphs keep reading
+        the same storage); `length` is the caller's to set."""
+        end = start + saved.shape[2]
+        self.k[:, start:end].copy_(saved[0])
+        self.v[:, start:end].copy_(saved[1])
 
     def advance(self, count: int) -> None:
         """The `count` pending slots after the committed ones, already in place, are committed

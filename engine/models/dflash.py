@@ -209,8 +209,7 @@ class DFlashDrafter(nn.Module):
         B, N, device = self.block_size, context.shape[0], self.fc.weight.device
         cache.check_room(N + B)
         start = cache.length + N  # the bonus token's position
-        for offset in range(0, N, CONTEXT_PIECE):  # a whole prompt's context after a prefill
-            self._write_context(cache, context[offset : offset + CONTEXT_PIECE], offset)
+        self._write_context(cache, context)  # a whole prompt's, after a prefill
         block_pos = torch.arange(start, start + B, device=device)
         block_rope = self._positions_rope(block_pos)
         ids = torch.full((B,), self.mask_token_id, dtype=torch.long, device=device)
@@ -270,7 +269,20 @@ class DFlashDrafter(nn.Module):
             x = layer.finish(x, block.attend(cache, index, q, k, v, self._scale))
         return self._logits(target, x[1:])
 
-    def _write_context(self, cache: KVCache, context: torch.Tensor, offset: int) -> None:
+    @torch.no_grad()
+    def append_context(self, cache: KVCache, context: torch.Tensor) -> None:
+        """Commit the K/V of context features [N, n*H] after the cache's tokens without drafting
+        (a finished sequence's last features, so its cache covers every committed token)."""
+        cache.check_room(context.shape[0])
+        self._write_context(cache, context)
+        cache.length += context.shape[0]
+
+    def _write_context(self, cache: KVCache, context: torch.Tensor) -> None:
+        """The K/V of context features [N, n*H] at slots cache.length.., CONTEXT_PIECE at once."""
+        for offset in range(0, context.shape[0], CONTEXT_PIECE):
+            self._write_piece(cache, context[offset : offset + CONTEXT_PIECE], offset)
+
+    def _write_piece(self, cache: KVCache, context: torch.Tensor, offset: int) -> None:
         """Every layer's K/V of context features [n, n*H] at slots cache.length + offset .."""
         first = cache.length + offset
         positions = torch.arange(first, first + context.shape[0], device=self.fc.weight.device)

@@ -153,6 +153,30 @@ class HybridCache:
     def max_len(self) -> int:
         return self.kv.max_len
 
+    def reset(self) -> None:
+        """Empty: no token committed, every GDN state zero (a pooled cache's next sequence)."""
+        self.kv.reset()
+        for state in self.recurrent:
+            state.conv.zero_()
+            state.recurrent.zero_()
+        self.pending = []
+
+    def read_states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of every GDN layer's conv window [G, C, K-1] and recurrent state
+        [G, Hv, Dk, Dv]: the state at exactly `length` committed tokens."""
+        return (
+            torch.stack([state.conv for state in self.recurrent]),
+            torch.stack([state.recurrent for state in self.recurrent]),
+        )
+
+    def place_states(self, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Install a `read_states` copy, in place (captured graphs read the states' storage)."""
+        conv, recurrent = saved
+        for index, state in enumerate(self.recurrent):
+            state.conv.copy_(conv[index])
+            state.recurrent.copy_(recurrent[index])
+        self.pending = []
+
 
 @dataclass
 class TreePass:

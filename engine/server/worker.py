@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.memory_plan import is_out_of_memory
 from engine.server.text import TextAssembler
 
 log = logging.getLogger(__name__)
@@ -198,17 +199,6 @@ class GenerationWorker:
                 return
             if job is not _STOP:
                 job.emit(_CUT)
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """torch.OutOfMemoryError (CUDA), a CPU allocation torch could not make, a MemoryError."""
-    text = str(exc)
-    return (
-        isinstance(exc, MemoryError)
-        or type(exc).__name__ == "OutOfMemoryError"
-        or "can't allocate memory" in text
-        or "out of memory" in text.lower()
-    )
 
 
 def _failure(exc: Exception) -> Failed:

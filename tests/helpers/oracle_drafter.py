@@ -4,9 +4,19 @@ how deep a tree is accepted is then the test's choice, not a trained drafter's.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class OracleCache:
+    """The oracle's "cache": how many context tokens it has been given."""
+
+    length: int = 0
+
+    def reset(self) -> None:
+        self.length = 0
 
 
 class OracleDrafter:
@@ -22,8 +32,8 @@ class OracleDrafter:
         self.target_layer_ids = (0,)
         self.mask_token_id = 0
 
-    def new_cache(self, max_len: int) -> SimpleNamespace:
-        return SimpleNamespace(length=0)
+    def new_cache(self, max_len: int) -> OracleCache:
+        return OracleCache()
 
     def draft(self, target, cache, context, bonus) -> torch.Tensor:
         cache.length += context.shape[0]

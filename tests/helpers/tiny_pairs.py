@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from engine.models import load_drafter, load_target
 from tests.helpers.tiny_hybrid import save_tiny_hybrid, save_tiny_hybrid_drafter
 from tests.helpers.tiny_qwen3 import save_tiny_dflash, save_tiny_qwen3
@@ -14,13 +16,13 @@ from tests.helpers.tiny_qwen3 import save_tiny_dflash, save_tiny_qwen3
 KINDS = ("dense", "hybrid")
 
 
-def load_tiny_pair(root: Path, kind: str, seed: int = 3):
-    """(target, drafter) of a random tiny pair saved under `root`: `kind` "dense" (Qwen3) or
-    "hybrid" (Qwen3.5); the drafter's seed is seed + 1."""
+def load_tiny_pair(root: Path, kind: str, seed: int = 3, dtype: torch.dtype = torch.float32):
+    """(target, drafter) of a random tiny pair saved under `root`, loaded in `dtype`: `kind`
+    "dense" (Qwen3) or "hybrid" (Qwen3.5); the drafter's seed is seed + 1."""
     if kind == "dense":
         target_dir = save_tiny_qwen3(root / "target", seed=seed, tokenizer=False)
         draft_dir = save_tiny_dflash(root / "draft", target_dir, seed=seed + 1)
     else:
         target_dir = save_tiny_hybrid(root / "target", seed=seed, tokenizer=False)
         draft_dir = save_tiny_hybrid_drafter(root / "draft", target_dir, seed=seed + 1)
-    return load_target(target_dir), load_drafter(draft_dir)
+    return load_target(target_dir, dtype=dtype), load_drafter(draft_dir, dtype=dtype)

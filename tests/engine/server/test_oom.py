@@ -7,7 +7,7 @@ import httpx
 import pytest
 import torch
 
-from engine.server.worker import is_out_of_memory
+from engine.memory_plan import is_out_of_memory
 from tests.helpers.scripted_server import WAIT_S, ScriptedEngine, running
 
 

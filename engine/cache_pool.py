@@ -1,0 +1,146 @@
+"""The caches a server's sequences decode in, allocated once per server, and its prefix cache.
+
+`CachePool(target, drafter, max_len, prefix_cache)` holds the target's cache and the drafter's
+for `max_len` tokens and the static passes over them (engine/decode.py): made once, so on CUDA a
+pass's graph is captured once for the server (again only when its key window changes), not once
+per request. A request takes the caches as a `SequenceCaches` (`pool.open(...)`): emptied, or
+resumed from the longest cached prefix of its prompt (`resume`); its prefill snapshots the
+recurrent state at chunk boundaries and at the prompt's end (`after_chunk`); at the end it gives
+the drafter the last features and stores what it committed for the next request (`finish`).
+
+One sequence decodes in the pool at a time (batch 1). A batch > 1 scheduler would hold a slot
+like this per running sequence, or read the prefix cache's blocks in place: they are already
+fixed-size blocks, a cached sequence a list of them (engine/prefix_cache.py).
+
+`generate` without a pool makes a throwaway one sized for the request, without a prefix cache.
+`pool.run` retries a request that ran out of memory before its first token once with the prefix
+cache emptied: a request that fits with the cache off never fails because of the cache.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.memory_plan import is_out_of_memory
+from engine.prefix_cache import Capture, PrefixCache, has_states
+
+log = logging.getLogger(__name__)
+
+
+def chunk_bounds(start: int, end: int, size: int) -> list[tuple[int, int]]:
+    """Prefill chunks over tokens start..end-1 that end at multiples of `size` (and at `end`): a
+    prefill resumed mid-prompt runs the chunks a cold one would from there on."""
+    bounds, first = [], start
+    while first < end:
+        last = min(end, (first // size + 1) * size)
+        bounds.append((first, last))
+        first = last
+    return bounds
+
+
+class CachePool:
+    """A server's sequence caches and static passes, and its prefix cache (or None)."""
+
+    def __init__(self, target, drafter, max_len: int, prefix_cache: PrefixCache | None = None):
+        self.target, self.drafter, self.max_len = target, drafter, max_len
+        self.cache = target.new_cache(max_len)
+        self.draft_cache = drafter.new_cache(max_len) if drafter is not None else None
+        self.passes: dict[Any, Any] = {}  # engine/decode.py's static passes, by kind
+        self.prefix_cache = prefix_cache
+
+    @classmethod
+    def for_server(cls, target, drafter, max_len: int, cache_bytes: int) -> CachePool:
+        """The pool of a server: caches for `max_len` tokens plus a draft block, and a prefix
+        cache of `cache_bytes` (none when 0)."""
+        pool = cls(target, drafter, max_len + (drafter.block_size if drafter is not None else 1))
+        if cache_bytes:
+            pool.prefix_cache = PrefixCache(cache_bytes, recurrent=has_states(pool.cache))
+        return pool
+
+    def open(self, speculative: bool, cache_prompt: bool) -> SequenceCaches:
+        """The caches for the next sequence: the drafter's only when `speculative`, the prefix
+        cache only when `cache_prompt`."""
+        prefix = self.prefix_cache if cache_prompt else None
+        return SequenceCaches(self, speculative, prefix)
+
+    def run(self, attempt: Callable[[Callable[[list[int]], None] | None], Any], on_tokens=None):
+        """`attempt(on_tokens)` (a generation in this pool); one that runs out of memory before
+        any token came out is run again once with the prefix cache emptied."""
+        emitted = []
+
+        def counting(tokens: list[int]) -> None:
+            emitted.append(len(tokens))
+            if on_tokens is not None:
+                on_tokens(tokens)
+
+        try:
+            return attempt(counting)
+        except Exception as error:
+            cache = self.prefix_cache
+            if emitted or cache is None or not cache.used_bytes or not is_out_of_memory(error):
+                raise
+        log.warning(
+            "out of memory with %d bytes in the prefix cache: emptied, retrying", cache.used_bytes
+        )
+        cache.clear()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return attempt(on_tokens)
+
+
+class SequenceCaches:
+    """One sequence's use of the pool (see the module docstring)."""
+
+    def __init__(self, pool: CachePool, speculative: bool, prefix: PrefixCache | None) -> None:
+        self.pool, self.prefix = pool, prefix
+        self.cache = pool.cache
+        self.draft_cache = pool.draft_cache if speculative else None
+        self.cache.reset()
+        if self.draft_cache is not None:
+            self.draft_cache.reset()
+        self.captures: list[Capture] = []
+        self.cached_tokens = 0
+        self.logits: torch.Tensor | None = None  # the last prompt token's, when all was cached
+
+    def resume(self, prompt_ids: list[int]) -> int:
+        """Restore the longest cached prefix of the prompt; returns its length (0: none)."""
+        if self.prefix is None:
+            return 0
+        hit = self.prefix.lookup(prompt_ids, drafted=self.draft_cache is not None)
+        if hit.position:
+            self.prefix.restore(hit, self.cache, self.draft_cache)
+        if hit.position == len(prompt_ids):
+            self.logits = hit.logits
+        self.cached_tokens = hit.position
+        return hit.position
+
+    def after_chunk(self, end: int, prompt_len: int, logits: torch.Tensor) -> None:
+        """A prefill chunk ended at `end`: snapshot there (the recurrent state's only resume
+        points), with the logits at the prompt's end."""
+        if self.prefix is None or (end < prompt_len and not self.prefix.recurrent):
+            return
+        capture = self.prefix.capture(self.cache, end, logits if end == prompt_len else None)
+        if capture is not None:
+            self.captures.append(capture)
+
+    def finish(self, committed: list[int], context: torch.Tensor | None) -> None:
+        """The sequence ended having committed `committed` (its cache's tokens) and holding the
+        drafter's features `context` of the last ones: store it all for the next request."""
+        if self.prefix is None:
+            return
+        if self.draft_cache is not None and context is not None and context.shape[0]:
+            self.pool.drafter.append_context(self.draft_cache, context)
+        self.prefix.store(committed, self.cache, self.draft_cache, self.captures)
+        self.captures = []
+
+    def abandon(self) -> None:
+        """The sequence failed: its captures are not stored."""
+        if self.prefix is not None:
+            self.prefix.release(self.captures)
+        self.captures = []

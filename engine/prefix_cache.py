@@ -1,0 +1,372 @@
+"""The server's prefix cache: what a token sequence left in the engine, keyed by its token ids, so a
+request whose prompt starts with a cached sequence prefills only the rest.
+
+What is kept (every tensor a copy, outside the caches sequences decode in):
+- **KV blocks** of `block_tokens` tokens: the target's attention K/V and, when a speculative run
+  made them, the DFlash drafter's context K/V. The blocks form a trie keyed by their token ids, so
+  a cached sequence is the list of blocks on its path and sequences with a common prefix share
+  its blocks (the layout a batch > 1 scheduler reads: fixed-size blocks, a sequence = a list).
+- **Snapshots** at exact positions: the Gated DeltaNet layers' conv windows and recurrent states
+  (valid at that position only), the K/V of the tokens after the last whole block (the tail),
+  and at a prompt's end its last token's logits. Taken at prefill chunk boundaries, at the
+  prompt's end and at the generation's end (the next turn usually extends prompt + answer), so a
+  history that diverges inside an earlier answer resumes from the last snapshot before it.
+
+A prompt resumes at its longest resume point: a snapshot whose path and tail it starts with, or
+(dense targets, no recurrent state) any whole-block boundary; never its whole length unless the
+snapshot there kept logits (a token is left to prefill, whose logits choose the first output). A
+speculative request also needs the drafter's K/V of every reused token.
+
+Memory: a byte budget (the memory plan's, engine/memory_plan.py) over blocks and snapshots,
+allocated as they are stored; the least recently used go first. A hit touches its snapshot and
+its path; a store touches what it stored, its chunk-boundary snapshots oldest, so under pressure
+those go before the snapshots a next turn resumes from, and a block goes before its ancestors
+(evicting a block evicts what hangs below it). On a hybrid target a block that no snapshot needs
+any more is dropped with the last one. `clear()` frees everything (a request that runs out of
+memory gets it back, engine/cache_pool.py).
+
+    cache = PrefixCache(budget_bytes=8 << 30, recurrent=True)  # a hybrid target
+    hit = cache.lookup(prompt_ids, drafted=True)
+    cache.restore(hit, target_cache, draft_cache)  # target_cache.length == hit.position
+    ...prefill from hit.position, capture() at chunk boundaries and the prompt's end...
+    cache.store(committed_ids, target_cache, draft_cache, captures)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.memory_plan import BLOCK_TOKENS
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _attention(cache):
+    """The KVCache of a target's cache (a dense target's cache is one)."""
+    return getattr(cache, "kv", cache)
+
+
+def has_states(cache) -> bool:
+    """Whether a target's cache holds recurrent (GDN) state, valid at exact positions only."""
+    return bool(getattr(cache, "recurrent", None))
+
+
+@dataclass(eq=False)
+class _Block:
+    """A trie node: K/V of tokens start .. start + len(tokens) - 1 (the root: none)."""
+
+    tokens: tuple[int, ...]
+    parent: _Block | None
+    start: int
+    target: torch.Tensor | None = None  # [2, L, n, Hkv, D]
+    draft: torch.Tensor | None = None  # the drafter's, same layout
+    children: dict[tuple[int, ...], _Block] = field(default_factory=dict)
+    snapshots: dict[tuple[int, ...], _Snapshot] = field(default_factory=dict)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.target, self.draft)
+
+
+@dataclass(eq=False)
+class Capture:
+    """The state at `position` taken during a sequence's prefill (or at its end), not yet stored."""
+
+    position: int
+    states: tuple[torch.Tensor, torch.Tensor] | None  # conv [G, C, K-1], recurrent [G, Hv, Dk, Dv]
+    logits: torch.Tensor | None = None  # [1, V] of the token before `position` (a prompt's end)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.logits, *(self.states or ()))
+
+
+@dataclass(eq=False)
+class _Snapshot:
+    """A resume point at node.end + len(tail): the tail's K/V, the recurrent states there."""
+
+    node: _Block
+    tail: tuple[int, ...]
+    capture: Capture
+    target_tail: torch.Tensor | None = None
+    draft_tail: torch.Tensor | None = None
+
+    @property
+    def position(self) -> int:
+        return self.node.end + len(self.tail)
+
+    @property
+    def drafted(self) -> bool:
+        """The drafter's K/V of the tail are here (the blocks say for themselves)."""
+        return not self.tail or self.draft_tail is not None
+
+    @property
+    def nbytes(self) -> int:
+        return self.capture.nbytes + _nbytes(self.target_tail, self.draft_tail)
+
+
+@dataclass
+class Hit:
+    """Where a prompt resumes: `position` tokens restored from `path` (whole blocks) and
+    `snapshot` (its tail, recurrent states and maybe logits)."""
+
+    position: int = 0
+    path: list[_Block] = field(default_factory=list)
+    snapshot: _Snapshot | None = None
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        """The last prompt token's logits when the whole prompt is cached."""
+        return self.snapshot.capture.logits if self.snapshot is not None else None
+
+
+class PrefixCache:
+    """The trie of KV blocks and snapshots within `budget_bytes` (see the module docstring);
+    `recurrent`: the target has recurrent (GDN) state, so only snapshots are resume points."""
+
+    def __init__(
+        self, budget_bytes: int, recurrent: bool, block_tokens: int = BLOCK_TOKENS
+    ) -> None:
+        if budget_bytes < 0 or block_tokens < 1:
+            raise ValueError("the prefix cache needs a budget >= 0 and blocks of >= 1 token")
+        self.budget_bytes = budget_bytes
+        self.recurrent = recurrent
+        self.block_tokens = block_tokens
+        self.used_bytes = 0
+        self._root = _Block((), None, 0)
+        self._lru: OrderedDict[int, _Block | _Snapshot] = OrderedDict()  # oldest first
+
+    # -- reuse ---------------------------------------------------------------------------
+
+    def lookup(self, prompt: Sequence[int], drafted: bool) -> Hit:
+        """The longest resume point of `prompt` (`drafted`: with the drafter's K/V too). Its
+        `logits` stand for a prefill only when it covers the whole prompt."""
+        best, node, path = Hit(), self._root, []
+        B, N = self.block_tokens, len(prompt)
+        while True:
+            start = node.end
+            for tail, snapshot in node.snapshots.items():
+                position = start + len(tail)
+                usable = position < N or (position == N and snapshot.capture.logits is not None)
+                if (
+                    position > best.position
+                    and usable
+                    and (snapshot.drafted or not drafted)
+                    and tuple(prompt[start:position]) == tail
+                ):
+                    best = Hit(position, list(path), snapshot)
+            if not self.recurrent and best.position < start < N:
+                best = Hit(start, list(path))
+            child = node.children.get(tuple(prompt[start : start + B]))
+            if child is None or (drafted and child.draft is None):
+                return best
+            node = child
+            path.append(node)
+
+    def restore(self, hit: Hit, cache, draft_cache=None) -> None:
+        """Copy the hit's K/V (and the drafter's, into `draft_cache` if given) and recurrent
+        states into a sequence's caches; their lengths become hit.position."""
+        kv = _attention(cache)
+        for block in hit.path:
+            kv.place(block.start, block.target)
+            if draft_cache is not None and block.draft is not None:
+                draft_cache.place(block.start, block.draft)
+        snapshot = hit.snapshot
+        if snapshot is not None:
+            if snapshot.target_tail is not None:
+                kv.place(snapshot.node.end, snapshot.target_tail)
+            if draft_cache is not None and snapshot.draft_tail is not None:
+                draft_cache.place(snapshot.node.end, snapshot.draft_tail)
+            if snapshot.capture.states is not None:
+                cache.place_states(snapshot.capture.states)
+        kv.length = hit.position
+        if draft_cache is not None:
+            draft_cache.length = hit.position
+        self._touch([hit.snapshot] if hit.snapshot else [], hit.path[-1] if hit.path else None)
+
+    # -- storing -------------------------------------------------------------------------
+
+    def capture(self, cache, position: int, logits: torch.Tensor | None = None) -> Capture | None:
+        """The recurrent states of `cache` now (at `position` committed tokens) and `logits`,
+        copied within the budget (older entries evicted); None when they cannot fit."""
+        sizes = _nbytes(logits)
+        if self.recurrent:
+            sizes += sum(_nbytes(s.conv, s.recurrent) for s in cache.recurrent)
+        if not self._make_room(sizes):
+            return None
+        states = cache.read_states() if self.recurrent else None
+        capture = Capture(position, states, None if logits is None else logits.clone())
+        self.used_bytes += capture.nbytes
+        return capture
+
+    def release(self, captures: Iterable[Capture | None]) -> None:
+        """Give back captures that will not be stored (a failed generation's)."""
+        for capture in captures:
+            if capture is not None:
+                self.used_bytes -= capture.nbytes
+
+    def store(self, tokens: Sequence[int], cache, draft_cache, captures: list[Capture]) -> None:
+        """Keep the blocks of `tokens` (the sequence's committed ids: cache.length of them), the
+        drafter's K/V where `draft_cache` holds them, and a snapshot per capture plus one at the
+        end; what does not fit even after evicting everything older is left out."""
+        if len(tokens) != _attention(cache).length:
+            raise ValueError(f"{len(tokens)} tokens but {_attention(cache).length} in the cache")
+        end = self.capture(cache, len(tokens))  # before the blocks: they may evict nothing new
+        ordered = sorted(captures, key=lambda c: c.position) + ([end] if end else [])
+        path = self._store_blocks(tokens, cache, draft_cache)
+        protect = {id(block) for block in path}
+        stored = []
+        for capture in reversed(ordered):  # the most useful first: the end, the prompt's end..
+            snapshot = self._store_snapshot(capture, tokens, path, cache, draft_cache, protect)
+            if snapshot is not None:
+                stored.append(snapshot)
+                protect.add(id(snapshot))
+        self._touch(stored[::-1], path[-1] if path else None)
+        if self.recurrent and path:
+            self._prune(path[-1], protect=set())
+
+    def _store_blocks(self, tokens: Sequence[int], cache, draft_cache) -> list[_Block]:
+        """The path of whole blocks of `tokens`, new ones copied from the caches."""
+        B, kv = self.block_tokens, _attention(cache)
+        drafted = draft_cache.length if draft_cache is not None else 0
+        node, path, protect = self._root, [], set()
+        for start in range(0, len(tokens) - B + 1, B):
+            key = tuple(tokens[start : start + B])
+            child = node.children.get(key)
+            if child is None:
+                saved = self._allocate(kv, start, start + B, protect)
+                if saved is None:
+                    break
+                child = _Block(key, node, start, target=saved)
+                node.children[key] = child
+                self._lru[id(child)] = child
+            if child.draft is None and drafted >= start + B:
+                child.draft = self._allocate(draft_cache, start, start + B, protect | {id(child)})
+            node = child
+            path.append(node)
+            protect.add(id(node))
+        return path
+
+    def _store_snapshot(
+        self,
+        capture: Capture,
+        tokens: Sequence[int],
+        path: list[_Block],
+        cache,
+        draft_cache,
+        protect: set[int],
+    ) -> _Snapshot | None:
+        """Link `capture` below its block with its tail's K/V; None when it cannot be kept."""
+        depth = capture.position // self.block_tokens
+        if depth > len(path):  # its blocks did not fit
+            self.release([capture])
+            return None
+        node = path[depth - 1] if depth else self._root
+        tail = tuple(tokens[node.end : capture.position])
+        drafted = draft_cache is not None and draft_cache.length >= capture.position
+        existing = node.snapshots.get(tail)
+        if existing is not None and (existing.drafted or not drafted):
+            if existing.capture.logits is None and capture.logits is not None:
+                existing.capture.logits = capture.logits  # the bytes move with it
+                capture.logits = None
+            self.release([capture])
+            return existing
+        if capture.states is None and not tail and capture.logits is None:
+            return None  # a dense target resumes at a block boundary without one
+        snapshot = _Snapshot(node, tail, capture)
+        if tail:
+            snapshot.target_tail = self._allocate(cache, node.end, capture.position, protect)
+            if snapshot.target_tail is None:
+                self.release([capture])
+                return None
+            if drafted:
+                snapshot.draft_tail = self._allocate(
+                    draft_cache, node.end, capture.position, protect
+                )
+        if existing is not None:
+            self._evict(existing, protect)
+        node.snapshots[tail] = snapshot
+        self._lru[id(snapshot)] = snapshot
+        return snapshot
+
+    def _allocate(self, cache, start: int, end: int, protect: set[int]) -> torch.Tensor | None:
+        """A copy of slots start..end-1 of `cache` (a target's or a drafter's) within the
+        budget, or None when it cannot fit."""
+        kv = _attention(cache)
+        per_slot = 2 * _nbytes(kv.k[:, :1])
+        if not self._make_room(per_slot * (end - start), protect):
+            return None
+        saved = kv.read(start, end)
+        self.used_bytes += _nbytes(saved)
+        return saved
+
+    # -- eviction ------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Evict everything stored (captures in flight keep their bytes until stored)."""
+        for child in list(self._root.children.values()):
+            self._evict(child, set())
+        for snapshot in list(self._root.snapshots.values()):
+            self._evict(snapshot, set())
+
+    def _touch(self, snapshots: list[_Snapshot], leaf: _Block | None) -> None:
+        """Mark used now: `snapshots` in order, then the path to `leaf` from the leaf up, so a
+        block is always more recent than what hangs below it."""
+        for snapshot in snapshots:
+            self._lru.move_to_end(id(snapshot))
+        node = leaf
+        while node is not None and node is not self._root:
+            self._lru.move_to_end(id(node))
+            node = node.parent
+
+    def _make_room(self, nbytes: int, protect: set[int] = frozenset()) -> bool:
+        """Evict least recently used entries (never those in `protect`) until `nbytes` more
+        fit the budget; False when they cannot."""
+        if nbytes > self.budget_bytes:
+            return False
+        while self.used_bytes + nbytes > self.budget_bytes:
+            victim = next((u for key, u in self._lru.items() if key not in protect), None)
+            if victim is None:
+                return False
+            self._evict(victim, protect)
+        return True
+
+    def _evict(self, unit: _Block | _Snapshot, protect: set[int]) -> None:
+        """Drop `unit` (a block: with everything below it); on a hybrid target also the blocks
+        above it that no snapshot needs any more."""
+        above = unit.node if isinstance(unit, _Snapshot) else unit.parent
+        self._drop(unit)
+        if self.recurrent:
+            self._prune(above, protect)
+
+    def _drop(self, unit: _Block | _Snapshot) -> None:
+        if isinstance(unit, _Snapshot):
+            del unit.node.snapshots[unit.tail]
+        else:
+            for below in [*unit.children.values(), *unit.snapshots.values()]:
+                self._drop(below)
+            del unit.parent.children[unit.tokens]
+        self.used_bytes -= unit.nbytes
+        del self._lru[id(unit)]
+
+    def _prune(self, node: _Block, protect: set[int]) -> None:
+        """Drop `node` and its ancestors while they lead to no snapshot (hybrid targets)."""
+        while (
+            node is not self._root
+            and not node.children
+            and not node.snapshots
+            and id(node) not in protect
+        ):
+            parent = node.parent
+            self._drop(node)
+            node = parent
