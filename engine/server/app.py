@@ -2,8 +2,10 @@
 
 Run it with `python -m engine serve --model DIR [--draft DIR] ...` (engine/cli/serve.py).
 
-Endpoints: `GET /v1/models` (and `/v1/models/{id}`), `POST /v1/completions`, `POST /v1/chat/completions` (both with
-`"stream": true` as server-sent events ending in `data: [DONE]`), `POST /tokenize`,
+Endpoints: `GET /v1/models` (and `/v1/models/{id}`), `POST /v1/completions`,
+`POST /v1/chat/completions` (both with `"stream": true` as server-sent events ending in
+`data: [DONE]`), `POST /v1/responses` (the Responses API, streamed as its named events),
+`POST /tokenize`,
 `GET /health` (alive), `GET /ready` or `/health?ready=1` (model loaded and a 1-token generation
 succeeded), `GET /metrics` (Prometheus text). With an API key, every endpoint but /health and
 /ready needs `Authorization: Bearer <key>`.
@@ -20,7 +22,8 @@ Beyond OpenAI's fields, a request may carry `"speculative": {"method": "ar"|"lin
 "budget": N}` (defaults from the server's flags), and every response carries `"speculative":
 {"method", "budget", "rounds", "mean_acceptance_length", "decode_tokens_per_s", "ttft_s"}`.
 
-Layout: a module per API (engine/server/completions.py, chat_completions.py) over one shared
+Layout: a module per API (engine/server/completions.py, chat_completions.py, responses.py:
+OpenAI's Responses API, translated onto chat's path) over one shared
 generation path (engine/server/generation.py: submit to the worker, events, usage, errors) and
 one state (engine/server/state.py); this module builds the app, serves the service endpoints
 (health, readiness, metrics, models, tokenize) and loads the engine for `serve`.
@@ -46,7 +49,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from engine.decode import GenerationConfig
-from engine.server import chat_completions, completions
+from engine.server import chat_completions, completions, responses
 from engine.server.chat import build_chat_prompt
 from engine.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.server.schemas import ApiError, ChatTemplateInputs, TokenizeRequest, parse_body
@@ -116,7 +119,7 @@ def create_app(
     app.include_router(_open_routes(state))
     protected = [Depends(state.require_api_key)]
     app.include_router(_service_routes(state), dependencies=protected)
-    for api in (completions, chat_completions):
+    for api in (completions, chat_completions, responses):
         app.include_router(api.router(state), dependencies=protected)
     return app
 

@@ -30,8 +30,13 @@ def router(state: ServerState) -> APIRouter:
 
 def _prompt(state: ServerState, raw: bytes) -> tuple[ChatRequest, list[int], ChatPrompt]:
     body = parse_body(ChatRequest, raw)
+    return body, *chat_prompt(state, body)
+
+
+def chat_prompt(state: ServerState, body: ChatRequest) -> tuple[list[int], ChatPrompt]:
+    """The request's conversation rendered with the chat template, and its token ids."""
     engine = state.ready_engine()
     chat = build_chat_prompt(body, engine.tokenizer, state.parsing)
     prompt_ids = engine.tokenizer.encode(chat.text)
     check_prompt_ids(prompt_ids, engine.vocab_size)
-    return body, prompt_ids, chat
+    return prompt_ids, chat

@@ -269,5 +269,7 @@ def failure(event: Failed) -> ApiError:
     return ApiError(event.status, event.message, kind="server_error", code=event.code)
 
 
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+def sse(payload: dict, event: str | None = None) -> str:
+    """One server-sent event; `event` names it (the Responses API's streams name theirs)."""
+    named = f"event: {event}\n" if event else ""
+    return f"{named}data: {json.dumps(payload, separators=(',', ':'))}\n\n"

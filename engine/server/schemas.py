@@ -361,10 +361,10 @@ def parse_body(schema: type[BodyT], raw: bytes) -> BodyT:
         body = schema.model_validate_json(raw or b"")
     except ValidationError as exc:
         raise _api_error(exc) from None
-    ignored = _sort_extra_fields(body.model_extra or {}, getattr(schema, "api_fields", None), "")
+    ignored = sort_extra_fields(body.model_extra or {}, getattr(schema, "api_fields", None), "")
     for index, message in enumerate(getattr(body, "messages", None) or []):
         if isinstance(message, Message):
-            ignored += _sort_extra_fields(
+            ignored += sort_extra_fields(
                 message.model_extra or {}, MESSAGE_API_FIELDS, f"messages.{index}."
             )
     if ignored and getattr(schema, "api_fields", None):
@@ -372,16 +372,28 @@ def parse_body(schema: type[BodyT], raw: bytes) -> BodyT:
     return body
 
 
-def _sort_extra_fields(
-    extra: dict[str, Any], api_fields: frozenset[str] | None, where: str
+def parse_part(schema: type[BodyT], value: Any, where: str) -> BodyT:
+    """Validate one part of a body (already parsed JSON) found at `where`, or raise a 400."""
+    try:
+        return schema.model_validate(value)
+    except ValidationError as exc:
+        raise _api_error(exc, where) from None
+
+
+def sort_extra_fields(
+    extra: dict[str, Any],
+    api_fields: frozenset[str] | None,
+    where: str,
+    no_op_values: dict[str, list[Any]] = NO_OP_VALUES,
+    informational: frozenset[str] = INFORMATIONAL_FIELDS,
 ) -> list[str]:
     """Refuse unimplemented API fields (400); return the names of the others, to warn about."""
     ignored = []
     for name, value in extra.items():
         if not api_fields or name not in api_fields:
             ignored.append(where + name)
-        elif value is not None and name not in INFORMATIONAL_FIELDS:
-            accepted = NO_OP_VALUES.get(name)
+        elif value is not None and name not in informational:
+            accepted = no_op_values.get(name)
             if accepted is None or value not in accepted:
                 only = f" (only {json.dumps(accepted[0])} is accepted)" if accepted else ""
                 raise ApiError(
@@ -393,7 +405,7 @@ def _sort_extra_fields(
     return ignored
 
 
-def _api_error(exc: ValidationError) -> ApiError:
+def _api_error(exc: ValidationError, where: str = "") -> ApiError:
     first = exc.errors(include_url=False)[0]
     if first["type"] == "json_invalid":
         return ApiError(400, f"invalid JSON body: {first['msg']}", code="invalid_json")
@@ -401,7 +413,7 @@ def _api_error(exc: ValidationError) -> ApiError:
         return ApiError(400, "the request body must be a JSON object", code="invalid_json")
     # Union members appear in loc by their type name ("str", "list[int]"): drop them.
     loc = [str(p) for p in first["loc"] if isinstance(p, int) or not _is_type_name(str(p))]
-    param = ".".join(loc) or None
+    param = ".".join([where] * bool(where) + loc) or None
     return ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param)
 
 

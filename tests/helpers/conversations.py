@@ -60,6 +60,10 @@ PARALLEL = [
     {"role": "user", "content": "Now search for cafés."},
 ]
 
+# What a model with the demo template's format answers: a hermes call, after its reasoning.
+WEATHER_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+THINK_THEN_CALL = "<think>\nThe user wants weather.\n</think>\n\n" + WEATHER_CALL
+
 
 def openai_messages(messages: list[dict]) -> list[dict]:
     """The conversation as an OpenAI client sends it: tool-call arguments as JSON strings."""

@@ -29,6 +29,7 @@ SERVED = {
     "/completions": ["post"],
     "/models": ["get"],
     "/models/{model}": ["get"],
+    "/responses": ["post"],
 }
 _PROSE = ("description", "example", "examples", "x-oaiMeta", "x-oaiExpandable")
 

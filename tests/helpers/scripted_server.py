@@ -23,6 +23,7 @@ from engine.decode import GenerationConfig, GenerationResult
 from engine.server.app import create_app
 from engine.server.shutdown import draining_server
 from engine.server.state import LoadedEngine, ServerConfig
+from tests.helpers.conversations import DEMO_TARGET
 
 EOS = 0
 WAIT_S = 10.0
@@ -47,6 +48,16 @@ class CharTokenizer:
         return render(
             self.chat_template, messages, add_generation_prompt=add_generation_prompt, **inputs
         )
+
+
+class AgentTokenizer(CharTokenizer):
+    """One id per character, with the demo pair's chat template (Qwen3's structure)."""
+
+    chat_template = (DEMO_TARGET / "chat_template.jinja").read_text()
+
+
+def prompt_text(ids: list[int]) -> str:
+    return "".join(chr(i) for i in ids if i != EOS)
 
 
 class ScriptedEngine:
@@ -87,6 +98,23 @@ class ScriptedEngine:
             if stop():
                 return True
         return not first and stop()
+
+
+class RecordingEngine(ScriptedEngine):
+    """Also keeps each prompt it was given. With `turns` set (and `prompts` cleared), the
+    requests are answered in turn, the last reply again after that (an agent's tool call, then
+    its answer); else `reply` answers every request."""
+
+    def __init__(self, reply: str) -> None:
+        super().__init__(reply)
+        self.turns: list[str] = []
+        self.prompts: list[list[int]] = []
+
+    def generate(self, prompt_ids, cfg, **callbacks):
+        self.prompts.append(list(prompt_ids))
+        if self.turns:
+            self.reply = self.turns[min(len(self.prompts), len(self.turns)) - 1]
+        return super().generate(prompt_ids, cfg, **callbacks)
 
 
 def loaded(engine: ScriptedEngine, has_drafter: bool = True, max_model_len: int = 64):

@@ -18,34 +18,23 @@ import pytest
 
 from engine.server.app import create_app
 from engine.server.state import LoadedEngine, ServerConfig
-from tests.helpers.conversations import DEMO_TARGET, PARALLEL, TOOLS, openai_messages
-from tests.helpers.scripted_server import EOS, WAIT_S, CharTokenizer, ScriptedEngine, serving
+from tests.helpers.conversations import (
+    PARALLEL,
+    THINK_THEN_CALL,
+    TOOLS,
+    WEATHER_CALL,
+    openai_messages,
+)
+from tests.helpers.scripted_server import (
+    WAIT_S,
+    AgentTokenizer,
+    CharTokenizer,
+    RecordingEngine,
+    prompt_text,
+    serving,
+)
 
-WEATHER_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-THINK_THEN_CALL = "<think>\nThe user wants weather.\n</think>\n\n" + WEATHER_CALL
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-class AgentTokenizer(CharTokenizer):
-    """One id per character, with the demo pair's chat template."""
-
-    chat_template = (DEMO_TARGET / "chat_template.jinja").read_text()
-
-
-class RecordingEngine(ScriptedEngine):
-    """Also keeps each prompt it was given."""
-
-    def __init__(self, reply: str) -> None:
-        super().__init__(reply)
-        self.prompts: list[list[int]] = []
-
-    def generate(self, prompt_ids, cfg, **callbacks):
-        self.prompts.append(list(prompt_ids))
-        return super().generate(prompt_ids, cfg, **callbacks)
-
-
-def prompt_text(ids: list[int]) -> str:
-    return "".join(chr(i) for i in ids if i != EOS)
 
 
 @pytest.fixture(scope="module")
