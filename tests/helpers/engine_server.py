@@ -109,6 +109,19 @@ def engine_server(model_dir, draft_dir=None, **options) -> Iterator[EngineServer
         server.stop()
 
 
+def serve_demo_pair(log_path: Path) -> Iterator[EngineServer]:
+    """The shipped demo pair served for an agent's requests (a module fixture's body): it must
+    stop cleanly at SIGTERM with no traceback in its log."""
+    demo = Path(__file__).resolve().parents[2] / "engine" / "demo_model"
+    extra = ["--max-model-len", "2048", "--budget", "8"]
+    server = start_engine_server(
+        demo / "target", demo / "draft", extra_args=extra, log_path=log_path
+    )
+    yield server
+    assert server.stop() == -signal.SIGTERM
+    assert "Traceback" not in server.log_text()
+
+
 def _wait_until_ready(server: EngineServer, timeout: float) -> None:
     # A separate process offers no event to await: poll /ready until 200, exit, or timeout.
     deadline = time.monotonic() + timeout

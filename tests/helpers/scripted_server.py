@@ -117,8 +117,14 @@ class RecordingEngine(ScriptedEngine):
         return super().generate(prompt_ids, cfg, **callbacks)
 
 
-def loaded(engine: ScriptedEngine, has_drafter: bool = True, max_model_len: int = 64):
-    return LoadedEngine(engine.generate, CharTokenizer(), max_model_len, 0x110000, has_drafter)
+def loaded(
+    engine: ScriptedEngine,
+    has_drafter: bool = True,
+    max_model_len: int = 64,
+    tokenizer: CharTokenizer | None = None,
+) -> LoadedEngine:
+    tokenizer = tokenizer or CharTokenizer()
+    return LoadedEngine(engine.generate, tokenizer, max_model_len, 0x110000, has_drafter)
 
 
 @contextlib.contextmanager

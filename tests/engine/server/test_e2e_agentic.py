@@ -8,34 +8,14 @@ Marked slow: one server process (torch import, the demo pair's load and warm-up)
 
 from __future__ import annotations
 
-import signal
-
 import httpx
 import openai
 import pytest
 
 from engine.tokenizer import load_tokenizer
 from tests.helpers.conversations import DEMO_TARGET, PARALLEL, TOOLS, openai_messages
-from tests.helpers.engine_server import start_engine_server
-
-DEMO_DRAFT = DEMO_TARGET.parent / "draft"
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("agentic") / "serve.log"
-    extra = ["--max-model-len", "2048", "--budget", "8"]
-    instance = start_engine_server(DEMO_TARGET, DEMO_DRAFT, extra_args=extra, log_path=log)
-    yield instance
-    assert instance.stop() == -signal.SIGTERM
-    assert "Traceback" not in instance.log_text()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
 
 def agent_body(**extra) -> dict:
@@ -49,14 +29,14 @@ def agent_body(**extra) -> dict:
     }
 
 
-def test_the_server_picks_the_parsers_the_demo_template_teaches(server):
-    assert "tool-call parser hermes, reasoning parser qwen3" in server.log_text()
+def test_the_server_picks_the_parsers_the_demo_template_teaches(server_process):
+    assert "tool-call parser hermes, reasoning parser qwen3" in server_process.log_text()
 
 
-def test_tools_and_a_tool_call_history_reach_the_model(server, client):
+def test_tools_and_a_tool_call_history_reach_the_model(server_process, client):
     body = agent_body()
     completion = client.chat.completions.create(**body)
-    tokenized = httpx.post(server.url + "/tokenize", json=body, timeout=60).json()
+    tokenized = httpx.post(server_process.url + "/tokenize", json=body, timeout=60).json()
     expected = load_tokenizer(DEMO_TARGET).apply_chat_template(PARALLEL, tools=TOOLS)
     assert tokenized["tokens"] == expected
     assert completion.usage.prompt_tokens == tokenized["count"]
@@ -74,9 +54,9 @@ def test_a_streamed_agent_turn_equals_the_non_streamed_one(client):
     )
 
 
-def test_the_thinking_switch_reaches_the_template(server):
+def test_the_thinking_switch_reaches_the_template(server_process):
     body = agent_body(chat_template_kwargs={"enable_thinking": False})
-    tokens = httpx.post(server.url + "/tokenize", json=body, timeout=60).json()["tokens"]
+    tokens = httpx.post(server_process.url + "/tokenize", json=body, timeout=60).json()["tokens"]
     tokenizer = load_tokenizer(DEMO_TARGET)
     assert tokenizer.decode(tokens, False).endswith(
         "<|im_start|>assistant\n<think>\n\n</think>\n\n"

@@ -8,40 +8,17 @@ Marked slow: one server process (torch import, the demo pair's load and warm-up)
 
 from __future__ import annotations
 
-import asyncio
-import signal
-
 import httpx
-import openai
 import pytest
-from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
-from agents.models.openai_provider import OpenAIProvider
-from pydantic import BaseModel
+from agents import Agent, ModelSettings
 
-from tests.helpers.conversations import DEMO_TARGET, TOOLS
-from tests.helpers.engine_server import start_engine_server
+from tests.helpers.agents_sdk import Weather, run_agent, weather_tool
+from tests.helpers.conversations import TOOLS
 from tests.helpers.openai_spec import violations
 
 pytestmark = pytest.mark.slow
 
 FLAT_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("responses") / "serve.log"
-    extra = ["--max-model-len", "2048", "--budget", "8"]
-    instance = start_engine_server(
-        DEMO_TARGET, DEMO_TARGET.parent / "draft", extra_args=extra, log_path=log
-    )
-    yield instance
-    assert instance.stop() == -signal.SIGTERM
-    assert "Traceback" not in instance.log_text()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
 
 ASK = {
@@ -54,8 +31,8 @@ ASK = {
 }
 
 
-def test_the_answer_matches_the_spec_and_its_prompt_is_chats(server):
-    body = httpx.post(server.url + "/v1/responses", json=ASK, timeout=120).json()
+def test_the_answer_matches_the_spec_and_its_prompt_is_chats(server_process):
+    body = httpx.post(server_process.url + "/v1/responses", json=ASK, timeout=120).json()
     assert violations("Response", body) == []
     chat = {
         "messages": [
@@ -64,7 +41,7 @@ def test_the_answer_matches_the_spec_and_its_prompt_is_chats(server):
         ],
         "tools": TOOLS,
     }
-    tokenized = httpx.post(server.url + "/tokenize", json=chat, timeout=60).json()
+    tokenized = httpx.post(server_process.url + "/tokenize", json=chat, timeout=60).json()
     assert body["usage"]["input_tokens"] == tokenized["count"]
     assert body["usage"]["output_tokens"] <= 24
 
@@ -90,35 +67,21 @@ def test_streamed_equals_whole_and_ar_equals_ddtree(client):
     assert whole == output("ddtree", True) == output("ar", False)
 
 
-class Weather(BaseModel):
-    city: str
-    sky: str
-
-
 @pytest.mark.xfail(
     reason="the demo model calls tools and writes JSON only under constrained decoding "
     "(issue 30 Must 1: the server's tool_choice and response_format, i30g)",
     strict=True,
 )
-def test_an_agents_sdk_agent_with_a_function_tool_and_an_output_type_completes(server):
-    asked = []
-
-    @function_tool
-    def get_weather(city: str) -> str:
-        """Current weather in a city."""
-        asked.append(city)
-        return "sunny"
-
+def test_an_agents_sdk_agent_with_a_function_tool_and_an_output_type_completes(server_process):
+    asked: list[str] = []
     agent = Agent(
         name="weather",
         instructions="Call get_weather, then answer.",
         model="target",
-        tools=[get_weather],
+        tools=[weather_tool(asked)],
         output_type=Weather,
         model_settings=ModelSettings(tool_choice="required", temperature=0),
     )
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-    config = RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
-    result = asyncio.run(Runner.run(agent, "Weather in Paris?", run_config=config, max_turns=4))
+    result = run_agent(server_process.url, agent, "Weather in Paris?")
     assert len(asked) == 1
     assert isinstance(result.final_output, Weather)

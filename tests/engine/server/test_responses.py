@@ -10,29 +10,26 @@ tests/engine/server/test_e2e_responses.py.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
 import openai
 import pytest
-from agents import Agent, RunConfig, Runner, function_tool
-from agents.models.openai_provider import OpenAIProvider
+from agents import Agent
 from langchain_openai import ChatOpenAI
-from pydantic import BaseModel
 
-from engine.server.app import create_app
 from engine.server.response_input import RESPONSES_ONLY_FIELDS, ResponsesRequest, chat_body
 from engine.server.schemas import CHAT_API_FIELDS
-from engine.server.state import LoadedEngine, ServerConfig
+from tests.helpers.agents_sdk import Weather, run_agent, weather_tool
 from tests.helpers.conversations import PARALLEL, THINK_THEN_CALL, TOOLS, WEATHER_CALL
 from tests.helpers.openai_spec import spec, violations
 from tests.helpers.scripted_server import (
     WAIT_S,
     AgentTokenizer,
     RecordingEngine,
+    loaded,
     prompt_text,
-    serving,
+    running,
 )
 
 FLAT_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
@@ -42,12 +39,9 @@ ANSWER = "<think>\nI have the weather.\n</think>\n\nSunny in Paris."
 @pytest.fixture(scope="module")
 def agent_server():
     engine = RecordingEngine(THINK_THEN_CALL)
-    app = create_app(
-        lambda: LoadedEngine(engine.generate, AgentTokenizer(), 8192, 0x110000, True),
-        ServerConfig(model_name="tiny"),
-    )
-    with serving(app) as url:
-        assert app.state.server.worker.ready.wait(WAIT_S)
+    load = lambda: loaded(engine, max_model_len=8192, tokenizer=AgentTokenizer())  # noqa: E731
+    with running(engine, load=load) as (url, state):
+        assert state.worker.ready.wait(WAIT_S)
         yield engine, url
 
 
@@ -330,47 +324,20 @@ def test_an_unknown_model_is_a_404_and_store_is_accepted(agent):
 # -- the Agents SDK ----------------------------------------------------------------------------
 
 
-def run_agent(url: str, agent: Agent, question: str, *, streamed: bool = False):
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    config = RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
-
-    async def run():
-        if not streamed:
-            return await Runner.run(agent, question, run_config=config)
-        result = Runner.run_streamed(agent, question, run_config=config)
-        async for _ in result.stream_events():
-            pass
-        return result
-
-    return asyncio.run(run())
-
-
 @pytest.mark.parametrize("streamed", [False, True])
 def test_an_agents_sdk_agent_calls_its_tool_then_answers(agent, streamed):
     engine, url, _ = agent
     engine.turns = [THINK_THEN_CALL, ANSWER]
-    asked = []
-
-    @function_tool
-    def get_weather(city: str) -> str:
-        """Current weather in a city."""
-        asked.append(city)
-        return "sunny"
-
-    weather_agent = Agent(
-        name="weather", instructions="Be terse.", model="tiny", tools=[get_weather]
+    asked: list[str] = []
+    weather = Agent(
+        name="weather", instructions="Be terse.", model="tiny", tools=[weather_tool(asked)]
     )
-    result = run_agent(url, weather_agent, "Weather in Paris?", streamed=streamed)
+    result = run_agent(url, weather, "Weather in Paris?", streamed=streamed)
     assert result.final_output == "Sunny in Paris."
     assert asked == ["Paris"]
     second_prompt = prompt_text(engine.prompts[-1])
     assert "<tool_response>\nsunny\n</tool_response>" in second_prompt
     assert second_prompt.startswith("<|im_start|>system\nBe terse.")
-
-
-class Weather(BaseModel):
-    city: str
-    sky: str
 
 
 @pytest.mark.xfail(
@@ -381,8 +348,9 @@ def test_an_agents_sdk_agent_with_an_output_type_returns_an_instance(agent):
     engine, url, _ = agent
     engine.reply = '{"city": "Paris", "sky": "sunny"}'
     typed = Agent(name="weather", model="tiny", output_type=Weather)
-    result = run_agent(url, typed, "Weather in Paris?")
-    assert result.final_output == Weather(city="Paris", sky="sunny")
+    assert run_agent(url, typed, "Weather in Paris?").final_output == Weather(
+        city="Paris", sky="sunny"
+    )
 
 
 def test_a_failed_generation_is_a_500_or_a_response_failed_event():
@@ -393,12 +361,8 @@ def test_a_failed_generation_is_a_500_or_a_response_failed_event():
             return super().generate(prompt_ids, cfg, **callbacks)
 
     engine = FailingEngine("hi")
-    app = create_app(
-        lambda: LoadedEngine(engine.generate, AgentTokenizer(), 8192, 0x110000, True),
-        ServerConfig(model_name="tiny"),
-    )
-    with serving(app) as url:
-        assert app.state.server.worker.ready.wait(WAIT_S)
+    with running(engine, load=lambda: loaded(engine, max_model_len=8192)) as (url, state):
+        assert state.worker.ready.wait(WAIT_S)
         whole = post(url, input="hi")
         assert whole.status_code == 500
         assert "the device fell over" in whole.json()["error"]["message"]
