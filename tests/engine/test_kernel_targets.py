@@ -2,111 +2,51 @@
 within each one's shared memory, without a GPU: triton.compile builds the cubin with the ptxas
 its wheel bundles. This checks types, lowering and the configurations chosen by compute
 capability (engine/kernels/triton_attention.py `attention_config`); speed needs a GPU
-(python -m engine.tools.gpu_check). Each compile takes a few seconds.
+(python -m engine.tools.gpu_check). Each compile takes a few seconds, in a fresh process
+(tests/helpers/kernel_targets.py says why); this process never imports triton.
 Run: python -m pytest -q tests/engine/test_kernel_targets.py [--slow]
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
-import triton
-import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
-from tests.helpers.kernel_cases import compiled_copy
-
-attention = compiled_copy("engine.kernels.triton_attention")
-fused = compiled_copy("engine.kernels.triton_fused")
-gated_delta = compiled_copy("engine.kernels.triton_gated_delta")
-conv = compiled_copy("engine.kernels.triton_conv")
+from tests.helpers import REPO
 
 SHARED_MEMORY = {90: 227 * 1024, 120: 99 * 1024}  # bytes a block may use
-Q_HEADS, KV_HEADS, HEAD_DIM, HIDDEN, ROTARY_DIM = 24, 4, 256, 5120, 64  # Qwen3.6-27B
-GDN_HEAD_DIM, CONV_KERNEL = 128, 4
 
 
-def _compile(kernel, types: dict[str, str], constexprs: dict, capability: int, **options) -> int:
-    """Compile `kernel` for sm_<capability>; the shared memory (bytes) it uses per block.
-    Arguments not in `types` or `constexprs` are 32-bit ints."""
-    signature = {
-        name: "constexpr" if name in constexprs else types.get(name, "i32")
-        for name in kernel.arg_names
-    }
-    target = GPUTarget("cuda", capability, 32)
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target, options)
-    return compiled.metadata.shared
+def _shared_bytes(*cases: str) -> dict[str, int]:
+    """Each case's shared memory per block, compiled in a fresh Python process."""
+    argv = [sys.executable, "-m", "tests.helpers.kernel_targets", *cases]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
 
 
-def _attention_shared(capability: int, rows: int, device_prefix: bool) -> int:
-    cfg = attention.attention_config(divmod(capability, 10), HEAD_DIM, rows)
-    types = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), "*bf16")
-    types |= {"visible_ptr": "*i8", "partial_ptr": "*fp32", "lse_ptr": "*fp32", "scale": "fp32"}
-    types["prefix"] = "*i64" if device_prefix else "i32"
-    constexprs = dict(
-        D=HEAD_DIM, GROUP=Q_HEADS // KV_HEADS, CAUSAL=False, PREFIX_ON_DEVICE=device_prefix,
-        COMPUTE=tl.float32, DOT=tl.bfloat16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_D=HEAD_DIM,
-    )  # fmt: skip
-    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    return _compile(attention._tree_attention_kernel, types, constexprs, capability, **options)
-
-
-@pytest.mark.parametrize(
-    ("capability", "rows", "device_prefix"),
-    [(90, 96, True), (120, 96, True), (90, 6, False), (120, 6, False)],
-    ids=["sm90-verify-graph", "sm120-verify-graph", "sm90-decode", "sm120-decode"],
-)
-def test_attention_compiles_within_shared_memory(
-    capability: int, rows: int, device_prefix: bool
-) -> None:
-    """A verify (16 tokens x 6 query heads a kv head) reading the length on the device, as a
-    captured graph does, and a decode step (6 rows) with a host length."""
-    assert 0 < _attention_shared(capability, rows, device_prefix) <= SHARED_MEMORY[capability]
+@pytest.mark.parametrize("capability", [90, 120])
+def test_attention_compiles_within_shared_memory(capability: int) -> None:
+    """A verify reading the length on the device, as a captured graph does, and a decode step
+    with a host length."""
+    cases = [f"attention-{shape}-{capability}" for shape in ("verify-graph", "decode")]
+    for case, shared in _shared_bytes(*cases).items():
+        assert 0 < shared <= SHARED_MEMORY[capability], case
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("capability", [90, 120])
 def test_gated_delta_and_conv_kernels_compile(capability: int) -> None:
     """The Gated DeltaNet kernels at Qwen3.6-27B's 128 x 128 heads, bf16 inputs."""
-    delta_types = {name: "*fp32" for name in gated_delta._tree_gated_delta_kernel.arg_names}
-    delta_types |= {"k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16"}
-    delta_types |= {"parents_ptr": "*i64", "slots_ptr": "*i64"}
-    for name in ("T", "H", "Dk", "Dv"):
-        del delta_types[name]
-    delta = dict(COMPUTE=tl.float32, BLOCK_K=GDN_HEAD_DIM, BLOCK_V=4096 // GDN_HEAD_DIM)
-    conv_types = dict.fromkeys(("x_ptr", "state_ptr", "weight_ptr", "bias_ptr", "out_ptr"), "*bf16")
-    conv_types["parents_ptr"] = "*i64"
-    convolution = dict(K=CONV_KERNEL, COMPUTE=tl.float32, HAS_BIAS=False, SILU=True, BLOCK_C=256)
-    for kernel, types, constexprs in [
-        (gated_delta._tree_gated_delta_kernel, delta_types, delta),
-        (conv._tree_conv_kernel, conv_types, convolution),
-    ]:
-        shared = _compile(kernel, types, constexprs, capability, num_warps=4)
-        assert shared <= SHARED_MEMORY[capability]
+    shared = _shared_bytes(f"recurrent-{capability}")[f"recurrent-{capability}"]
+    assert shared <= SHARED_MEMORY[capability]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("capability", [90, 120])
 def test_fused_and_merge_kernels_compile(capability: int) -> None:
-    bf16 = "*bf16"
-    merge_types = {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": bf16}
-    merge = dict(D=HEAD_DIM, COMPUTE=tl.float32, BLOCK_D=HEAD_DIM)
-    norm_types = dict.fromkeys(("x_ptr", "delta_ptr", "sum_ptr", "weight_ptr", "out_ptr"), bf16)
-    norm = dict(HAS_DELTA=True, ZERO_CENTERED=True, COMPUTE=tl.float32, BLOCK_N=8192)
-    rope_types = dict.fromkeys(("x_ptr", "cos_ptr", "sin_ptr", "out_ptr"), bf16)
-    rope = dict(
-        D=HEAD_DIM, HALF=ROTARY_DIM // 2, COMPUTE=tl.float32, BLOCK_H=16,
-        BLOCK_HALF=ROTARY_DIM // 2, BLOCK_REST=HEAD_DIM,
-    )  # fmt: skip
-    silu_types = dict.fromkeys(("gate_ptr", "up_ptr", "out_ptr"), bf16)
-    silu = dict(COMPUTE=tl.float32, BLOCK=1024)
-    norm_types["eps"] = "fp32"
-    for kernel, types, constexprs, warps in [
-        (attention._merge_splits_kernel, merge_types, merge, 4),
-        (fused._rms_norm_kernel, norm_types, norm, fused._warps(HIDDEN)),
-        (fused._rotary_kernel, rope_types, rope, fused._warps(16 * HEAD_DIM)),
-        (fused._silu_mul_kernel, silu_types, silu, fused._warps(1024)),
-    ]:
-        shared = _compile(kernel, types, constexprs, capability, num_warps=warps)
-        assert shared <= SHARED_MEMORY[capability]
+    shared = _shared_bytes(f"fused-{capability}")[f"fused-{capability}"]
+    assert shared <= SHARED_MEMORY[capability]
