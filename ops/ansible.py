@@ -294,6 +294,7 @@ def bench_args(config: BenchConfig) -> list[str]:
         *("--lengths", ",".join(map(str, config.lengths))),
         *("--scenario", ",".join(config.scenarios)),
         *("--repeats", str(config.repeats), "--warmup", str(config.warmup)),
+        *("--max-repeats", str(config.max_repeats), "--time-budget", str(config.time_budget_s)),
         *("--agentic-context", str(config.agentic.context)),
         *("--agentic-turns", str(config.agentic.turns)),
     ]

@@ -1,7 +1,8 @@
 """The bench result store: one directory per run, a manifest, one JSON file per finished cell.
 
     RESULTS/<stamp>-<fingerprint>/manifest.json        state running | complete | crashed, pid,
-                                                        host, config, versions, started, finished
+                                                        host, config, versions, started, finished,
+                                                        machine (what the machine was doing)
     RESULTS/<run>/cell-<key>.json                      a finished cell, written atomically
     RESULTS/<run>/cell-<key>.partial.jsonl             samples of the cell being measured
     RESULTS/<run>/crashed-<stamp>/                     partial files of a crashed attempt
@@ -229,8 +230,11 @@ class RunStore:
         with contextlib.suppress(FileNotFoundError):
             (self.run_dir / f"{CELL_PREFIX}{key}{PARTIAL_SUFFIX}").unlink()
 
-    def finish(self) -> None:
+    def finish(self, machine: dict | None = None) -> None:
+        """Mark the run complete; `machine`: what the machine was doing during this attempt."""
         self.manifest.update(state=COMPLETE, finished=utc_now())
+        if machine is not None:
+            self.manifest["machine"] = machine
         self._save()
 
     def fail(self, reason: str) -> Path:

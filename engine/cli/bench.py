@@ -1,19 +1,26 @@
 """`python -m engine bench`: ar, linear (DFlash chain) and ddtree side by side on held-out prompts.
 
     python -m engine bench --model DIR --draft DIR [--budgets 4,8,15,32,64] \\
-        [--max-new-tokens 256] [--prompts 8] [--repeats 1] [--dtype float32] [--device cpu] \\
-        [--tp 1]
+        [--max-new-tokens 256] [--prompts 8] [--repeats 2] [--max-repeats 5] \\
+        [--time-budget 600] [--dtype float32] [--device cpu] [--tp 1]
 
 Prompts are Python code from the standard-library files the demo model never trained on
-(engine.data.corpus.held_out_prompts). Every method runs in this one process, prompt by prompt
-(all methods on prompt 1, then on prompt 2, ...) so a change in machine load hits them alike;
-each method first decodes one untimed warm-up. With --repeats N each method decodes each prompt
-N times (methods still interleaved) and the decode of median speed counts: that damps a noisy
-machine without favouring any method (decoding is greedy, so the tokens never change). Prints
-a table (tau = tokens committed per round, bonus included; decode tokens/s; speedup over ar;
-what a round costs) and, as the last stdout line, one JSON document with the same figures.
+(engine.data.corpus.held_out_prompts). Every method runs in this one process, under the rules of
+`ddops bench` (issue 31; the statistics are engine/bench_stats.py, shared): prompt by prompt,
+each repeat decodes the prompt with every method back to back, starting with the next method
+each repeat, so a change in machine load hits them alike; each method first decodes one untimed
+warm-up. A prompt gets at least --repeats repeats, more (up to --max-repeats) while its share of
+--time-budget seconds lasts. A speedup is the ratio of a method's decode to ar's decode of the
+same prompt in the same repeat; a repeat where one exceeds its tau (+ slack) was disturbed by
+something else: it is redone and left out. Decoding is greedy, so the tokens never change.
 
-The round costs explain the speedups: `cost` is a round's time in ar steps, so speedup =
+Prints a table (tau = tokens committed per round, bonus included; decode tokens/s and speedup
+over ar as medians with their 95% intervals over the prompts' repeats; what a round costs), the
+verdict (a winner only when its interval clears the others'), what the machine was doing (load,
+other processes' CPU share, the GPU's clocks) and, as the last stdout line, one JSON document
+with the same figures.
+
+The round costs explain the speedups: `cost` is a round's time in ar steps, so speedup ~
 tau / cost, and the draft and verify columns (ms per round) show where a round's time goes.
 """
 
@@ -21,12 +28,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from engine.decode import GenerationResult
+from engine.bench_stats import (
+    RepeatSchedule,
+    Spread,
+    exceeds_tau,
+    median_interval,
+    paired_ratios,
+    rotated,
+    verdict,
+)
+from engine.machine_state import MachineWatch, local_read, local_run, summary
 
 WARMUP_TOKENS = 16
 ROUND_STAGES = ("draft", "tree", "verify", "commit")
@@ -100,9 +115,15 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
-def median_speed(results: list[GenerationResult]) -> GenerationResult:
-    """The result of median decode speed (the lower middle one of an even count)."""
-    return sorted(results, key=lambda r: r.decode_tokens_per_s)[(len(results) - 1) // 2]
+def seconds(text: str) -> float:
+    """An argparse type: a number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,8 +135,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repeats",
         type=positive_int,
-        default=1,
-        help="decodes of each prompt per method; the one of median speed counts",
+        default=2,
+        help="clean decodes of each prompt per method, at least (methods interleaved)",
+    )
+    parser.add_argument(
+        "--max-repeats",
+        type=positive_int,
+        default=5,
+        help="decodes of each prompt per method, at most, while the time budget lasts",
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=seconds,
+        default=600.0,
+        help="seconds of decoding to spend on repeats beyond --repeats (0: exactly --repeats)",
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     parser.add_argument("--device", default="cpu")
@@ -132,25 +165,61 @@ def methods_for(budgets: list[int]) -> list[Method]:
     return [Method("ar"), Method("linear")] + [Method("ddtree", b) for b in budgets]
 
 
-def summarise(tallies: dict[Method, Tally]) -> list[dict]:
-    """One row per method: tau, decode tokens/s and speedup over the first (ar) row, and the
-    round's cost in ar steps with the ms per round of each stage."""
-    ar = next(iter(tallies.values()))
-    return [
-        {
-            "method": method.name,
-            "budget": method.budget,
-            "tau": round(tally.tau, 3),
-            "decode_tokens_per_s": round(tally.tokens_per_s, 2),
-            "speedup": _ratio(tally.tokens_per_s, ar.tokens_per_s),
-            "cost": _ratio(tally.round_ms, ar.round_ms),
-            "round_ms": round(tally.round_ms, 3),
-            "stage_ms": {stage: round(tally.stage_ms(stage), 3) for stage in ROUND_STAGES},
-            "tokens": tally.tokens,
-            "rounds": tally.rounds,
-        }
-        for method, tally in tallies.items()
-    ]
+# A pair: (prompt index, repeat) -> that decode's tokens/s, for one method.
+Rates = dict[tuple[int, int], float]
+
+
+def summarise(tallies: dict[Method, Tally], rates: dict[Method, Rates]) -> list[dict]:
+    """One row per method: tau, decode tokens/s (median and interval over the prompts' clean
+    repeats), speedup over ar (median and interval of the paired ratios), and the round's cost
+    in ar steps with the ms per round of each stage."""
+    ar_method = next(iter(tallies))
+    ar = tallies[ar_method]
+    rows = []
+    for method, tally in tallies.items():
+        speed = median_interval(rates[method].values())
+        speedup = median_interval(paired_ratios(rates[method], rates[ar_method]))
+        rows.append(
+            {
+                "method": method.name,
+                "budget": method.budget,
+                "tau": round(tally.tau, 3),
+                **_spread_fields("decode_tokens_per_s", speed, 2),
+                **_spread_fields("speedup", speedup, 3),
+                "repeats": speed.n if speed else 0,
+                "cost": _ratio(tally.round_ms, ar.round_ms),
+                "round_ms": round(tally.round_ms, 3),
+                "stage_ms": {stage: round(tally.stage_ms(stage), 3) for stage in ROUND_STAGES},
+                "tokens": tally.tokens,
+                "rounds": tally.rounds,
+            }
+        )
+    return rows
+
+
+def _spread_fields(name: str, spread: Spread | None, digits: int) -> dict:
+    if spread is None:
+        return {name: None, f"{name}_low": None, f"{name}_high": None}
+    return {
+        name: round(spread.median, digits),
+        f"{name}_low": round(spread.low, digits),
+        f"{name}_high": round(spread.high, digits),
+    }
+
+
+def row_spread(row: dict, name: str) -> Spread | None:
+    if row[name] is None:
+        return None
+    return Spread(row[name], row[f"{name}_low"], row[f"{name}_high"], row["repeats"])
+
+
+def label_of(row: dict) -> str:
+    return f"{row['method']} {row['budget']}" if row["budget"] is not None else row["method"]
+
+
+def run_verdict(rows: list[dict]) -> dict:
+    """The verdict over the rows' speedups (the first row is ar)."""
+    return verdict({label_of(r): row_spread(r, "speedup") for r in rows}).to_json()
 
 
 def _ratio(value: float, base: float) -> float | None:
@@ -160,18 +229,33 @@ def _ratio(value: float, base: float) -> float | None:
 def format_table(rows: list[dict]) -> str:
     header = ("method", "tau", "tok/s", "speedup", "cost", "draft ms", "verify ms")
     lines = [
-        f"{header[0]:<12}{header[1]:>8}{header[2]:>10}" + "".join(f"{h:>11}" for h in header[3:])
+        f"{header[0]:<12}{header[1]:>8}{header[2]:>10}{header[3]:>22}"
+        + "".join(f"{h:>11}" for h in header[4:])
     ]
     for row in rows:
-        label = f"{row['method']} {row['budget']}" if row["budget"] is not None else row["method"]
-        speedup = f"{row['speedup']:.2f}x" if row["speedup"] is not None else "-"
+        spread = row_spread(row, "speedup")
+        speedup = spread.text("x") if spread else "-"
         cost = f"{row['cost']:.2f}" if row["cost"] is not None else "-"
+        rate = row["decode_tokens_per_s"]
         stages = row["stage_ms"]
         lines.append(
-            f"{label:<12}{row['tau']:>8.2f}{row['decode_tokens_per_s']:>10.1f}{speedup:>11}"
+            f"{label_of(row):<12}{row['tau']:>8.2f}{rate or 0:>10.1f}{speedup:>22}"
             f"{cost:>11}{stages['draft']:>11.2f}{stages['verify']:>11.2f}"
         )
     return "\n".join(lines)
+
+
+def disturbed_in(results: dict[Method, object], ar: Method) -> list[str]:
+    """The methods of one repeat whose speedup over the same repeat's ar exceeds their tau."""
+    base = results[ar].decode_tokens_per_s
+    found = []
+    for method, result in results.items():
+        lengths = result.acceptance_lengths
+        tau = sum(lengths) / len(lengths) if lengths else None
+        speedup = result.decode_tokens_per_s / base if base else None
+        if method != ar and exceeds_tau(speedup, tau):
+            found.append(method.label)
+    return found
 
 
 def run(args: argparse.Namespace) -> int:
@@ -205,21 +289,46 @@ def run(args: argparse.Namespace) -> int:
 
     for method in methods:
         decode(method, prompts[0], WARMUP_TOKENS)
+    watch = MachineWatch(local_read, local_run if args.device != "cpu" else None, time.process_time)
+    readings = [watch.reading()]
     tallies = {method: Tally() for method in methods}
+    rates: dict[Method, Rates] = {method: {} for method in methods}
+    disturbed = turn = 0
+    max_repeats = args.max_repeats if args.time_budget else args.repeats
     for index, prompt in enumerate(prompts):
-        runs: dict[Method, list[GenerationResult]] = {method: [] for method in methods}
-        for _ in range(args.repeats):
-            for method in methods:
-                runs[method].append(decode(method, prompt, args.max_new_tokens))
-        for method, results in runs.items():
-            result = median_speed(results)
-            tallies[method].add(
-                result.acceptance_lengths, result.decode_tokens_per_s, result.stage_seconds
-            )
-        print(f"prompt {index + 1}/{len(prompts)} done ({len(prompt)} prompt tokens)", flush=True)
+        spent = readings[-1].at - readings[0].at
+        share = max(0.0, args.time_budget - spent) / (len(prompts) - index)
+        schedule = RepeatSchedule(args.repeats, max_repeats, share)
+        while schedule.more():
+            started = time.monotonic()
+            order = rotated(methods, turn)
+            turn += 1
+            results = {m: decode(m, prompt, args.max_new_tokens) for m in order}
+            suspects = disturbed_in(results, methods[0])
+            schedule.record(time.monotonic() - started, disturbed=bool(suspects))
+            if suspects:
+                print(f"prompt {index + 1}: disturbed repeat ({', '.join(suspects)}), redone")
+                continue
+            for method, result in results.items():
+                rates[method][(index, schedule.clean)] = result.decode_tokens_per_s
+                tallies[method].add(
+                    result.acceptance_lengths, result.decode_tokens_per_s, result.stage_seconds
+                )
+        disturbed += schedule.disturbed
+        readings.append(watch.reading())
+        print(
+            f"prompt {index + 1}/{len(prompts)} done ({len(prompt)} prompt tokens, "
+            f"{schedule.clean} repeats)",
+            flush=True,
+        )
     close_target(target)
-    rows = summarise(tallies)
+    rows = summarise(tallies, rates)
+    machine = summary(readings, disturbed)
+    decision = run_verdict(rows)
     print(format_table(rows))
+    print(decision["text"])
+    if machine["warning"]:
+        print(f"warning: {machine['warning']}")
     print(
         json.dumps(
             {
@@ -227,6 +336,8 @@ def run(args: argparse.Namespace) -> int:
                 "draft": str(args.draft),
                 "prompts": len(prompts),
                 "repeats": args.repeats,
+                "max_repeats": args.max_repeats,
+                "time_budget_s": args.time_budget,
                 "max_new_tokens": args.max_new_tokens,
                 "dtype": args.dtype,
                 "device": args.device,
@@ -234,6 +345,8 @@ def run(args: argparse.Namespace) -> int:
                 "cuda_graphs": args.cuda_graphs,
                 "threads": torch.get_num_threads(),
                 "results": rows,
+                "verdict": decision,
+                "machine": machine,
             }
         )
     )

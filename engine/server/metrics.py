@@ -12,11 +12,20 @@ Each server owns its registry, so several apps (tests) never share counters. Nam
 - `ddops_engine_decode_tokens_per_second{method}`, `ddops_engine_ttft_seconds{method}` (from
   the request's submission: its wait in the queue counts): histograms
 - `ddops_engine_queue_waiting`: requests waiting for the worker
+- `process_cpu_seconds_total`, `process_resident_memory_bytes`, ...: Prometheus' standard
+  process figures (the bench subtracts the engine's CPU from the machine's busy time)
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -29,6 +38,7 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)
         self.requests = Counter(
             "ddops_engine_requests",
             "Generation requests accepted.",

@@ -9,14 +9,22 @@
 Every completion streams (server-sent events), so the client sees when text arrives:
 TTFT = request sent -> first text; decode tok/s = tokens after the first / time after the first;
 end-to-end tok/s = tokens / (request sent -> stream end); TPOT = the inverse of decode tok/s.
-Token counts come from the stream's usage chunk, tau (mean tokens committed per round, bonus
-included) and rounds from its `speculative` stats. Errors become DdopsError naming the engine.
+TTFT is the client's: it includes any wait in the engine's queue. Token counts come from the
+stream's usage chunk (`prompt_tokens_details.cached_tokens`: prompt tokens the prefix cache
+served), tau (mean tokens committed per round, bonus included) and rounds from its
+`speculative` stats. Reasoning: an output inside a `<think>` block (opened by the prompt or by
+the output) has its reasoning tokens counted (`completion_tokens_details.reasoning_tokens`, else
+the server's /tokenize count of the block); the rest are answer tokens, and decode tok/s counts
+both. `cache_prompt=False` asks the engine not to reuse its prefix cache for this request (the
+cache-off turns of the agentic scenario). Errors become DdopsError naming the engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import httpx
@@ -25,6 +33,8 @@ from ops.bench.matrix import Method
 from ops.errors import DdopsError
 
 REQUEST_TIMEOUT_S = 600.0
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+ENGINE_CPU_METRIC = "process_cpu_seconds_total"
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,8 @@ class Sample:
     e2e_s: float  # request sent -> end of the stream
     rounds: int
     tau: float  # mean tokens committed per round (0 for a request without rounds)
+    cached_tokens: int | None = None  # prompt tokens served by the prefix cache (None: unsaid)
+    reasoning_tokens: int | None = None  # tokens inside a <think> block (None: no block)
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -56,7 +68,8 @@ class Sample:
 
     @classmethod
     def from_json(cls, data: dict) -> Sample:
-        return cls(**data)
+        """A stored sample (the fields of where it was measured, such as its repeat, aside)."""
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
 
 @dataclass(frozen=True)
@@ -76,8 +89,10 @@ class EngineClient:
         *,
         timeout: float = REQUEST_TIMEOUT_S,
         http: httpx.Client | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.clock = clock  # what times the stream (tests give a scripted clock)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = http or httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
         self._model_card: dict | None = None
@@ -127,6 +142,17 @@ class EngineClient:
         """The server's token count for a completion prompt (no chat template)."""
         return int(self._request("POST", "/tokenize", {"prompt": prompt})["count"])
 
+    def engine_cpu_seconds(self) -> float | None:
+        """The engine process's CPU time so far (its /metrics), None when it does not say."""
+        try:
+            response = self._http.get("/metrics")
+        except httpx.HTTPError:
+            return None
+        for line in response.text.splitlines() if response.status_code == 200 else []:
+            if line.startswith(ENGINE_CPU_METRIC + " "):
+                return float(line.split()[1])
+        return None
+
     # -- streamed completions -------------------------------------------------------------------
     def complete(
         self,
@@ -136,6 +162,7 @@ class EngineClient:
         method: Method,
         temperature: float = 0.0,
         seed: int | None = 0,
+        cache_prompt: bool = True,
     ) -> Completion:
         """Stream one completion and time it (see the module docstring for the definitions)."""
         body = {
@@ -146,9 +173,10 @@ class EngineClient:
             "stream": True,
             "stream_options": {"include_usage": True},
             "speculative": method.speculative(),
+            **({} if cache_prompt else {"cache_prompt": False}),
         }
-        stream = _StreamTally()
-        sent = time.perf_counter()
+        stream = _StreamTally(self.clock)
+        sent = self.clock()
         try:
             with self._http.stream("POST", "/v1/completions", json=body) as response:
                 if response.status_code != 200:
@@ -162,13 +190,33 @@ class EngineClient:
                         stream.take(json.loads(line.removeprefix("data: ")), self.label)
         except httpx.HTTPError as exc:
             raise DdopsError(self.label, f"/v1/completions: {exc}") from exc
-        return stream.completion(sent, time.perf_counter(), self.label)
+        done = stream.completion(sent, self.clock(), self.label)
+        if done.sample.reasoning_tokens is None and (block := reasoning_block(prompt, done.text)):
+            counted = min(self.count_tokens(block), done.sample.completion_tokens)
+            done = dataclasses.replace(
+                done, sample=dataclasses.replace(done.sample, reasoning_tokens=counted)
+            )
+        return done
+
+
+def reasoning_block(prompt: str, text: str) -> str | None:
+    """The part of `text` that is reasoning: up to and including `</think>` when the prompt
+    left a think block open or the text opens one; None when there is no block."""
+    if prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE):
+        start = 0
+    elif text.lstrip().startswith(THINK_OPEN):
+        start = text.index(THINK_OPEN)
+    else:
+        return None
+    end = text.find(THINK_CLOSE, start)
+    return text[start:] if end < 0 else text[start : end + len(THINK_CLOSE)]
 
 
 class _StreamTally:
     """What a completion stream said, and when its text arrived."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
         self.pieces: list[str] = []
         self.first_text: float | None = None
         self.last_text: float | None = None
@@ -181,7 +229,7 @@ class _StreamTally:
             raise DdopsError(label, f"the stream failed: {chunk['error'].get('message')}")
         for choice in chunk.get("choices") or []:
             if choice.get("text"):
-                now = time.perf_counter()
+                now = self.clock()
                 self.first_text = self.first_text or now
                 self.last_text = now
                 self.pieces.append(choice["text"])
@@ -201,6 +249,10 @@ class _StreamTally:
             e2e_s=ended - sent,
             rounds=int(self.speculative.get("rounds", 0)),
             tau=float(self.speculative.get("mean_acceptance_length") or 0.0),
+            cached_tokens=(self.usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            reasoning_tokens=(self.usage.get("completion_tokens_details") or {}).get(
+                "reasoning_tokens"
+            ),
         )
         return Completion("".join(self.pieces), self.finish_reason, sample)
 

@@ -1,8 +1,15 @@
-"""The bench matrix: methods x scenarios x output lengths, each cell measured `repeats` times.
+"""The bench matrix: methods x scenarios x output lengths, measured in interleaved repeats.
 
     config = BenchConfig(methods=parse_methods("ar,linear,ddtree:15"), lengths=(256, 1024))
-    for cell in config.cells():          # scenario-major, then length, then method (ar first)
+    for group in config.groups():        # scenario-major, then length
+        group.cells                      # one per method, ar first: measured together
+    for cell in config.cells():          # the same cells, flat
         print(cell.key, cell.method.label)
+
+A group (a scenario at an output length) is measured as a whole: each repeat runs every method
+once, back to back, in rotated order (engine.bench_stats). `repeats` is the least number of
+clean repeats a group gets; more run, up to `max_repeats`, while the group's share of
+`time_budget_s` lasts (0: exactly `repeats`).
 
 A method is `ar`, `linear` (a DFlash chain of the engine's default length) or `ddtree:B` (a tree
 of B nodes; `ddtree` alone means the engine's default budget). Scenarios: `decode` (one fixed
@@ -20,6 +27,9 @@ from ops.errors import DdopsError
 SCENARIOS = ("decode", "long", "agentic")
 DEFAULT_METHODS = "ar,linear,ddtree:15"
 DEFAULT_LENGTHS = (256, 1024, 2048)
+DEFAULT_REPEATS = 3
+DEFAULT_MAX_REPEATS = 20
+DEFAULT_TIME_BUDGET_S = 600.0
 _METHOD = re.compile(r"^(ar|linear|ddtree)(?::([0-9]+))?$")
 
 
@@ -97,6 +107,19 @@ class Cell:
 
 
 @dataclass(frozen=True)
+class Group:
+    """The cells of one scenario and output length: measured together, interleaved."""
+
+    scenario: str
+    length: int
+    cells: tuple[Cell, ...]
+
+    @property
+    def column(self) -> str:
+        return f"{self.scenario} {self.length}"
+
+
+@dataclass(frozen=True)
 class AgenticShape:
     """The agentic pipeline: `turns` requests whose transcript grows to ~`context` tokens."""
 
@@ -111,15 +134,19 @@ class BenchConfig:
     methods: tuple[Method, ...] = field(default_factory=lambda: parse_methods(DEFAULT_METHODS))
     lengths: tuple[int, ...] = DEFAULT_LENGTHS
     scenarios: tuple[str, ...] = ("decode",)
-    repeats: int = 1
+    repeats: int = DEFAULT_REPEATS  # at least this many clean repeats per group
     warmup: int = 1
     agentic: AgenticShape = AgenticShape()
     temperature: float = 0.0
     seed: int = 0
+    max_repeats: int = DEFAULT_MAX_REPEATS
+    time_budget_s: float = DEFAULT_TIME_BUDGET_S  # the run's, shared evenly by its groups
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.warmup < 0:
             raise DdopsError("bench", "repeats must be >= 1 and warmup >= 0")
+        if self.max_repeats < self.repeats or self.time_budget_s < 0:
+            raise DdopsError("bench", "max repeats must be >= repeats and the time budget >= 0")
         if self.agentic.turns < 1 or self.agentic.context < 16:
             raise DdopsError("bench", "the agentic scenario needs >= 1 turn and >= 16 tokens")
 
@@ -132,6 +159,13 @@ class BenchConfig:
             for length in self.lengths
             for method in methods
         ]
+
+    def groups(self) -> list[Group]:
+        """The cells by scenario and length, in cells() order."""
+        groups: dict[tuple[str, int], list[Cell]] = {}
+        for cell in self.cells():
+            groups.setdefault((cell.scenario, cell.length), []).append(cell)
+        return [Group(s, n, tuple(cells)) for (s, n), cells in groups.items()]
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -149,4 +183,6 @@ class BenchConfig:
             agentic=AgenticShape(**data["agentic"]),
             temperature=data["temperature"],
             seed=data["seed"],
+            max_repeats=data.get("max_repeats", data["repeats"]),  # runs before issue 31
+            time_budget_s=data.get("time_budget_s", 0.0),
         )

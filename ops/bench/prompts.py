@@ -18,6 +18,7 @@ same OpenAI messages (`transcript.messages`, `AGENT_TOOLS`). Each turn appends t
 answer, a `read_file` call and its result, sized so the context grows evenly to ~`context` tokens
 at the last turn. It goes to /v1/completions as text, so every model gets this format.
 Filler text is Python source from the standard library (deterministic for a Python version).
+A `session` name opens the system message, so the bench's sessions are distinct conversations.
 """
 
 from __future__ import annotations
@@ -158,11 +159,17 @@ def long_prompt(count: CountTokens, *, max_model_len: int, max_tokens: int) -> F
     return fit_to_tokens(count, LONG_HEAD, target)
 
 
-def agent_head() -> str:
+def agent_system(session: str | None = None) -> str:
+    """The system message: a session's own first line makes its conversation its own (no other
+    session's prefix cache serves it beyond a few tokens)."""
+    return f"Session {session}. {AGENT_SYSTEM}" if session else AGENT_SYSTEM
+
+
+def agent_head(session: str | None = None) -> str:
     """The conversation's start: the system turn with the tools block, the task, the
     assistant's turn opening."""
     signatures = "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in AGENT_TOOLS)
-    system = AGENT_SYSTEM + TOOLS_BLOCK.format(signatures=signatures)
+    system = agent_system(session) + TOOLS_BLOCK.format(signatures=signatures)
     return (
         f"<|im_start|>system\n{system}<|im_end|>\n"
         f"<|im_start|>user\n{AGENT_TASK}<|im_end|>\n<|im_start|>assistant\n"
@@ -184,16 +191,21 @@ class AgenticTranscript:
     """
 
     def __init__(
-        self, count: CountTokens, shape: AgenticShape, max_tokens: int, max_model_len: int
+        self,
+        count: CountTokens,
+        shape: AgenticShape,
+        max_tokens: int,
+        max_model_len: int,
+        session: str | None = None,
     ) -> None:
         self.count = count
         self.shape = shape
         self.max_tokens = max_tokens
         self.context = min(shape.context, max_model_len)
-        self.prompt = agent_head()
+        self.prompt = agent_head(session)
         self.head_tokens = count(self.prompt)
         self.messages: list[dict] = [
-            {"role": "system", "content": AGENT_SYSTEM},
+            {"role": "system", "content": agent_system(session)},
             {"role": "user", "content": AGENT_TASK},
         ]
 

@@ -3,12 +3,17 @@
     files = render_report(run_dir)       # writes report.md, results.csv, results.json, plots/*.png
     print(markdown_report(load_rows(run_dir)))
 
-Rows are the run's finished cells with their figures and `speedup`: the cell's decode tok/s over
-that of `ar` in the same scenario and length (None without an ar cell). The first table has one
-row per method and one column per scenario and length (decode tok/s and speedup); the second
-lists every figure. Plots (matplotlib, Agg), one question each: speedup over ar by method and
-length (ar drawn at 1x); tau and decode tok/s by ddtree budget (ar and the DFlash chain drawn as
-references). `ddops bench report RUN_DIR` re-renders all of it from the stored cells.
+Rows (ops/bench/figures.py) are the run's finished cells with every figure as its median over
+clean repeats and, for decode tok/s, speedup and TTFT, an interval (`NAME_low`, `NAME_high`;
+engine.bench_stats): `speedup` is the median of the paired ratios of a method's repeat to ar's
+same repeat. The first table has one row per method and one column per scenario and length
+(decode tok/s and speedup with its interval), then each column's verdict: a winner only when
+its interval clears the others'. The second lists every figure; the agentic scenario adds its
+turns (cached tokens, time to first token with the prefix cache on and off); the last section
+says what the machine was doing. Plots (matplotlib, Agg), one question each, intervals as error
+bars: speedup over ar by method and length (ar drawn at 1x); tau and decode tok/s by ddtree
+budget (ar and the DFlash chain drawn as references); the agentic turns' time to first token,
+cache on and off. `ddops bench report RUN_DIR` re-renders all of it from the stored cells.
 """
 
 from __future__ import annotations
@@ -19,22 +24,37 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ops.bench.matrix import SCENARIOS, parse_method
-from ops.methods import METHODS
+from engine.bench_stats import Spread
+from ops.bench.figures import (
+    SPREAD_FIGURES,
+    columns,
+    methods,
+    rows_from_cells,
+    spread_of,
+    verdicts,
+)
+from ops.bench.matrix import parse_method
 from ops.results import RunStore
 
-METRICS = (
-    "decode_tok_s",
+CSV_FIELDS = (
+    "method",
+    "scenario",
+    "length",
+    *(f"{name}{end}" for name in SPREAD_FIGURES for end in ("", "_low", "_high")),
     "e2e_tok_s",
-    "ttft_s",
     "tpot_p50_s",
     "tpot_p90_s",
     "tau",
     "rounds",
     "completion_tokens",
+    "reasoning_tokens",
+    "answer_tokens",
     "requests",
+    "repeats",
+    "disturbed",
+    "others_cpu",
+    "skipped",
 )
-CSV_FIELDS = ("method", "scenario", "length", *METRICS, "speedup", "skipped")
 
 
 @dataclass(frozen=True)
@@ -45,37 +65,6 @@ class ReportFiles:
     plots: tuple[Path, ...]
 
 
-def _method_order(label: str) -> tuple[int, int]:
-    method = parse_method(label)
-    return METHODS.index(method.name), method.budget or 0
-
-
-def _column_order(row: dict) -> tuple[int, int]:
-    return SCENARIOS.index(row["scenario"]), row["length"]
-
-
-def rows_from_cells(cells: list[dict]) -> list[dict]:
-    """One flat row per cell (figures None when skipped), with its speedup over ar."""
-    rows = []
-    for cell in cells:
-        metrics = cell.get("metrics") or {}
-        rows.append(
-            {
-                "method": cell["cell"]["method"],
-                "scenario": cell["cell"]["scenario"],
-                "length": cell["cell"]["length"],
-                **{name: metrics.get(name) for name in METRICS},
-                "skipped": cell.get("skipped"),
-            }
-        )
-    ar_rate = {(r["scenario"], r["length"]): r["decode_tok_s"] for r in rows if r["method"] == "ar"}
-    for row in rows:
-        base = ar_rate.get((row["scenario"], row["length"]))
-        rate = row["decode_tok_s"]
-        row["speedup"] = rate / base if rate and base else None
-    return sorted(rows, key=lambda r: (_column_order(r), _method_order(r["method"])))
-
-
 def load_rows(run_dir: Path) -> list[dict]:
     return rows_from_cells(RunStore.load(run_dir).cells())
 
@@ -84,14 +73,9 @@ def _number(value: float | None, digits: int, scale: float = 1.0, suffix: str = 
     return "-" if value is None else f"{value * scale:.{digits}f}{suffix}"
 
 
-def _columns(rows: list[dict]) -> list[tuple[str, int]]:
-    """The (scenario, length) pairs present, scenarios in SCENARIOS order, lengths ascending."""
-    pairs = {(r["scenario"], r["length"]) for r in rows}
-    return sorted(pairs, key=lambda pair: (SCENARIOS.index(pair[0]), pair[1]))
-
-
-def _methods(rows: list[dict]) -> list[str]:
-    return sorted({r["method"] for r in rows}, key=_method_order)
+def _spread(row: dict, name: str, digits: int = 2, scale: float = 1.0, suffix: str = "") -> str:
+    spread = spread_of(row, name)
+    return "-" if spread is None else spread.text(suffix, digits, scale)
 
 
 def _table(header: list[str], body: list[list[str]], right_from: int) -> list[str]:
@@ -103,27 +87,37 @@ def _table(header: list[str], body: list[list[str]], right_from: int) -> list[st
     ]
 
 
+def _not_measured(row: dict) -> str | None:
+    if row["skipped"]:
+        return "skipped"
+    if row["decode_tok_s"] is None:
+        return "disturbed" if row["disturbed"] else "-"
+    return None
+
+
 def summary_table(rows: list[dict]) -> list[str]:
-    """Method x (scenario, length): decode tok/s and speedup vs ar."""
-    columns = _columns(rows)
+    """Method x (scenario, length): decode tok/s and speedup vs ar with its interval."""
     by_key = {(r["method"], r["scenario"], r["length"]): r for r in rows}
     body = []
-    for method in _methods(rows):
+    for method in methods(rows):
         line = [method]
-        for scenario, length in columns:
+        for scenario, length in columns(rows):
             row = by_key.get((method, scenario, length))
             if row is None:
                 line.append("-")
-            elif row["skipped"]:
-                line.append("skipped")
-            elif row["decode_tok_s"] is None:
-                line.append("-")
+            elif missing := _not_measured(row):
+                line.append(missing)
             else:
-                speedup = _number(row["speedup"], 2, suffix="x")
-                line.append(f"{_number(row['decode_tok_s'], 1)} ({speedup})")
+                line.append(
+                    f"{_number(row['decode_tok_s'], 1)}, {_spread(row, 'speedup', suffix='x')}"
+                )
         body.append(line)
-    header = ["method", *(f"{scenario} {length}" for scenario, length in columns)]
+    header = ["method", *(f"{scenario} {length}" for scenario, length in columns(rows))]
     return _table(header, body, right_from=1)
+
+
+def verdict_lines(rows: list[dict]) -> list[str]:
+    return [f"- {v['scenario']} {v['length']}: {v['text']}" for v in verdicts(rows)]
 
 
 def details_table(rows: list[dict]) -> list[str]:
@@ -133,45 +127,123 @@ def details_table(rows: list[dict]) -> list[str]:
         "scenario",
         "length",
         "decode tok/s",
-        "e2e tok/s",
+        "speedup",
         "TTFT ms",
+        "e2e tok/s",
         "TPOT p50 ms",
         "TPOT p90 ms",
         "tau",
-        "rounds",
-        "speedup",
+        "think / answer tokens",
+        "repeats (disturbed)",
+        "others' CPU",
     ]
     body = []
     for r in rows:
         line = [r["method"], r["scenario"], str(r["length"])]
         if r["skipped"]:
-            line += [f"skipped: {r['skipped']}"] + [""] * 7
+            line += [f"skipped: {r['skipped']}"] + [""] * (len(header) - 4)
         else:
+            thought = r["reasoning_tokens"]
             line += [
-                _number(r["decode_tok_s"], 1),
+                _spread(r, "decode_tok_s", 1),
+                _spread(r, "speedup", suffix="x"),
+                _spread(r, "ttft_s", 1, 1000),
                 _number(r["e2e_tok_s"], 1),
-                _number(r["ttft_s"], 1, 1000),
                 _number(r["tpot_p50_s"], 2, 1000),
                 _number(r["tpot_p90_s"], 2, 1000),
                 _number(r["tau"], 2),
-                _number(r["rounds"], 1),
-                _number(r["speedup"], 2, suffix="x"),
+                f"{thought} / {r['answer_tokens']}" if thought is not None else "-",
+                f"{r['repeats'] or 0} ({r['disturbed']})",
+                _number(r["others_cpu"], 0, 100, "%"),
             ]
         body.append(line)
     return _table(header, body, right_from=3)
 
 
-def markdown_report(rows: list[dict], title: str = "ddops bench") -> str:
+def turns_table(rows: list[dict]) -> list[str]:
+    """The agentic cells' turns: prompt and cached tokens, TTFT with the prefix cache on and off."""
+    header = [
+        "method",
+        "length",
+        "turn",
+        "prompt tokens",
+        "cached",
+        "TTFT ms cache on",
+        "TTFT ms cache off",
+    ]
+    body = []
+    for r in rows:
+        for turn in r.get("turns") or []:
+            on, off = (Spread.from_json(turn[k]) for k in ("ttft_on_s", "ttft_off_s"))
+            body.append(
+                [
+                    r["method"],
+                    str(r["length"]),
+                    str(turn["turn"] + 1),
+                    str(turn["prompt_tokens"]),
+                    "-" if turn["cached_tokens"] is None else f"{turn['cached_tokens']:.0f}",
+                    on.text("", 1, 1000) if on else "-",
+                    off.text("", 1, 1000) if off else "-",
+                ]
+            )
+    return _table(header, body, right_from=2) if body else []
+
+
+def machine_lines(machine: dict | None) -> list[str]:
+    """What the machine was doing during the run, in words."""
+    if not machine:
+        return ["not recorded"]
+    lines = []
+    if machine.get("cpus"):
+        loads = [
+            f"{load[0]:.1f}"
+            for load in (machine.get("load_start"), machine.get("load_end"))
+            if load
+        ]
+        lines.append(f"- {machine['cpus']} CPUs, load average (1 min) {' -> '.join(loads) or '-'}")
+    if machine.get("others_cpu") is not None:
+        own = machine.get("own_cpu")
+        mine = f"; the bench and the engine {own:.0%}" if own is not None else ""
+        lines.append(f"- other processes used {machine['others_cpu']:.0%} of the CPU{mine}")
+    for gpu in machine.get("gpus") or []:
+        clocks = f"{_number(gpu['sm_mhz_min'], 0)}-{_number(gpu['sm_mhz_max'], 0)}"
+        lines.append(
+            f"- GPU {gpu['index']}: SM {clocks} MHz of {_number(gpu['sm_max_mhz'], 0)}, "
+            f"memory {_number(gpu['mem_mhz'], 0)} MHz, up to {_number(gpu['temperature_c_max'], 0)} C"
+        )
+    if machine.get("gpu_processes") is not None:
+        names = ", ".join(f"{p['name']} ({p['pid']})" for p in machine["gpu_processes"]) or "none"
+        lines.append(f"- processes on the GPUs: {names}")
+    lines.append(f"- {machine.get('disturbed_repeats', 0)} repeats disturbed (speedup above tau)")
+    if machine.get("warning"):
+        lines.append(f"- WARNING: {machine['warning']}")
+    return lines
+
+
+def markdown_report(
+    rows: list[dict], title: str = "ddops bench", machine: dict | None = None
+) -> str:
+    turns = turns_table(rows)
     lines = [
         f"# {title}",
         "",
-        "## Decode tok/s (speedup vs ar of the same cell)",
+        "## Decode tok/s, speedup vs ar (median, 95% interval over paired repeats)",
         "",
         *summary_table(rows),
         "",
+        *verdict_lines(rows),
+        "",
         "## All figures",
         "",
+        "Decode tok/s counts every generated token, reasoning (`<think>`) included; TTFT",
+        "includes any wait in the engine's queue.",
+        "",
         *details_table(rows),
+        "",
+        *(["## Agentic turns (prefix cache on and off)", "", *turns, ""] if turns else []),
+        "## The machine during the run",
+        "",
+        *machine_lines(machine),
         "",
     ]
     return "\n".join(lines)
@@ -191,19 +263,22 @@ def render_report(run_dir: Path) -> ReportFiles:
     run_dir = Path(run_dir)
     store = RunStore.load(run_dir)
     rows = rows_from_cells(store.cells())
+    machine = store.manifest.get("machine")
     markdown = run_dir / "report.md"
-    markdown.write_text(markdown_report(rows, f"ddops bench {run_dir.name}"))
+    markdown.write_text(markdown_report(rows, f"ddops bench {run_dir.name}", machine))
     table = run_dir / "results.csv"
     table.write_text(csv_text(rows))
     document = run_dir / "results.json"
-    document.write_text(json.dumps({"run": store.manifest, "rows": rows}, indent=1) + "\n")
+    body = {"run": store.manifest, "rows": rows, "verdicts": verdicts(rows), "machine": machine}
+    document.write_text(json.dumps(body, indent=1) + "\n")
     return ReportFiles(markdown, table, document, tuple(plot(rows, run_dir / "plots")))
 
 
 # -- plots ---------------------------------------------------------------------------------------
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     """PNG plots of the measured rows, one question each: how much faster than ar is each method
-    at each output length; how tau and decode tok/s move with the ddtree budget."""
+    at each output length; how tau and decode tok/s move with the ddtree budget; how long the
+    agentic turns wait for their first token with the prefix cache and without."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -216,33 +291,52 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         paths.append(_plot_speedup(measured, out_dir / "speedup_by_method_length.png"))
     if any(parse_method(r["method"]).budget for r in measured):
         paths.append(_plot_by_budget(measured, out_dir / "tau_tok_s_by_budget.png"))
+    if any(r.get("turns") for r in measured):
+        paths.append(_plot_turns(measured, out_dir / "agentic_ttft_by_turn.png"))
     return paths
 
 
+def _error_bars(rows: list[dict | None], name: str) -> list[list[float]]:
+    """matplotlib's yerr (distances below and above the median) of each row's interval."""
+    below, above = [], []
+    for row in rows:
+        spread = spread_of(row, name) if row else None
+        below.append(spread.median - spread.low if spread else 0.0)
+        above.append(spread.high - spread.median if spread else 0.0)
+    return [below, above]
+
+
 def _plot_speedup(rows: list[dict], path: Path) -> Path:
-    """Grouped bars: speedup over ar per method, one group per (scenario, length); ar at 1x."""
+    """Grouped bars: speedup over ar per method, one group per (scenario, length), each with its
+    interval as an error bar; ar at 1x."""
     import matplotlib.pyplot as plt
 
-    columns = _columns(rows)
-    methods = [m for m in _methods(rows) if m != "ar"]
-    speedup = {(r["method"], r["scenario"], r["length"]): r["speedup"] for r in rows}
+    pairs = columns(rows)
+    rivals = [m for m in methods(rows) if m != "ar"]
+    by_key = {(r["method"], r["scenario"], r["length"]): r for r in rows}
     ar_rate = {(r["scenario"], r["length"]): r["decode_tok_s"] for r in rows if r["method"] == "ar"}
-    width = 0.8 / len(methods)
-    figure, axes = plt.subplots(figsize=(max(7, 1.2 * len(columns) * len(methods) ** 0.5), 4.5))
-    for i, method in enumerate(methods):
-        xs = [c + (i - (len(methods) - 1) / 2) * width for c in range(len(columns))]
-        heights = [speedup.get((method, s, n)) or 0 for s, n in columns]
-        bars = axes.bar(xs, heights, width, label=method)
-        axes.bar_label(bars, labels=[f"{h:.2f}x" if h else "" for h in heights], fontsize=7)
+    width = 0.8 / len(rivals)
+    figure, axes = plt.subplots(figsize=(max(7, 1.2 * len(pairs) * len(rivals) ** 0.5), 4.5))
+    top = 1.2
+    for i, method in enumerate(rivals):
+        xs = [c + (i - (len(rivals) - 1) / 2) * width for c in range(len(pairs))]
+        cells = [by_key.get((method, s, n)) for s, n in pairs]
+        heights = [(c or {}).get("speedup") or 0 for c in cells]
+        errors = _error_bars(cells, "speedup")
+        axes.bar(xs, heights, width, label=method, yerr=errors, capsize=3)
+        for x, height, above in zip(xs, heights, errors[1], strict=True):
+            if height:
+                axes.text(x, height + above, f"{height:.2f}x", ha="center", va="bottom", fontsize=7)
+        top = max(top, *(h + e for h, e in zip(heights, errors[1], strict=True)))
     axes.axhline(1.0, color="black", linestyle="--", linewidth=1, label="ar (baseline)")
-    axes.set_xticks(range(len(columns)))
+    axes.set_xticks(range(len(pairs)))
     axes.set_xticklabels(
-        [f"{s} {n}\nar {ar_rate.get((s, n)) or 0:.1f} tok/s" for s, n in columns], fontsize=8
+        [f"{s} {n}\nar {ar_rate.get((s, n)) or 0:.1f} tok/s" for s, n in pairs], fontsize=8
     )
     axes.set_xlabel("scenario and output length (new tokens)")
-    axes.set_ylabel("speedup over ar (decode tok/s ratio, x)")
-    axes.set_ylim(0, max(1.2, *(h or 0 for h in speedup.values())) * 1.15)
-    axes.set_title("How much faster than autoregressive decoding, by method and length")
+    axes.set_ylabel("speedup over ar (paired decode tok/s ratio, x)")
+    axes.set_ylim(0, top * 1.15)
+    axes.set_title("Speedup over autoregressive decoding: median, 95% interval of the repeats")
     axes.legend(fontsize=8, ncols=2)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -251,15 +345,16 @@ def _plot_speedup(rows: list[dict], path: Path) -> Path:
 
 
 def _plot_by_budget(rows: list[dict], path: Path) -> Path:
-    """tau and decode tok/s against the ddtree budget, one colour per (scenario, length), with the
-    same cell's ar (dashed) and DFlash chain (dotted) drawn as flat references."""
+    """tau and decode tok/s (with its interval) against the ddtree budget, one colour per
+    (scenario, length), with the same cell's ar (dashed) and DFlash chain (dotted) drawn as flat
+    references."""
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
     figure, (tau_axes, rate_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
     budgets_seen: set[int] = set()
     handles = []
-    for index, (scenario, length) in enumerate(_columns(rows)):
+    for index, (scenario, length) in enumerate(columns(rows)):
         cell = [r for r in rows if (r["scenario"], r["length"]) == (scenario, length)]
         points = sorted(
             (parse_method(r["method"]).budget, r) for r in cell if parse_method(r["method"]).budget
@@ -270,7 +365,14 @@ def _plot_by_budget(rows: list[dict], path: Path) -> Path:
         budgets = [b for b, _ in points]
         budgets_seen.update(budgets)
         tau_axes.plot(budgets, [r["tau"] or 0 for _, r in points], "o-", color=colour)
-        rate_axes.plot(budgets, [r["decode_tok_s"] for _, r in points], "o-", color=colour)
+        rate_axes.errorbar(
+            budgets,
+            [r["decode_tok_s"] for _, r in points],
+            yerr=_error_bars([r for _, r in points], "decode_tok_s"),
+            fmt="o-",
+            color=colour,
+            capsize=3,
+        )
         handles.append(Line2D([], [], color=colour, marker="o", label=f"{scenario} {length}"))
         for method, style in (("ar", "--"), ("linear", ":")):
             ref = next((r for r in cell if r["method"] == method), None)
@@ -284,7 +386,7 @@ def _plot_by_budget(rows: list[dict], path: Path) -> Path:
     ]
     for axes, label in (
         (tau_axes, "tau (tokens committed per round)"),
-        (rate_axes, "decode tok/s (tokens per second)"),
+        (rate_axes, "decode tok/s (median, 95% interval)"),
     ):
         axes.set_xscale("log", base=2)
         axes.set_xticks(sorted(budgets_seen), [str(b) for b in sorted(budgets_seen)])
@@ -296,6 +398,45 @@ def _plot_by_budget(rows: list[dict], path: Path) -> Path:
     tau_axes.set_title("Tokens per round by budget")
     rate_axes.set_title("Decode speed by budget")
     rate_axes.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def _plot_turns(rows: list[dict], path: Path) -> Path:
+    """Time to first token per agentic turn, prefix cache on (solid) and off (dashed), one colour
+    per method, with intervals; the longest output length measured (the others look alike)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    agentic = [r for r in rows if r.get("turns")]
+    longest = max(r["length"] for r in agentic)
+    figure, axes = plt.subplots(figsize=(9, 4.5))
+    handles = []
+    for index, row in enumerate(r for r in agentic if r["length"] == longest):
+        turns = row["turns"]
+        xs = [t["turn"] + 1 for t in turns]
+        for key, style in (("ttft_on_s", "o-"), ("ttft_off_s", "s--")):
+            spreads = [Spread.from_json(t[key]) for t in turns]
+            ys = [1000 * s.median if s else 0 for s in spreads]
+            errors = [
+                [1000 * (s.median - s.low) if s else 0 for s in spreads],
+                [1000 * (s.high - s.median) if s else 0 for s in spreads],
+            ]
+            axes.errorbar(xs, ys, yerr=errors, fmt=style, color=f"C{index}", capsize=3)
+        handles.append(Line2D([], [], color=f"C{index}", marker="o", label=row["method"]))
+        axes.set_xticks(xs)
+    handles += [
+        Line2D([], [], color="grey", marker="o", label="prefix cache on"),
+        Line2D([], [], color="grey", marker="s", linestyle="--", label="cache off"),
+    ]
+    axes.set_xlabel(f"agent turn (the conversation grows each turn; {longest} new tokens a turn)")
+    axes.set_ylabel("time to first token, ms (median, 95% interval)")
+    axes.set_ylim(bottom=0)
+    axes.set_title("Agentic turns: time to first token with the prefix cache on and off")
+    axes.grid(alpha=0.3)
+    axes.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

@@ -1,31 +1,47 @@
-"""Run the bench matrix against one engine: `run_bench(config, client, store, progress)`.
+"""Run the bench matrix against one engine: `run_bench(config, client, store, progress, watch)`.
 
     with EngineClient(url) as client:
         store = RunStore.open(results_dir, run_config_json, versions)
         result = run_bench(BenchConfig(lengths=(16, 32)), client, store, RichProgress())
 
-Cells already in the store are skipped (a resumed run measures only the missing ones). Each cell
-first sends `config.warmup` short requests with its method (not counted), then `repeats`
-measured ones; every measured request is appended to the cell's partial file as it finishes,
-and the cell's summary is written atomically at the end. A failure or Ctrl-C marks the run
-crashed (partial files moved aside) before it propagates; kill -9 leaves a stale run that the
-next RunStore.open quarantines.
+The matrix is measured a group (a scenario at an output length) at a time, interleaved: each
+method first sends `config.warmup` short requests (not counted); then each repeat runs every
+method once, back to back, starting with the next method each repeat (engine.bench_stats), so
+load that comes or goes lands on all of them alike. After a repeat, a method whose speedup over
+ar's same repeat exceeds its tau marks the repeat disturbed: its samples are kept, marked, and
+another repeat runs instead (figures.disturbed_methods). How many repeats: at least
+`config.repeats` clean ones, then more while the group's share of `config.time_budget_s` lasts
+(engine.bench_stats.RepeatSchedule). The machine is read before and after each repeat
+(engine.machine_state): each sample carries the share of CPU other processes took during its
+repeat, and the manifest gets the run's machine summary with a warning when it was busy.
+
+The agentic scenario runs one session per method and repeat (its own conversation, so no session
+reuses another's prefix cache); each turn is sent with the prefix cache on (decoded to the
+length: these count for speed) and re-sent with it off (`cache_prompt: false`, one token: its
+time to first token). The decode and long scenarios send their prompts with the cache off, so
+every request prefills its whole prompt as before.
+
+Every measured request is appended to its cell's partial file as it finishes; a group's cells
+(samples marked with their repeat's verdict) are written atomically at its end. Groups already stored are skipped (a resumed run measures the
+rest). A failure or Ctrl-C marks the run crashed (partial files moved aside) before it
+propagates; kill -9 leaves a stale run that the next RunStore.open quarantines.
 """
 
 from __future__ import annotations
 
-import statistics
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from engine.bench_stats import RepeatSchedule, rotated
+from engine.machine_state import MachineWatch, between, summary
 from ops.bench.client import EngineClient, Sample
-from ops.bench.matrix import BenchConfig, Cell
+from ops.bench.figures import CACHE_OFF, disturbed_methods, repeat_figures, summarize
+from ops.bench.matrix import BenchConfig, Cell, Group, Method
 from ops.bench.prompts import AgenticTranscript, decode_prompt, long_prompt
 from ops.results import RunStore
 
@@ -73,7 +89,7 @@ class RichProgress:
         self._task = self._bar.add_task("bench", total=total, completed=done)
 
     def cell_started(self, cell: Cell) -> None:
-        self._bar.update(self._task, description=f"{cell.column} {cell.method.label}")
+        self._bar.update(self._task, description=f"{cell.column} (interleaved)")
 
     def cell_finished(self, cell: Cell, data: dict) -> None:
         self._bar.advance(self._task)
@@ -87,45 +103,107 @@ class RunResult:
     run_dir: Path
     cells: list[dict]  # every finished cell of the run, as stored
     resumed: bool  # this run continued an earlier, crashed one
+    machine: dict = field(default_factory=dict)  # engine.machine_state.summary of this attempt
 
 
 def run_bench(
-    config: BenchConfig, client: EngineClient, store: RunStore, progress: BenchProgress
+    config: BenchConfig,
+    client: EngineClient,
+    store: RunStore,
+    progress: BenchProgress,
+    watch: MachineWatch | None = None,
 ) -> RunResult:
-    """Measure every cell of `config` missing from `store`, then mark the run complete."""
-    cells = config.cells()
-    progress.start(len(cells), sum(store.has_cell(c.key) for c in cells))
+    """Measure every group of `config` missing from `store`, then mark the run complete."""
+    watch = watch or MachineWatch()
+    pending = [g for g in config.groups() if not all(store.has_cell(c.key) for c in g.cells)]
+    progress.start(len(config.cells()), sum(store.has_cell(c.key) for c in config.cells()))
+    readings = [watch.reading()]
+    disturbed = 0
     try:
-        for cell in cells:
-            if store.has_cell(cell.key):
-                continue
-            progress.cell_started(cell)
-            data = measure_cell(config, client, cell, partial(store.record_sample, cell.key))
-            store.write_cell(cell.key, data)
-            progress.cell_finished(cell, data)
+        for index, group in enumerate(pending):
+            spent = readings[-1].at - readings[0].at
+            share = max(0.0, config.time_budget_s - spent) / (len(pending) - index)
+            progress.cell_started(group.cells[0])
+            cells = measure_group(config, client, group, store.record_sample, watch, share)
+            readings.append(watch.reading())
+            for cell in group.cells:
+                store.write_cell(cell.key, cells[cell.key])
+                progress.cell_finished(cell, cells[cell.key])
+            disturbed += cells[group.cells[0].key].get("disturbed_repeats", 0)
     except BaseException as exc:
         store.fail(f"{type(exc).__name__}: {exc}")
         raise
     finally:
         progress.stop()
-    store.finish()
-    return RunResult(store.run_dir, store.cells(), store.resumed)
+    machine = summary(readings, disturbed)
+    store.finish(machine=machine)
+    return RunResult(store.run_dir, store.cells(), store.resumed, machine)
 
 
-# -- one cell ------------------------------------------------------------------------------------
-Record = Callable[[dict], None]
+# -- one group -------------------------------------------------------------------------------------
+Record = Callable[[str, dict], None]  # (cell key, sample) -> kept in the cell's partial file
+Taken = dict[Method, list[tuple[Sample, dict]]]  # a repeat's samples per method, with where
+Measured = Iterator[tuple[Method, Sample, dict]]  # each request of a repeat as it finishes
 
 
-def measure_cell(config: BenchConfig, client: EngineClient, cell: Cell, record: Record) -> dict:
-    """Warm up, measure the cell's requests (recording each), and summarise them."""
-    for _ in range(config.warmup):
-        _request(config, client, cell, decode_prompt(), min(cell.length, WARMUP_TOKENS))
-    measure = {"decode": _measure_decode, "long": _measure_long, "agentic": _measure_agentic}
-    samples, notes = measure[cell.scenario](config, client, cell, record)
-    data = {"cell": cell_json(cell), "skipped": notes.pop("skipped", None), **notes}
-    data["metrics"] = summarize([s for s, _ in samples]) if samples else None
-    data["samples"] = [{**where, **s.to_json()} for s, where in samples]
-    return data
+class Skipped(Exception):
+    """The group cannot be measured at this length (the numbers say why)."""
+
+
+def measure_group(
+    config: BenchConfig,
+    client: EngineClient,
+    group: Group,
+    record: Record,
+    watch: MachineWatch,
+    share_s: float,
+) -> dict[str, dict]:
+    """Warm up each method, then measure the group in interleaved repeats; each cell's data."""
+    methods = [cell.method for cell in group.cells]
+    keys = {cell.method: cell.key for cell in group.cells}
+    samples: dict[Method, list[dict]] = {method: [] for method in methods}
+    max_repeats = config.max_repeats if config.time_budget_s else config.repeats
+    schedule = RepeatSchedule(config.repeats, max_repeats, share_s)
+    try:
+        scenario = SCENARIO_RUNS[group.scenario](config, client, group.length)
+        for method in methods:
+            for _ in range(config.warmup):
+                _request(config, client, method, decode_prompt(), min(group.length, WARMUP_TOKENS))
+        while schedule.more():
+            repeat = schedule.attempts
+            before = watch.reading()
+            taken: Taken = {method: [] for method in methods}
+            for method, sample, where in scenario.run_repeat(repeat, rotated(methods, repeat)):
+                taken[method].append((sample, where))
+                record(keys[method], {"repeat": repeat, **where, **sample.to_json()})
+            after = watch.reading()
+            suspects = _disturbed(taken)
+            _keep(taken, repeat, bool(suspects), between(before, after), samples)
+            schedule.record(after.at - before.at, disturbed=bool(suspects))
+    except Skipped as why:
+        return {cell.key: _cell_data(cell, [], {"skipped": str(why)}) for cell in group.cells}
+    notes = {**scenario.notes(), "disturbed_repeats": schedule.disturbed}
+    return {cell.key: _cell_data(cell, samples[cell.method], notes) for cell in group.cells}
+
+
+def _disturbed(taken: Taken) -> dict[str, float]:
+    figures = {
+        method.label: repeat_figures(s.to_json() | where for s, where in pairs)[0]
+        for method, pairs in taken.items()
+        if pairs
+    }
+    return disturbed_methods(figures)
+
+
+def _keep(
+    taken: Taken, repeat: int, disturbed: bool, load: dict, samples: dict[Method, list[dict]]
+) -> None:
+    """A finished repeat's samples, marked with its verdict and the machine's load."""
+    for method, pairs in taken.items():
+        for sample, where in pairs:
+            entry = {"repeat": repeat, **where, **sample.to_json()}
+            entry |= {"disturbed": disturbed, "others_cpu": load.get("others_cpu")}
+            samples[method].append(entry)
 
 
 def cell_json(cell: Cell) -> dict:
@@ -137,22 +215,35 @@ def cell_json(cell: Cell) -> dict:
     }
 
 
-Measured = tuple[list[tuple[Sample, dict]], dict]
+def _cell_data(cell: Cell, samples: list[dict], notes: dict) -> dict:
+    counted = [
+        Sample.from_json(s) for s in samples if not s["disturbed"] and s.get("cache") != CACHE_OFF
+    ]
+    return {
+        "cell": cell_json(cell),
+        "skipped": notes.get("skipped"),
+        **{k: v for k, v in notes.items() if k != "skipped"},
+        "metrics": summarize(counted) if counted else None,
+        "samples": samples,
+    }
 
 
-def _request(config: BenchConfig, client: EngineClient, cell: Cell, prompt: str, tokens: int):
+def _request(
+    config: BenchConfig,
+    client: EngineClient,
+    method: Method,
+    prompt: str,
+    tokens: int,
+    cache_prompt: bool = False,
+):
     return client.complete(
         prompt,
         max_tokens=tokens,
-        method=cell.method,
+        method=method,
         temperature=config.temperature,
         seed=config.seed,
+        cache_prompt=cache_prompt,
     )
-
-
-def _take(samples: list, record: Record, sample: Sample, **where) -> None:
-    samples.append((sample, where))
-    record({**where, **sample.to_json()})
 
 
 def _too_long(prompt_tokens: int, max_tokens: int, limit: int, what: str = "the prompt") -> str:
@@ -162,89 +253,81 @@ def _too_long(prompt_tokens: int, max_tokens: int, limit: int, what: str = "the 
     )
 
 
-def _repeated(
-    config: BenchConfig, client: EngineClient, cell: Cell, prompt: str, record: Record
-) -> list:
-    samples: list = []
-    for repeat in range(config.repeats):
-        done = _request(config, client, cell, prompt, cell.length)
-        _take(samples, record, done.sample, repeat=repeat)
-    return samples
+# -- the scenarios: one repeat each ------------------------------------------------------------
+class _OnePrompt:
+    """decode and long: every method decodes the same prompt once a repeat, cache off."""
+
+    def __init__(self, config: BenchConfig, client: EngineClient, length: int, prompt: str) -> None:
+        self.config, self.client, self.length, self.prompt = config, client, length, prompt
+        self.extra: dict = {}
+
+    def run_repeat(self, repeat: int, order: Sequence[Method]) -> Measured:
+        for method in order:
+            yield (
+                method,
+                _request(self.config, self.client, method, self.prompt, self.length).sample,
+                {},
+            )
+
+    def notes(self) -> dict:
+        return self.extra
 
 
-def _measure_decode(
-    config: BenchConfig, client: EngineClient, cell: Cell, record: Record
-) -> Measured:
+def _decode_run(config: BenchConfig, client: EngineClient, length: int) -> _OnePrompt:
     limit, tokens = client.max_model_len(), client.count_tokens(decode_prompt())
-    if tokens + cell.length > limit:
-        return [], {"skipped": _too_long(tokens, cell.length, limit)}
-    return _repeated(config, client, cell, decode_prompt(), record), {}
+    if tokens + length > limit:
+        raise Skipped(_too_long(tokens, length, limit))
+    return _OnePrompt(config, client, length, decode_prompt())
 
 
-def _measure_long(
-    config: BenchConfig, client: EngineClient, cell: Cell, record: Record
-) -> Measured:
+def _long_run(config: BenchConfig, client: EngineClient, length: int) -> _OnePrompt:
     limit = client.max_model_len()
-    fitted = long_prompt(client.count_tokens, max_model_len=limit, max_tokens=cell.length)
-    prompt = {"tokens": fitted.tokens, "max_tokens": cell.length, "max_model_len": limit}
+    fitted = long_prompt(client.count_tokens, max_model_len=limit, max_tokens=length)
     if fitted.skipped:
-        return [], {"skipped": fitted.skipped, "prompt": prompt}
-    return _repeated(config, client, cell, fitted.prompt, record), {"prompt": prompt}
+        raise Skipped(fitted.skipped)
+    run = _OnePrompt(config, client, length, fitted.prompt)
+    run.extra = {"prompt": {"tokens": fitted.tokens, "max_tokens": length, "max_model_len": limit}}
+    return run
 
 
-def _measure_agentic(
-    config: BenchConfig, client: EngineClient, cell: Cell, record: Record
-) -> Measured:
-    limit = client.max_model_len()
-    samples: list = []
-    contexts = []
-    for repeat in range(config.repeats):
-        transcript = AgenticTranscript(client.count_tokens, config.agentic, cell.length, limit)
-        if transcript.skipped:
-            return [], {"skipped": transcript.skipped}
-        answer = ""
-        for turn in range(config.agentic.turns):
-            fitted = transcript.prompt_for_turn(turn, answer)
-            if fitted.tokens + cell.length > limit:
-                why = _too_long(fitted.tokens, cell.length, limit, f"turn {turn}'s transcript")
-                return [], {"skipped": why}
-            done = _request(config, client, cell, fitted.prompt, cell.length)
-            answer = done.text
-            _take(samples, record, done.sample, repeat=repeat, turn=turn)
-        contexts.append(fitted.tokens + done.sample.completion_tokens)
-    shape = {"turns": config.agentic.turns, "context": config.agentic.context}
-    return samples, {"agentic": {**shape, "final_context_tokens": max(contexts)}}
+class _AgenticRun:
+    """One session per method and repeat; each turn with the prefix cache on, then re-sent with
+    it off for its time to first token. Turns interleave the methods (rotated each repeat)."""
+
+    def __init__(self, config: BenchConfig, client: EngineClient, length: int) -> None:
+        self.config, self.client, self.length = config, client, length
+        self.limit = client.max_model_len()
+        self.final_context = 0
+        probe = self._transcript("probe")
+        if probe.skipped:
+            raise Skipped(probe.skipped)
+
+    def _transcript(self, session: str) -> AgenticTranscript:
+        shape = self.config.agentic
+        return AgenticTranscript(
+            self.client.count_tokens, shape, self.length, self.limit, session=session
+        )
+
+    def run_repeat(self, repeat: int, order: Sequence[Method]) -> Measured:
+        sessions = {m: self._transcript(f"{repeat}-{m.label}") for m in order}
+        answers = dict.fromkeys(order, "")
+        for turn in range(self.config.agentic.turns):
+            for method in order:
+                fitted = sessions[method].prompt_for_turn(turn, answers[method])
+                if fitted.tokens + self.length > self.limit:
+                    what = f"turn {turn}'s transcript"
+                    raise Skipped(_too_long(fitted.tokens, self.length, self.limit, what))
+                on = _request(self.config, self.client, method, fitted.prompt, self.length, True)
+                off = _request(self.config, self.client, method, fitted.prompt, 1, False)
+                answers[method] = on.text
+                yield method, on.sample, {"turn": turn}
+                yield method, off.sample, {"turn": turn, "cache": CACHE_OFF}
+                context = fitted.tokens + on.sample.completion_tokens
+                self.final_context = max(self.final_context, context)
+
+    def notes(self) -> dict:
+        shape = {"turns": self.config.agentic.turns, "context": self.config.agentic.context}
+        return {"agentic": {**shape, "final_context_tokens": self.final_context}}
 
 
-# -- summaries -----------------------------------------------------------------------------------
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100) with linear interpolation; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def summarize(samples: Sequence[Sample]) -> dict:
-    """A cell's figures over its measured requests (token-weighted rates)."""
-    decoding = [s for s in samples if s.decode_tok_s is not None]
-    tokens = sum(s.completion_tokens for s in samples)
-    rounds = sum(s.rounds for s in samples)
-    tpots = [s.tpot_s for s in decoding]
-    decode_s = sum(s.decode_s for s in decoding)
-    return {
-        "requests": len(samples),
-        "completion_tokens": tokens,
-        "decode_tok_s": sum(s.completion_tokens - 1 for s in decoding) / decode_s
-        if decode_s
-        else None,
-        "e2e_tok_s": tokens / sum(s.e2e_s for s in samples),
-        "ttft_s": statistics.median(s.ttft_s for s in samples),
-        "tpot_p50_s": percentile(tpots, 50),
-        "tpot_p90_s": percentile(tpots, 90),
-        "tau": sum(s.tau * s.rounds for s in samples) / rounds if rounds else None,
-        "rounds": rounds / len(samples),
-    }
+SCENARIO_RUNS = {"decode": _decode_run, "long": _long_run, "agentic": _AgenticRun}

@@ -1,7 +1,8 @@
 """`ddops bench`: measure ar / DFlash chain / DDTree on a CT's engine and write a report.
 
     ddops -i site.yml bench --ct 200 [--methods ar,linear,ddtree:15] [--lengths 256,1024,2048] \\
-        [--scenario decode,long,agentic] [--repeats N] [--out DIR] [--no-recover]
+        [--scenario decode,long,agentic] [--repeats N] [--max-repeats M] [--time-budget S] \\
+        [--out DIR] [--no-recover]
     ddops bench --url http://127.0.0.1:8000 --lengths 16,32      # an engine by URL, no site
     ddops bench report RUN_DIR                                    # re-render a stored run
 
@@ -9,6 +10,10 @@ Before measuring, the CT goes through the health chain and, if a check fails, `r
 (--no-recover: fail instead). Results go to a new run directory under --out (default
 $DDOPS_RESULTS, else <ddops home>/results); rerunning the same command resumes an unfinished
 (crashed) run. Progress bars go to stderr; the table (or --json: one document) to stdout.
+Methods run interleaved, repeat after repeat (ops/bench/runner.py): at least --repeats clean
+repeats per scenario and length, more (up to --max-repeats) while --time-budget seconds last
+(0: exactly --repeats); each figure is a median with its interval, each column gets a verdict,
+and the machine's state during the run is recorded, with a warning when it was busy.
 The engine's API key: a CT's own (read from the CT); for --url, DDOPS_API_KEY.
 """
 
@@ -18,21 +23,33 @@ import importlib.metadata
 import json
 import os
 import platform
+import time
 from pathlib import Path
 
 import click
 
+from engine.machine_state import MachineWatch
 from ops.bench.client import EngineClient
 from ops.bench.endpoint import Endpoint, site_endpoint, url_endpoint
+from ops.bench.figures import verdicts
 from ops.bench.matrix import (
+    DEFAULT_MAX_REPEATS,
     DEFAULT_METHODS,
+    DEFAULT_REPEATS,
+    DEFAULT_TIME_BUDGET_S,
     AgenticShape,
     BenchConfig,
     parse_lengths,
     parse_methods,
     parse_scenarios,
 )
-from ops.bench.report import load_rows, markdown_report, render_report, summary_table
+from ops.bench.report import (
+    load_rows,
+    markdown_report,
+    render_report,
+    summary_table,
+    verdict_lines,
+)
 from ops.bench.runner import RichProgress, run_bench
 from ops.chain.deploy import API_KEY_ENV
 from ops.commands.shared import VIA, VMID
@@ -77,7 +94,27 @@ def _parsed(parse):
     callback=_parsed(parse_scenarios),
     help="decode, long (prompt fills max-model-len), agentic (multi-turn ~4k context).",
 )
-@click.option("--repeats", type=click.IntRange(1), default=1, show_default=True)
+@click.option(
+    "--repeats",
+    type=click.IntRange(1),
+    default=DEFAULT_REPEATS,
+    show_default=True,
+    help="Clean repeats at least, per scenario and length (every method once a repeat).",
+)
+@click.option(
+    "--max-repeats",
+    type=click.IntRange(1),
+    default=DEFAULT_MAX_REPEATS,
+    show_default=True,
+    help="Repeats at most, while the time budget lasts.",
+)
+@click.option(
+    "--time-budget",
+    type=click.FloatRange(0),
+    default=DEFAULT_TIME_BUDGET_S,
+    show_default=True,
+    help="Seconds of measuring to spend on more repeats (0: exactly --repeats).",
+)
 @click.option("--warmup", type=click.IntRange(0), default=1, show_default=True)
 @click.option("--agentic-context", type=click.IntRange(16), default=4096, show_default=True)
 @click.option("--agentic-turns", type=click.IntRange(1), default=4, show_default=True)
@@ -89,6 +126,8 @@ def bench_command(ctx: click.Context, vmid, url, out, no_recover, via, **matrix)
     """Measure decoding methods x output lengths x scenarios; write results and a report."""
     if ctx.invoked_subcommand:
         return
+    if matrix["max_repeats"] < matrix["repeats"]:
+        raise click.BadParameter("must be >= --repeats", param_hint="--max-repeats")
     config = BenchConfig(
         methods=matrix["methods"],
         lengths=matrix["lengths"],
@@ -96,6 +135,8 @@ def bench_command(ctx: click.Context, vmid, url, out, no_recover, via, **matrix)
         repeats=matrix["repeats"],
         warmup=matrix["warmup"],
         agentic=AgenticShape(matrix["agentic_context"], matrix["agentic_turns"]),
+        max_repeats=matrix["max_repeats"],
+        time_budget_s=matrix["time_budget"],
     )
     if via == "ansible":
         if url:
@@ -112,7 +153,7 @@ def bench_command(ctx: click.Context, vmid, url, out, no_recover, via, **matrix)
         endpoint = site_endpoint(ctx.obj, vmid=vmid, results=results, recover_first=not no_recover)
     with endpoint as reached, EngineClient(reached.url, reached.api_key) as client:
         store = RunStore.open(results, _run_config(reached, config), _versions(client))
-        result = run_bench(config, client, store, RichProgress())
+        result = run_bench(config, client, store, RichProgress(), _watch(reached, client))
     files = render_report(result.run_dir)
     _print_outcome(ctx.obj.json, reached, result.run_dir, result.resumed, files)
 
@@ -124,10 +165,26 @@ def report_command(ctx: click.Context, run_dir: str) -> None:
     """Re-render the report (markdown, CSV, JSON, plots) of a stored run."""
     files = render_report(Path(run_dir))
     rows = load_rows(Path(run_dir))
+    machine = RunStore.load(Path(run_dir)).manifest.get("machine")
     if ctx.obj.json:
-        click.echo(json.dumps({"run_dir": run_dir, "files": _paths(files), "rows": rows}, indent=1))
+        document = {"run_dir": run_dir, "files": _paths(files), "rows": rows}
+        document |= {"verdicts": verdicts(rows), "machine": machine}
+        click.echo(json.dumps(document, indent=1))
     else:
-        click.echo(markdown_report(rows, f"ddops bench {Path(run_dir).name}"))
+        click.echo(markdown_report(rows, f"ddops bench {Path(run_dir).name}", machine))
+
+
+def _watch(endpoint: Endpoint, client: EngineClient) -> MachineWatch:
+    """Readings of the engine's machine; "own" CPU is the engine's (its /metrics) and, when
+    the bench runs on the same machine, the bench's."""
+
+    def own_cpu_s() -> float | None:
+        engine = client.engine_cpu_seconds()
+        if engine is None:
+            return None
+        return engine + (time.process_time() if endpoint.here else 0.0)
+
+    return MachineWatch(endpoint.read_text, endpoint.run, own_cpu_s)
 
 
 def _default_results() -> Path:
@@ -162,18 +219,25 @@ def _paths(files) -> dict:
 
 def _print_outcome(as_json: bool, endpoint: Endpoint, run_dir: Path, resumed: bool, files) -> None:
     rows = load_rows(run_dir)
+    manifest = RunStore.load(run_dir).manifest
+    machine = manifest.get("machine") or {}
     if as_json:
         document = {
             "target": endpoint.target,
             "run_dir": str(run_dir),
-            "state": RunStore.load(run_dir).manifest["state"],
+            "state": manifest["state"],
             "resumed": resumed,
             "preflight": endpoint.preflight,
             "files": _paths(files),
             "rows": rows,
+            "verdicts": verdicts(rows),
+            "machine": machine,
         }
         click.echo(json.dumps(document, indent=1))
         return
     click.echo(f"bench of {endpoint.target}" + (" (resumed a crashed run)" if resumed else ""))
     click.echo("\n".join(summary_table(rows)))
+    click.echo("\n".join(["", *verdict_lines(rows)]))
+    if machine.get("warning"):
+        click.echo(f"\nwarning: {machine['warning']}")
     click.echo(f"\nreport: {files.markdown} (CSV, JSON and plots beside it)")

@@ -19,6 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from ops.bench.client import EngineClient, Sample
+from ops.bench.figures import percentile, summarize
 from ops.bench.matrix import (
     AgenticShape,
     BenchConfig,
@@ -35,7 +36,7 @@ from ops.bench.prompts import (
     long_prompt,
 )
 from ops.bench.report import csv_text, load_rows, render_report
-from ops.bench.runner import NullProgress, percentile, run_bench, summarize
+from ops.bench.runner import NullProgress, run_bench
 from ops.cli import cli
 from ops.errors import DdopsError
 from ops.results import (
@@ -49,10 +50,12 @@ from ops.results import (
     read_json,
 )
 from tests.helpers import DATA as HELPERS_DATA
+from tests.helpers.bench_engine import BenchEngine, sse, word_count
 
 DATA = HELPERS_DATA / "bench"
-GOLDEN_RUN = DATA / "run-golden"
-GOLDEN_MARKDOWN = DATA / "report-golden.md"
+# A run stored before issue 31 (its cells' metrics, no samples): it still renders, without spreads.
+GOLDEN_RUN = DATA / "run-before-issue31"
+GOLDEN_MARKDOWN = DATA / "report-before-issue31.md"
 
 
 # -- matrix ------------------------------------------------------------------------------------
@@ -195,11 +198,6 @@ def test_a_failing_run_marks_itself_crashed(tmp_path):
 
 
 # -- prompts -------------------------------------------------------------------------------------
-def word_count(text: str) -> int:
-    """A tokenizer stand-in: words, single punctuation and single whitespace are tokens."""
-    return len(re.findall(r"\w+|[^\w\s]|\s", text))
-
-
 def paren_heavy_count(text: str) -> int:
     """One token per character, two for '(' : the filler's next character can overshoot."""
     return len(text) + text.count("(")
@@ -292,11 +290,6 @@ def test_a_cell_summary_weights_rates_by_tokens_and_tau_by_rounds():
 
 
 # -- the client's stream parser ------------------------------------------------------------------
-def sse(*chunks: dict) -> bytes:
-    lines = [f"data: {json.dumps(chunk)}\n\n" for chunk in chunks]
-    return ("".join(lines) + "data: [DONE]\n\n").encode()
-
-
 def client_answering(body: bytes, status: int = 200) -> EngineClient:
     seen = []
 
@@ -344,7 +337,7 @@ def test_engine_refusals_and_stream_errors_name_the_engine():
 
 # -- report --------------------------------------------------------------------------------------
 def test_the_report_renders_the_golden_markdown_from_stored_results(tmp_path):
-    run = shutil.copytree(GOLDEN_RUN, tmp_path / "run-golden")
+    run = shutil.copytree(GOLDEN_RUN, tmp_path / GOLDEN_RUN.name)
     files = render_report(run)
     assert files.markdown.read_text() == GOLDEN_MARKDOWN.read_text()
     rows = json.loads(files.json.read_text())["rows"]
@@ -363,12 +356,12 @@ def test_speedup_is_against_ar_of_the_same_cell_and_csv_has_every_row():
     assert by[("linear", "long", 256)]["speedup"] == pytest.approx(70.3 / 21.0)
     assert by[("ar", "long", 32768)]["speedup"] is None
     lines = csv_text(rows).splitlines()
-    assert lines[0].startswith("method,scenario,length,decode_tok_s")
-    assert len(lines) == 17 and "ddtree:15,decode,256,123.9" in lines[4]
+    assert lines[0].startswith("method,scenario,length,decode_tok_s,decode_tok_s_low")
+    assert len(lines) == 17 and "ddtree:15,decode,256,123.9,123.9,123.9," in lines[4]
 
 
 def test_ddops_bench_report_re_renders_a_stored_run(tmp_path):
-    run = shutil.copytree(GOLDEN_RUN, tmp_path / "run-golden")
+    run = shutil.copytree(GOLDEN_RUN, tmp_path / GOLDEN_RUN.name)
     shown = CliRunner().invoke(cli, ["bench", "report", str(run)])
     assert shown.exit_code == 0, shown.output
     assert shown.output == GOLDEN_MARKDOWN.read_text() + "\n"
@@ -376,6 +369,7 @@ def test_ddops_bench_report_re_renders_a_stored_run(tmp_path):
     document = json.loads(as_json.output)
     assert document["files"]["markdown"] == str(run / "report.md")
     assert document["rows"] == load_rows(run)
+    assert document["verdicts"][0]["text"].startswith("no clear winner at this noise (only 1 clean")
 
 
 def test_ddops_bench_needs_one_engine_and_valid_options():
@@ -388,54 +382,13 @@ def test_ddops_bench_needs_one_engine_and_valid_options():
 
 
 # -- run_bench over a scripted engine ------------------------------------------------------------
-class ScriptedEngine:
-    """An httpx transport answering like the engine: /v1/models, /tokenize (word_count) and
-    streamed completions of `max_tokens` one-character tokens; request number `fail_at` is a 500."""
-
-    def __init__(self, max_model_len: int = 256, fail_at: int | None = None) -> None:
-        self.max_model_len = max_model_len
-        self.fail_at = fail_at
-        self.completions: list[dict] = []
-
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/models":
-            return httpx.Response(
-                200, json={"data": [{"id": "m", "max_model_len": self.max_model_len}]}
-            )
-        body = json.loads(request.content)
-        if request.url.path == "/tokenize":
-            return httpx.Response(200, json={"count": word_count(body["prompt"])})
-        self.completions.append(body)
-        if len(self.completions) == self.fail_at:
-            return httpx.Response(500, json={"error": {"message": "engine fell over"}})
-        tokens = body["max_tokens"]
-        spec = {"rounds": tokens // 2, "mean_acceptance_length": 2.0}
-        return httpx.Response(
-            200,
-            content=sse(
-                *({"choices": [{"text": "x", "finish_reason": None}]} for _ in range(tokens)),
-                {"choices": [{"text": "", "finish_reason": "length"}], "speculative": spec},
-                {
-                    "choices": [],
-                    "usage": {
-                        "prompt_tokens": word_count(body["prompt"]),
-                        "completion_tokens": tokens,
-                    },
-                },
-            ),
-        )
-
-
-def scripted_client(engine: ScriptedEngine) -> EngineClient:
-    http = httpx.Client(base_url="http://engine", transport=httpx.MockTransport(engine))
-    return EngineClient("http://engine", http=http)
-
-
 def test_run_bench_measures_each_cell_after_warm_up_and_skips_what_cannot_fit(tmp_path):
-    engine = ScriptedEngine(max_model_len=256)
-    config = BenchConfig(parse_methods("ar,ddtree:4"), lengths=(16, 256), repeats=2, warmup=1)
+    engine = BenchEngine(max_model_len=256)
+    config = BenchConfig(
+        parse_methods("ar,ddtree:4"), lengths=(16, 256), repeats=2, warmup=1, time_budget_s=0
+    )
     store = RunStore.open(tmp_path, {"bench": config.to_json()}, {})
-    result = run_bench(config, scripted_client(engine), store, NullProgress())
+    result = run_bench(config, engine.client(), store, NullProgress())
     by_key = {c["cell"]["key"]: c for c in result.cells}
     assert set(by_key) == {
         "decode-16-ar",
@@ -447,27 +400,40 @@ def test_run_bench_measures_each_cell_after_warm_up_and_skips_what_cannot_fit(tm
     assert measured["metrics"]["requests"] == 2 and measured["metrics"]["tau"] == 2.0
     assert [s["repeat"] for s in measured["samples"]] == [0, 1]
     assert "> max-model-len 256" in by_key["decode-256-ar"]["skipped"]
-    # Per measured cell: one 8-token warm-up, then the repeats; skipped cells warm up only.
-    sent = [(b["speculative"], b["max_tokens"]) for b in engine.completions]
-    assert sent[:3] == [({"method": "ar"}, 8), ({"method": "ar"}, 16), ({"method": "ar"}, 16)]
+    # Each method warms up (8 tokens), then the repeats alternate the methods, rotated; the
+    # decode prompt goes with the prefix cache off. The skipped length sends nothing.
+    sent = [(b["speculative"]["method"], b["max_tokens"]) for b in engine.completions]
+    assert sent == [
+        ("ar", 8),
+        ("ddtree", 8),
+        ("ar", 16),
+        ("ddtree", 16),
+        ("ddtree", 16),
+        ("ar", 16),
+    ]
+    assert all(b["cache_prompt"] is False for b in engine.completions)
     assert read_json(result.run_dir / MANIFEST)["state"] == COMPLETE
 
 
 def test_a_run_that_fails_midway_is_marked_crashed_and_the_rerun_resumes(tmp_path):
-    config = BenchConfig(parse_methods("ar,linear"), lengths=(16,), repeats=2, warmup=0)
+    config = BenchConfig(
+        parse_methods("ar,linear"), lengths=(16, 32), repeats=2, warmup=0, time_budget_s=0
+    )
     run_config = {"bench": config.to_json()}
     store = RunStore.open(tmp_path, run_config, {})
     with pytest.raises(DdopsError, match="500: engine fell over"):
-        run_bench(config, scripted_client(ScriptedEngine(fail_at=4)), store, NullProgress())
+        run_bench(config, BenchEngine(fail_at=6).client(), store, NullProgress())
     manifest = read_json(store.run_dir / MANIFEST)
     assert manifest["state"] == CRASHED and "engine fell over" in manifest["crashes"][0]["reason"]
-    assert store.has_cell("decode-16-ar") and not store.has_cell("decode-16-linear")
+    # The first length's group is stored whole; the second's first repeat was kept aside.
+    assert store.has_cell("decode-16-ar") and store.has_cell("decode-16-linear")
+    assert not store.has_cell("decode-32-ar") and not store.has_cell("decode-32-linear")
     aside = store.run_dir / manifest["crashes"][0]["moved_to"]
-    assert (aside / "cell-decode-16-linear.partial.jsonl").read_text().count("\n") == 1
+    assert (aside / "cell-decode-32-ar.partial.jsonl").read_text().count("\n") == 1
 
-    engine = ScriptedEngine()
+    engine = BenchEngine()
     resumed = RunStore.open(tmp_path, run_config, {})
-    result = run_bench(config, scripted_client(engine), resumed, NullProgress())
+    result = run_bench(config, engine.client(), resumed, NullProgress())
     assert result.resumed and result.run_dir == store.run_dir
-    assert [b["speculative"]["method"] for b in engine.completions] == ["linear", "linear"]
-    assert len(result.cells) == 2
+    assert [b["max_tokens"] for b in engine.completions] == [32] * 4
+    assert len(result.cells) == 4

@@ -1,0 +1,181 @@
+"""The benches' statistics: `ddops bench` (ops/bench) and `python -m engine bench` share them.
+
+    order = rotated(methods, repeat)                 # each repeat starts with the next method
+    ratios = paired_ratios(rates, rates_of_ar)       # same repeat (and prompt) -> one ratio each
+    spread = median_interval(ratios)                 # Spread(median, low, high, n)
+    spread.text("x")                                 # "1.31x (1.24-1.38)"
+    exceeds_tau(ratio, tau)                          # above tau (+ slack): a disturbed measurement
+    verdict({"linear": s1, "ddtree:15": s2})         # a winner only when its interval clears
+
+Why these rules (issue 31): load that comes and goes during a run must land on every method
+alike, so methods run interleaved and rotated, and a speedup is the ratio of two measurements
+taken back to back (same repeat, same prompt), never of two cells measured minutes apart.
+The interval is the distribution-free confidence interval of the median from order statistics:
+with n values the k-th smallest and k-th largest, k the largest index whose binomial tail stays
+within (1 - CONFIDENCE) / 2; below 9 values that is the min-max range. A speculative round
+commits tau tokens on average and costs at least one target step, so a speedup above tau (with
+TAU_SLACK for the timing's own jitter) is not a result: the ar measurement it was paired with
+was slowed by something else. `RepeatSchedule` decides how many repeats a measurement gets:
+at least `min_repeats`, more while its share of the time budget lasts, disturbed ones redone.
+Pure Python: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+CONFIDENCE = 0.95
+TAU_SLACK = 0.10  # a measured speedup may exceed tau by this fraction before it is disturbed
+MIN_REPEATS_FOR_VERDICT = 3  # below this many clean repeats no method is named the winner
+T = TypeVar("T")
+K = TypeVar("K")
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A figure's median over repeats and its interval (CONFIDENCE, distribution-free)."""
+
+    median: float
+    low: float
+    high: float
+    n: int
+
+    def text(self, suffix: str = "", digits: int = 2, scale: float = 1.0) -> str:
+        """`1.31x (1.24-1.38)`; a single value, or one that never varied, without one."""
+        value = f"{self.median * scale:.{digits}f}{suffix}"
+        if self.n < 2 or self.low == self.high:
+            return value
+        return f"{value} ({self.low * scale:.{digits}f}-{self.high * scale:.{digits}f})"
+
+    def clears(self, other: Spread) -> bool:
+        """This interval lies wholly above `other`'s."""
+        return self.low > other.high
+
+    def to_json(self) -> dict:
+        return {"median": self.median, "low": self.low, "high": self.high, "n": self.n}
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> Spread | None:
+        return cls(**data) if data else None
+
+
+def rotated(items: Sequence[T], repeat: int) -> list[T]:
+    """`items` starting at position `repeat` (mod its length): repeat 0 in the given order,
+    repeat 1 from the second item on, ... so no method always runs first or last."""
+    if not items:
+        return []
+    start = repeat % len(items)
+    return [*items[start:], *items[:start]]
+
+
+def _order_index(n: int, confidence: float) -> int:
+    """The 1-based k of the median's interval (x_k, x_{n+1-k}): the largest k with
+    P(Binomial(n, 1/2) <= k - 1) <= (1 - confidence) / 2, at least 1 (min-max)."""
+    tail, cumulative, k = (1 - confidence) / 2, 0.0, 1
+    for j in range(n // 2):
+        cumulative += math.comb(n, j) / 2**n
+        if cumulative > tail:
+            break
+        k = j + 1  # P(B <= k - 1) within the tail: x_(k) may be the lower bound
+    return min(k, (n + 1) // 2)
+
+
+def median_interval(values: Iterable[float], confidence: float = CONFIDENCE) -> Spread | None:
+    """The median of `values` with its order-statistic interval; None for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    k = _order_index(len(ordered), confidence)
+    return Spread(statistics.median(ordered), ordered[k - 1], ordered[-k], len(ordered))
+
+
+def paired_ratios(values: Mapping[K, float | None], base: Mapping[K, float | None]) -> list[float]:
+    """value / base for every key (a repeat, or a prompt and repeat) both measured."""
+    return [
+        value / base[key]
+        for key, value in values.items()
+        if value is not None and base.get(key) not in (None, 0)
+    ]
+
+
+def exceeds_tau(speedup: float | None, tau: float | None, slack: float = TAU_SLACK) -> bool:
+    """A speedup over ar that a method committing `tau` tokens a round cannot reach."""
+    return speedup is not None and bool(tau) and speedup > tau * (1 + slack)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Which method won a column, if any one clearly did."""
+
+    winner: str | None
+    leaders: tuple[str, ...]  # the top method and every method whose interval overlaps it
+    text: str
+
+    def to_json(self) -> dict:
+        return {"winner": self.winner, "leaders": list(self.leaders), "text": self.text}
+
+
+def verdict(speedups: Mapping[str, Spread | None], baseline: str = "ar") -> Verdict:
+    """Name a winner only when its speedup interval clears every other method's and the
+    baseline's 1.0, over at least MIN_REPEATS_FOR_VERDICT clean repeats; else say no method
+    clearly won and list the leaders (the top one and those whose intervals overlap it)."""
+    one = Spread(1.0, 1.0, 1.0, MIN_REPEATS_FOR_VERDICT)
+    measured = {m: s for m, s in speedups.items() if s is not None and m != baseline}
+    if not measured:
+        return Verdict(None, (), "no verdict: no method measured against ar")
+    spreads = {baseline: one, **measured}
+    ranked = sorted(spreads, key=lambda m: -spreads[m].median)
+    top = ranked[0]
+    leaders = tuple(m for m in ranked if m == top or not spreads[top].clears(spreads[m]))
+    few = min(s.n for s in measured.values())
+    if len(leaders) == 1 and few >= MIN_REPEATS_FOR_VERDICT:
+        if top == baseline:
+            return Verdict(top, leaders, f"{baseline} wins: every method is clearly slower")
+        return Verdict(
+            top, leaders, f"{top} wins: {spreads[top].text('x')} over {baseline}, clear of the rest"
+        )
+    listed = ", ".join(f"{m} {spreads[m].text('x')}" for m in leaders)
+    why = "intervals overlap"
+    if few < MIN_REPEATS_FOR_VERDICT:
+        why = f"only {few} clean repeat{'s' if few != 1 else ''}"
+    return Verdict(None, leaders, f"no clear winner at this noise ({why}): leaders {listed}")
+
+
+class RepeatSchedule:
+    """How many repeats one measurement (a scenario and length of `ddops bench`, a prompt of
+    `python -m engine bench`) gets: at least `min_repeats` clean ones; more, up to
+    `max_repeats`, while the next one fits in `share_s` seconds at the pace so far; a disturbed
+    repeat is redone, at most `min_repeats` times over (a machine that stays busy ends the
+    measurement with what it has)."""
+
+    def __init__(self, min_repeats: int, max_repeats: int, share_s: float) -> None:
+        self.min_repeats = min_repeats
+        self.max_repeats = max(max_repeats, min_repeats)
+        self.share_s = share_s
+        self.clean = 0
+        self.disturbed = 0
+        self.spent_s = 0.0
+
+    @property
+    def attempts(self) -> int:
+        return self.clean + self.disturbed
+
+    def record(self, seconds: float, *, disturbed: bool) -> None:
+        self.spent_s += seconds
+        if disturbed:
+            self.disturbed += 1
+        else:
+            self.clean += 1
+
+    def more(self) -> bool:
+        """Whether to run another repeat."""
+        if self.clean >= self.max_repeats or self.disturbed > self.min_repeats:
+            return False
+        if self.clean < self.min_repeats:
+            return True
+        pace = self.spent_s / self.attempts
+        return self.spent_s + pace <= self.share_s
