@@ -100,4 +100,5 @@ def _document(result: DemoResult) -> dict:
             for s in result.stages
         ],
         "report": str(result.report) if result.report else None,
+        "agentic_report": str(result.agentic_report) if result.agentic_report else None,
     }

@@ -36,7 +36,13 @@ QUERY_FIELDS = {
     "memory.free": lambda g: f"{g['memory_mib']} MiB",
     "utilization.gpu": lambda g: "0 %",
     "pci.bus_id": lambda g: f"00000000:{0x41 + g['index']:02X}:00.0",
+    # An idle card at its idle clocks (the bench records them: engine/machine_state.py).
+    "clocks.sm": lambda g: "180 MHz",
+    "clocks.max.sm": lambda g: "3090 MHz",
+    "clocks.mem": lambda g: "405 MHz",
+    "temperature.gpu": lambda g: "34",
 }
+APP_FIELDS = ("pid", "process_name", "used_memory")  # no process runs on the sim's GPUs
 
 
 def gpu_uuid(node: str, index: int) -> str:
@@ -83,6 +89,9 @@ def _gpus(node: str, count: int, driver: str, memory_mib: int) -> list[dict]:
 
 def _print_gpus(gpus: list[dict], args: list[str]) -> int:
     query = next((a.split("=", 1)[1] for a in args if a.startswith("--query-gpu=")), None)
+    apps = next((a.split("=", 1)[1] for a in args if a.startswith("--query-compute-apps=")), None)
+    if apps is not None:
+        return _print_apps([f.strip() for f in apps.split(",")], args)
     if "-L" in args or "--list-gpus" in args:
         for g in gpus:
             print(f"GPU {g['index']}: {GPU_NAME} (UUID: {g['uuid']})")
@@ -98,7 +107,9 @@ def _print_gpus(gpus: list[dict], args: list[str]) -> int:
         for g in gpus:
             cells = [QUERY_FIELDS[f](g) for f in fields]
             if "nounits" in fmt:
-                cells = [c.removesuffix(" MiB").removesuffix(" %") for c in cells]
+                cells = [
+                    c.removesuffix(" MiB").removesuffix(" %").removesuffix(" MHz") for c in cells
+                ]
             print(", ".join(cells))
     else:
         driver = gpus[0]["driver_version"] if gpus else "N/A"
@@ -107,6 +118,18 @@ def _print_gpus(gpus: list[dict], args: list[str]) -> int:
         )
         for g in gpus:
             print(f"|   {g['index']}  {GPU_NAME}  |  0MiB / {g['memory_mib']}MiB |")
+    return 0
+
+
+def _print_apps(fields: list[str], args: list[str]) -> int:
+    """--query-compute-apps: the header (unless noheader), then no process."""
+    unknown = [f for f in fields if f not in APP_FIELDS]
+    if unknown:
+        print(f'Field "{unknown[0]}" is not a valid field to query.')
+        return 2
+    fmt = next((a.split("=", 1)[1] for a in args if a.startswith("--format=")), "csv")
+    if "noheader" not in fmt:
+        print(", ".join(fields))
     return 0
 
 

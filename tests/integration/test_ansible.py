@@ -113,6 +113,8 @@ def test_bench_args_give_each_host_the_same_matrix():
         repeats=2,
         warmup=0,
         agentic=AgenticShape(context=64, turns=2),
+        max_repeats=5,
+        time_budget_s=30.0,
     )
     params = bench_command.make_context("bench", [*bench_args(config), "--ct", "200"]).params
     assert (
@@ -123,6 +125,8 @@ def test_bench_args_give_each_host_the_same_matrix():
             repeats=params["repeats"],
             warmup=params["warmup"],
             agentic=AgenticShape(params["agentic_context"], params["agentic_turns"]),
+            max_repeats=params["max_repeats"],
+            time_budget_s=params["time_budget"],
         )
         == config
     )

@@ -56,7 +56,7 @@ def client(server):
 
 
 def bench(client, results: Path, **config) -> tuple[RunStore, list[dict]]:
-    config = BenchConfig(**{"warmup": 0, **config})
+    config = BenchConfig(**{"warmup": 0, "time_budget_s": 0, **config})
     store = RunStore.open(results, {"bench": config.to_json()}, {})
     result = run_bench(config, client, store, NullProgress())
     return store, result.cells
@@ -108,6 +108,8 @@ def ddops_bench(server, out: Path) -> list[str]:
         "16,24",
         "--repeats",
         "3",
+        "--time-budget",
+        "0",
     ]
 
 

@@ -59,11 +59,25 @@ def test_demo_story_tells_the_boot_repair_and_the_bench_winner_in_one_screen(tmp
             }
         ],
     }
+
+    def row(method: str, tau: float, rate: float, low: float, speedup: float, high: float):
+        figures = {"speedup": speedup, "speedup_low": low, "speedup_high": high, "repeats": 5}
+        return {"method": method, "tau": tau, "decode_tok_s": rate, **figures}
+
     rows = [
-        {"method": "ar", "tau": 1.0, "decode_tok_s": 100.0, "speedup": 1.0},
-        {"method": "linear", "tau": 2.2, "decode_tok_s": 110.0, "speedup": 1.1},
-        {"method": "ddtree:15", "tau": 3.0, "decode_tok_s": 140.0, "speedup": 1.4},
+        row("ar", 1.0, 100.0, 1.0, 1.0, 1.0),
+        row("linear", 2.2, 110.0, 1.02, 1.1, 1.15),
+        row("ddtree:15", 3.0, 140.0, 1.31, 1.4, 1.52),
     ]
+    text = "no clear winner at this noise (intervals overlap): leaders ddtree:4 1.28x (1.20-1.35)"
+    bench = {
+        "rows": rows,
+        "verdicts": [{"text": text + ", ddtree:8 1.28x (1.18-1.33), ddtree:15 1.10x (1.02-1.21)"}],
+        "machine": {"warning": "the machine was busy: other processes used 43% of the CPU"},
+    }
+    turn = {"cached_tokens": 0, "ttft_on_s": {"median": 0.09}, "ttft_off_s": {"median": 0.1}}
+    later = {"cached_tokens": 830, "ttft_on_s": {"median": 0.05}, "ttft_off_s": {"median": 0.3}}
+    agentic = {"rows": [{"method": "ddtree:15", "turns": [turn, later]}]}
     reboot = {"uvm_major_before": 511, "uvm_major": 509, "units": ["a", "b"]}
     result = DemoResult(
         tmp_path,
@@ -71,7 +85,8 @@ def test_demo_story_tells_the_boot_repair_and_the_bench_winner_in_one_screen(tmp
         [
             Stage("sim reboot", [], seconds=22.0, document=reboot, hub_bytes=0),
             Stage("health after reboot", [], seconds=3.4, document=health),
-            Stage("bench", [], seconds=60.0, document={"rows": rows}),
+            Stage("bench", [], seconds=60.0, document=bench),
+            Stage("bench agentic", [], seconds=30.0, document=agentic),
         ],
         report=tmp_path / "run" / "report.md",
     )
@@ -84,6 +99,13 @@ def test_demo_story_tells_the_boot_repair_and_the_bench_winner_in_one_screen(tmp
         "  reboot -> healthy engine in 22.0 s (the recover 20.8 s), 0 bytes downloaded from the hub"
         in lines
     )
-    assert "ddtree:15 won: 1.40x over ar (DFlash chain: 1.10x)." in lines
+    assert "  ddtree:15    3.00    140.0   1.40x (1.31-1.52)" in lines
+    assert "  ar           1.00    100.0   1.00x" in lines
+    assert lines[lines.index("  ddtree:15    3.00    140.0   1.40x (1.31-1.52)") + 2] == (
+        "Verdict: no clear winner at this noise (intervals overlap): leaders ddtree:4 1.28x (1.20-1.35),"
+    )
+    assert "Warning: the machine was busy: other processes used 43% of the CPU." in lines
+    assert "Prefix cache, ddtree:15, TTFT by turn: 90/50 ms; cache off: 100/300 ms" in lines
+    assert any("tokens cached by turn 0/830" in line for line in lines)
     assert f"report:    {tmp_path / 'run' / 'report.md'}" in lines
     assert lines[-1] == f"  ddops sim destroy {tmp_path / 'host'}"

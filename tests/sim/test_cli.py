@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from engine.machine_state import GPU_QUERY, parse_gpus
 from ops.chain.install import install_host_ddops
 from ops.cli import cli
 from ops.host.transport import LocalTransport
@@ -54,6 +55,9 @@ def test_init_refuses_to_clobber_a_directory_that_is_not_a_sim(tmp_path: Path):
     assert (tmp_path / "precious").read_text() == "keep me"
 
 
+MACHINE_QUERY = ["nvidia-smi", f"--query-gpu={','.join(GPU_QUERY)}"]
+
+
 def test_host_tools_read_the_simulated_kernel(root: Path):
     t = LocalTransport(sysroot=str(root))
     assert "511 nvidia-uvm" in t.read_text("/proc/devices")
@@ -61,6 +65,11 @@ def test_host_tools_read_the_simulated_kernel(root: Path):
     assert t.run(["pveversion"]).stdout.startswith("pve-manager/8.2.4/")
     query = ["nvidia-smi", "--query-gpu=index,driver_version,memory.total", "--format=csv,noheader"]
     assert t.run(query).stdout == "0, 550.90.07, 97887 MiB\n1, 550.90.07, 97887 MiB\n"
+    # What the bench records (engine/machine_state.py), units off: an idle card, no processes.
+    clocks = t.run([*MACHINE_QUERY, "--format=csv,noheader,nounits"]).stdout.splitlines()
+    assert [parse_gpus(line)[0]["sm_max_mhz"] for line in clocks] == [3090.0, 3090.0]
+    apps = ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv"]
+    assert t.run(apps).stdout == "pid, process_name, used_memory\n"
     assert [line.split()[0] for line in t.run(["lsmod"]).stdout.splitlines()[1:]] == [
         "nvidia_uvm",
         "nvidia",
