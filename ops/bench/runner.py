@@ -116,7 +116,8 @@ def run_bench(
     """Measure every group of `config` missing from `store`, then mark the run complete."""
     watch = watch or MachineWatch()
     pending = [g for g in config.groups() if not all(store.has_cell(c.key) for c in g.cells)]
-    progress.start(len(config.cells()), sum(store.has_cell(c.key) for c in config.cells()))
+    done = len(config.cells()) - sum(len(g.cells) for g in pending)  # a group is redone whole
+    progress.start(len(config.cells()), done)
     readings = [watch.reading()]
     disturbed = 0
     try:

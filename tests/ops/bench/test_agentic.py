@@ -13,6 +13,7 @@ import pytest
 
 from engine.tokenizer import load_tokenizer
 from ops.bench.client import EngineClient
+from ops.bench.figures import rows_from_cells
 from ops.bench.matrix import AgenticShape, BenchConfig, parse_methods
 from ops.bench.prompts import AGENT_TOOLS, AgenticTranscript
 from ops.bench.runner import NullProgress, run_bench
@@ -64,6 +65,8 @@ def test_the_agentic_scenario_runs_per_method_against_serve(tmp_path):
             lengths=(16,),
             scenarios=("agentic",),
             warmup=0,
+            repeats=2,
+            time_budget_s=0,
             agentic=AgenticShape(context=1200, turns=3),
         )
         with EngineClient(server.url) as client:
@@ -73,8 +76,17 @@ def test_the_agentic_scenario_runs_per_method_against_serve(tmp_path):
         server.stop()
     assert [cell["cell"]["key"] for cell in cells] == ["agentic-16-ar", "agentic-16-ddtree-8"]
     for cell in cells:
-        prompts = [s["prompt_tokens"] for s in cell["samples"]]
-        assert [s["turn"] for s in cell["samples"]] == [0, 1, 2]
+        # per repeat and turn: the turn with the prefix cache on, then re-sent with it off
+        samples = [s for s in cell["samples"] if s["repeat"] == 0]
+        assert [(s["turn"], s.get("cache", "on")) for s in samples] == [
+            *((0, "on"), (0, "off"), (1, "on"), (1, "off"), (2, "on"), (2, "off"))
+        ]
+        prompts = [s["prompt_tokens"] for s in samples]
         assert prompts == sorted(prompts) and prompts[-1] == 1200 - 16
+        assert [s["completion_tokens"] for s in samples[1::2]] == [1, 1, 1]
         assert cell["agentic"]["final_context_tokens"] <= 1200
-        assert cell["metrics"]["requests"] == 3 and cell["metrics"]["e2e_tok_s"] > 0
+        assert cell["metrics"]["requests"] == 2 * 3 and cell["metrics"]["e2e_tok_s"] > 0
+    rows = {row["method"]: row for row in rows_from_cells(cells)}
+    for row in rows.values():
+        assert [t["turn"] for t in row["turns"]] == [0, 1, 2]
+        assert all(t["ttft_on_s"]["n"] == 2 and t["ttft_off_s"]["n"] == 2 for t in row["turns"])
