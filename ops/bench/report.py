@@ -26,6 +26,7 @@ from pathlib import Path
 
 from engine.bench_stats import Spread
 from ops.bench.figures import (
+    POINT_FIGURES,
     SPREAD_FIGURES,
     columns,
     methods,
@@ -41,18 +42,7 @@ CSV_FIELDS = (
     "scenario",
     "length",
     *(f"{name}{end}" for name in SPREAD_FIGURES for end in ("", "_low", "_high")),
-    "e2e_tok_s",
-    "tpot_p50_s",
-    "tpot_p90_s",
-    "tau",
-    "rounds",
-    "completion_tokens",
-    "reasoning_tokens",
-    "answer_tokens",
-    "requests",
-    "repeats",
-    "disturbed",
-    "others_cpu",
+    *POINT_FIGURES,
     "skipped",
 )
 

@@ -97,13 +97,9 @@ def _print_gpus(gpus: list[dict], args: list[str]) -> int:
             print(f"GPU {g['index']}: {GPU_NAME} (UUID: {g['uuid']})")
     elif query:
         fields = [f.strip() for f in query.split(",")]
-        unknown = [f for f in fields if f not in QUERY_FIELDS]
-        if unknown:
-            print(f'Field "{unknown[0]}" is not a valid field to query.')
+        fmt = _csv_start(fields, QUERY_FIELDS, args)
+        if fmt is None:
             return 2
-        fmt = next((a.split("=", 1)[1] for a in args if a.startswith("--format=")), "csv")
-        if "noheader" not in fmt:
-            print(", ".join(fields))
         for g in gpus:
             cells = [QUERY_FIELDS[f](g) for f in fields]
             if "nounits" in fmt:
@@ -123,14 +119,20 @@ def _print_gpus(gpus: list[dict], args: list[str]) -> int:
 
 def _print_apps(fields: list[str], args: list[str]) -> int:
     """--query-compute-apps: the header (unless noheader), then no process."""
-    unknown = [f for f in fields if f not in APP_FIELDS]
+    return 2 if _csv_start(fields, APP_FIELDS, args) is None else 0
+
+
+def _csv_start(fields: list[str], known, args: list[str]) -> str | None:
+    """A query's --format, after its header (unless noheader); None, after nvidia-smi's words,
+    when a field is not one it knows."""
+    unknown = [f for f in fields if f not in known]
     if unknown:
         print(f'Field "{unknown[0]}" is not a valid field to query.')
-        return 2
+        return None
     fmt = next((a.split("=", 1)[1] for a in args if a.startswith("--format=")), "csv")
     if "noheader" not in fmt:
         print(", ".join(fields))
-    return 0
+    return fmt
 
 
 def nvidia_modprobe(root: Path, args: list[str]) -> int:
