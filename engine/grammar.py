@@ -30,6 +30,7 @@ ends where the grammar does, as with `ar` under the same grammar.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import cache
 
 import llguidance
@@ -142,7 +143,7 @@ def _executor() -> llguidance.LLExecutor:
 
 
 def tokenizer_from_json(
-    tokenizer_json: str, vocab: int, stop_token_ids: list[int]
+    tokenizer_json: str, vocab: int, stop_token_ids: Iterable[int]
 ) -> llguidance.LLTokenizer:
     """llguidance's view of a Hugging Face tokenizer.json (its text), over the model's `vocab`
     logits (the model may pad its vocabulary past the tokenizer's), stopping at

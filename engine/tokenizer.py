@@ -69,6 +69,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    def to_json(self) -> str:
+        """tokenizer.json's text, as the grammar engine reads it (engine/grammar.py)."""
+        return self._tok.to_str()
+
     def encode(self, text: str) -> list[int]:
         # encode_batch releases the GIL while it works (encode holds it: ~4 s for 1 MB of text
         # with the tests' byte tokenizer), so the server's event loop runs on meanwhile.

@@ -72,6 +72,7 @@ def load_engine(
     import torch
 
     from engine.decode import generate
+    from engine.grammar import tokenizer_from_json
     from engine.models import load_drafter
     from engine.parallel import open_target
     from engine.tokenizer import load_tokenizer
@@ -84,12 +85,15 @@ def load_engine(
     def bound_generate(prompt_ids: list[int], cfg: GenerationConfig, **callbacks):
         return generate(target, drafter, prompt_ids, cfg, **callbacks)
 
+    tokenizer = load_tokenizer(model_dir)
+    vocab = target.config.vocab_size
     return LoadedEngine(
         generate=bound_generate,
-        tokenizer=load_tokenizer(model_dir),
+        tokenizer=tokenizer,
         max_model_len=limit,
-        vocab_size=target.config.vocab_size,
+        vocab_size=vocab,
         has_drafter=drafter is not None,
+        grammar_tokenizer=tokenizer_from_json(tokenizer.to_json(), vocab, tokenizer.eos_token_ids),
     )
 
 

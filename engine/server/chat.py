@@ -9,10 +9,11 @@ that was not declared.
 
 `tool_choice`: `auto` (the default with tools) parses calls from the output; `none` renders the
 tools (as vLLM does) but parses nothing; `required` and a named function end the prompt with the
-opening of a call (any tool, or that one), so the output is that call's rest: the name (for
-`required`) and the arguments are the model's, not grammar-constrained, and if they do not parse
-the text comes back as content. A prompt left inside a think block is closed first.
-`parallel_tool_calls: false` keeps the first call only.
+opening of a call (any tool, or that one), so the output is that call's rest, which the grammar
+of engine/server/structured.py constrains (a declared name, arguments valid against its schema),
+as it constrains the calls of `auto` when a tool is `strict`. A prompt left inside a think block
+is closed first, here and for structured output (`response_format`), which the grammar writes
+from the first token. `parallel_tool_calls: false` keeps the first call only.
 
 `ChatOutput` turns the generated text, as it streams, into `reasoning_content`, `content` and
 `tool_calls` deltas (engine/server/reasoning.py, engine/server/tools.py); the non-streamed
@@ -60,12 +61,18 @@ class ChatPrompt:
     schemas: Schemas
     starts_in_reasoning: bool | None  # None: reasoning is not parsed
     max_calls: int | None
+    forced: str | None = None  # "required", or the named tool's name
+    strict_tools: tuple[str, ...] = ()  # tools declared with strict: true
 
 
 def build_chat_prompt(
-    body: ChatTemplateInputs, renderer: ChatRenderer, parsing: OutputParsing
+    body: ChatTemplateInputs,
+    renderer: ChatRenderer,
+    parsing: OutputParsing,
+    structured: bool = False,
 ) -> ChatPrompt:
-    """Render the request's conversation, or raise a 400 ApiError saying what cannot be honoured."""
+    """Render the request's conversation, or raise a 400 ApiError saying what cannot be honoured.
+    `structured`: the output is grammar-constrained JSON, so no think block is left open."""
     template = renderer.chat_template or ""
     variables = template_variables(template) if template else frozenset()
     messages = [_template_message(i, m, template) for i, m in enumerate(body.messages)]
@@ -92,9 +99,10 @@ def build_chat_prompt(
     except (ChatTemplateError, ValueError) as exc:
         raise ApiError(400, f"messages: {exc}", param="messages") from None
     opening = ""
-    if choice in ("required", "named"):
-        if prompt_opens_reasoning(text):
-            text += CLOSE_OPEN_BLOCK
+    forced = choice in ("required", "named")
+    if (forced or structured) and prompt_opens_reasoning(text):
+        text += CLOSE_OPEN_BLOCK
+    if forced:
         opening = parsing.tool_format.opening(forced_tool)
     reasoning = prompt_opens_reasoning(text) if parsing.reasoning else None
     return ChatPrompt(
@@ -104,6 +112,10 @@ def build_chat_prompt(
         schemas=_schemas(body.tools or []),
         starts_in_reasoning=reasoning,
         max_calls=None if body.parallel_tool_calls is not False else 1,
+        forced=(forced_tool or choice) if forced else None,
+        strict_tools=tuple(
+            t["function"]["name"] for t in body.tools or [] if t["function"].get("strict")
+        ),
     )
 
 

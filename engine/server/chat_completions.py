@@ -6,11 +6,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from engine.grammar import Constraint
 from engine.server.chat import ChatOutput, ChatPrompt, build_chat_prompt
 from engine.server.choices import ChoicesShape, serve_choices
 from engine.server.generation import check_prompt_ids
 from engine.server.schemas import ChatRequest, parse_body
 from engine.server.state import ServerState
+from engine.server.structured import chat_constraint
 
 CHAT_COMPLETIONS = ChoicesShape(
     "/v1/chat/completions", "chatcmpl-", "chat.completion", "chat.completion.chunk", chat=True
@@ -19,24 +21,35 @@ CHAT_COMPLETIONS = ChoicesShape(
 
 def router(state: ServerState) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
-        body, prompt_ids, chat = await state.prepare(lambda raw: _prompt(state, raw), request)
+        body, prompt_ids, chat, constraint = await state.prepare(
+            lambda raw: _prompt(state, raw), request
+        )
         output = ChatOutput(chat)
-        return await serve_choices(state, request, CHAT_COMPLETIONS, body, prompt_ids, output)
+        return await serve_choices(
+            state, request, CHAT_COMPLETIONS, body, prompt_ids, output, constraint
+        )
 
     routes = APIRouter()
     routes.add_api_route(CHAT_COMPLETIONS.endpoint, chat_completions, methods=["POST"])
     return routes
 
 
-def _prompt(state: ServerState, raw: bytes) -> tuple[ChatRequest, list[int], ChatPrompt]:
+def _prompt(
+    state: ServerState, raw: bytes
+) -> tuple[ChatRequest, list[int], ChatPrompt, Constraint | None]:
     body = parse_body(ChatRequest, raw)
     return body, *chat_prompt(state, body)
 
 
-def chat_prompt(state: ServerState, body: ChatRequest) -> tuple[list[int], ChatPrompt]:
-    """The request's conversation rendered with the chat template, and its token ids."""
+def chat_prompt(
+    state: ServerState, body: ChatRequest
+) -> tuple[list[int], ChatPrompt, Constraint | None]:
+    """The request's conversation rendered with the chat template, its token ids, and the
+    grammar its output follows (engine/server/structured.py), if any."""
     engine = state.ready_engine()
-    chat = build_chat_prompt(body, engine.tokenizer, state.parsing)
+    structured = body.response_format is not None and body.response_format.type != "text"
+    chat = build_chat_prompt(body, engine.tokenizer, state.parsing, structured)
     prompt_ids = engine.tokenizer.encode(chat.text)
     check_prompt_ids(prompt_ids, engine.vocab_size)
-    return prompt_ids, chat
+    constraint = chat_constraint(chat, body.response_format, engine.grammar_tokenizer)
+    return prompt_ids, chat, constraint

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.grammar import Constraint
 from engine.server import generation as gen
 from engine.server.chat import ChatOutput
 from engine.server.generation import Generation
@@ -51,11 +52,11 @@ async def serve_choices(
     body: Any,
     prompt_ids: list[int],
     output: ChatOutput | None = None,
+    constraint: Constraint | None = None,
 ) -> Response:
     """Run the request through the shared generation path and answer it in `shape`."""
-    answer = _Answer(
-        state, shape, gen.submit(state, shape.endpoint, shape.id_prefix, body, prompt_ids), output
-    )
+    generation = gen.submit(state, shape.endpoint, shape.id_prefix, body, prompt_ids, constraint)
+    answer = _Answer(state, shape, generation, output)
     if body.stream:
         return gen.event_stream(answer.generation, answer.stream())
     text, done = await gen.collect(request, answer.generation)

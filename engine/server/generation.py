@@ -26,6 +26,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from engine.decode import GenerationConfig
+from engine.grammar import Constraint
+from engine.sampling import Sampling
 from engine.server.schemas import ApiError
 from engine.server.state import LoadedEngine, ServerState
 from engine.server.text import TextAssembler
@@ -57,12 +59,18 @@ class Generation:
 
 
 def submit(
-    state: ServerState, endpoint: str, id_prefix: str, body: Any, prompt_ids: list[int]
+    state: ServerState,
+    endpoint: str,
+    id_prefix: str,
+    body: Any,
+    prompt_ids: list[int],
+    constraint: Constraint | None = None,
 ) -> Generation:
-    """Validate against the engine, queue the job, or raise an ApiError."""
+    """Validate against the engine, queue the job, or raise an ApiError. `constraint`: the
+    grammar the output follows (engine/server/structured.py makes it)."""
     engine = state.ready_engine()
     state.check_model(body.model)
-    cfg = _generation_config(state, engine, body, prompt_ids)
+    cfg = _generation_config(state, engine, body, prompt_ids, constraint)
     text = TextAssembler(engine.tokenizer.decode, body.stop_strings(), cfg.stop_token_ids)
     events: asyncio.Queue = asyncio.Queue()
     emit = _recording_emitter(state, events, cfg.method, len(prompt_ids), text)
@@ -91,7 +99,11 @@ def submit(
 
 
 def _generation_config(
-    state: ServerState, engine: LoadedEngine, body: Any, prompt_ids: list[int]
+    state: ServerState,
+    engine: LoadedEngine,
+    body: Any,
+    prompt_ids: list[int],
+    constraint: Constraint | None,
 ) -> GenerationConfig:
     max_tokens = _max_tokens(body.requested_max_tokens(), len(prompt_ids), engine)
     method, budget = _speculative(state, body, engine)
@@ -102,6 +114,20 @@ def _generation_config(
         temperature=body.temperature,
         seed=body.seed,
         stop_token_ids=tuple(engine.tokenizer.eos_token_ids),
+        sampling=_sampling(body),
+        constraint=constraint,
+    )
+
+
+def _sampling(body: Any) -> Sampling:
+    """The body's warps and penalties (its schema has checked their ranges)."""
+    return Sampling(
+        top_p=body.top_p,
+        top_k=max(body.top_k, 0),  # vLLM's -1 and 0 both mean off
+        min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
     )
 
 

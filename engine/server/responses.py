@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.grammar import Constraint
 from engine.server import generation as gen
 from engine.server.chat import ChatOutput, ChatPrompt
 from engine.server.chat_completions import chat_prompt
@@ -39,10 +40,10 @@ ENDPOINT = "/v1/responses"
 
 def router(state: ServerState) -> APIRouter:
     async def responses(request: Request) -> Response:
-        body, chat, prompt_ids, prompt = await state.prepare(
+        body, chat, prompt_ids, prompt, constraint = await state.prepare(
             lambda raw: _prompt(state, raw), request
         )
-        generation = gen.submit(state, ENDPOINT, "resp_", chat, prompt_ids)
+        generation = gen.submit(state, ENDPOINT, "resp_", chat, prompt_ids, constraint)
         answer = _Answer(state, body, chat, generation, ChatOutput(prompt))
         if body.stream:
             return gen.event_stream(generation, answer.stream())
@@ -56,7 +57,7 @@ def router(state: ServerState) -> APIRouter:
 
 def _prompt(
     state: ServerState, raw: bytes
-) -> tuple[ResponsesRequest, ChatRequest, list[int], ChatPrompt]:
+) -> tuple[ResponsesRequest, ChatRequest, list[int], ChatPrompt, Constraint | None]:
     body = parse_body(ResponsesRequest, raw)
     chat = chat_request(body)
     return body, chat, *chat_prompt(state, chat)

@@ -110,15 +110,11 @@ MESSAGE_API_FIELDS = frozenset(
 )
 # Unimplemented fields accepted at the values that ask for nothing, so ignoring them is exact.
 NO_OP_VALUES: dict[str, list[Any]] = {
-    "top_p": [1],
-    "frequency_penalty": [0],
-    "presence_penalty": [0],
     "logprobs": [False, 0],
     "top_logprobs": [0],
     "logit_bias": [{}],
     "best_of": [1],
     "suffix": [""],
-    "response_format": [{"type": "text"}],
     "modalities": [["text"]],
     "store": [False],
 }
@@ -214,11 +210,40 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """`response_format`: text, any JSON object, or JSON valid against a schema
+    (engine/server/structured.py constrains the output to it)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only with it")
+        return self
+
+
 class _Sampling(_Request):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions. Beyond OpenAI's: vLLM's `top_k`
+    (-1 or 0: off), `min_p` and `repetition_penalty` (engine/sampling.py defines them all)."""
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: Integer = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    response_format: ResponseFormat | None = None
     seed: Integer | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = Field(None, max_length=4)
     stream: bool = False

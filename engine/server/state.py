@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from llguidance import LLTokenizer
 
 from engine.decode import GenerationConfig
 from engine.server.body import DEFAULT_MAX_REQUEST_BYTES, read_body
@@ -56,6 +57,7 @@ class LoadedEngine:
     max_model_len: int
     vocab_size: int
     has_drafter: bool
+    grammar_tokenizer: LLTokenizer | None = None  # structured output (engine/server/structured.py)
 
 
 @dataclass(frozen=True)

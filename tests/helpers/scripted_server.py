@@ -24,6 +24,7 @@ from engine.server.app import create_app
 from engine.server.shutdown import draining_server
 from engine.server.state import LoadedEngine, ServerConfig
 from tests.helpers.conversations import DEMO_TARGET
+from tests.helpers.tiny_grammar import codepoint_tokenizer
 
 EOS = 0
 WAIT_S = 10.0
@@ -124,7 +125,14 @@ def loaded(
     tokenizer: CharTokenizer | None = None,
 ) -> LoadedEngine:
     tokenizer = tokenizer or CharTokenizer()
-    return LoadedEngine(engine.generate, tokenizer, max_model_len, 0x110000, has_drafter)
+    return LoadedEngine(
+        engine.generate,
+        tokenizer,
+        max_model_len,
+        0x110000,
+        has_drafter,
+        grammar_tokenizer=codepoint_tokenizer(),
+    )
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ from tests.helpers.scripted_server import (
     prompt_text,
     serving,
 )
+from tests.helpers.tiny_grammar import codepoint_tokenizer
 
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
@@ -42,7 +43,9 @@ def agent_server():
     engine = RecordingEngine(THINK_THEN_CALL)
     tokenizer = AgentTokenizer()
     app = create_app(
-        lambda: LoadedEngine(engine.generate, tokenizer, 8192, 0x110000, True),
+        lambda: LoadedEngine(
+            engine.generate, tokenizer, 8192, 0x110000, True, codepoint_tokenizer()
+        ),
         ServerConfig(model_name="tiny"),
     )
     with serving(app) as url:
@@ -189,8 +192,20 @@ def test_parallel_tool_calls_false_returns_one_call(agent):
 # -- refused and ignored fields -----------------------------------------------------------------
 
 REFUSED = [
-    ({"top_p": 0.5}, "'top_p' is not implemented by this server (only 1 is accepted)"),
-    ({"response_format": {"type": "json_object"}}, "'response_format' is not implemented"),
+    ({"top_p": 0}, "top_p: Input should be greater than 0"),
+    ({"top_k": -2}, "top_k: Input should be greater than or equal to -1"),
+    ({"presence_penalty": 2.5}, "presence_penalty: Input should be less than or equal to 2"),
+    ({"response_format": {"type": "json_schema"}}, "json_schema is required"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nope"}},
+            }
+        },
+        "response_format: grammar rejected",
+    ),
     ({"functions": [{"name": "f"}]}, "'functions' is not implemented"),
     ({"logprobs": True}, "'logprobs' is not implemented"),
     ({"reasoning_effort": "low"}, "'reasoning_effort' is not implemented"),
@@ -248,14 +263,16 @@ def test_no_op_values_are_accepted_and_unknown_fields_logged(agent, caplog):
         "logprobs": False,
         "user": "u-1",
         "metadata": {"run": "7"},
-        "top_k": 20,
-        "repetition_penalty": 1.1,
+        "guided_whitespace": 1,
+        "beam_width": 2,
     }
     with caplog.at_level(logging.WARNING, logger="engine.server.schemas"):
         response = httpx.post(url + "/v1/chat/completions", json=body, timeout=WAIT_S)
     assert response.status_code == 200, response.text
     warnings = [r.getMessage() for r in caplog.records if r.name == "engine.server.schemas"]
-    assert warnings == ["ignoring request fields outside the OpenAI API: top_k, repetition_penalty"]
+    assert warnings == [
+        "ignoring request fields outside the OpenAI API: guided_whitespace, beam_width"
+    ]
 
 
 def test_tools_for_a_template_that_cannot_render_them_are_refused():

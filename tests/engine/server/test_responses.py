@@ -340,10 +340,6 @@ def test_an_agents_sdk_agent_calls_its_tool_then_answers(agent, streamed):
     assert second_prompt.startswith("<|im_start|>system\nBe terse.")
 
 
-@pytest.mark.xfail(
-    reason="text.format needs chat's response_format (issue 30 Must 1, constrained decoding)",
-    strict=True,
-)
 def test_an_agents_sdk_agent_with_an_output_type_returns_an_instance(agent):
     engine, url, _ = agent
     engine.reply = '{"city": "Paris", "sky": "sunny"}'
