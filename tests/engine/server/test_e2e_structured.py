@@ -5,22 +5,18 @@
 named always give `tool_calls` whose arguments validate; a strict tool's call under `auto` is
 valid when the model makes one; Qwen's recommended settings answer 200.
 
-Marked slow: one server process (torch import, the demo pair's load and warm-up).
+Marked slow: one server process (conftest's `server_process`: the demo pair, budget 8).
 """
 
 from __future__ import annotations
 
 import json
-import signal
 
 import jsonschema
 import openai
 import pytest
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
-
-from tests.helpers.conversations import DEMO_TARGET
-from tests.helpers.engine_server import start_engine_server
 
 pytestmark = pytest.mark.slow
 
@@ -58,22 +54,6 @@ TOOLS = [
 QWEN_THINKING = {"temperature": 0.6, "top_p": 0.95, "presence_penalty": 1.5}
 QWEN_EXTRAS = {"top_k": 20, "min_p": 0.0, "repetition_penalty": 1.0}
 PROMPTS = ["Describe Paris.", "Tell me about a city by the sea.", "Weather in Oslo tomorrow?"]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("structured") / "serve.log"
-    extra = ["--max-model-len", "2048", "--budget", "8"]
-    draft = DEMO_TARGET.parent / "draft"
-    instance = start_engine_server(DEMO_TARGET, draft, extra_args=extra, log_path=log)
-    yield instance
-    assert instance.stop() == -signal.SIGTERM
-    assert "Traceback" not in instance.log_text()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
 
 def ask(
@@ -127,9 +107,13 @@ class City(BaseModel):
     capital: bool
 
 
-def test_langchain_with_structured_output_returns_an_instance(server):
+def test_langchain_with_structured_output_returns_an_instance(server_process):
     model = ChatOpenAI(
-        model="target", base_url=server.url + "/v1", api_key="none", temperature=0, max_tokens=160
+        model="target",
+        base_url=server_process.url + "/v1",
+        api_key="none",
+        temperature=0,
+        max_tokens=160,
     )
     answer = model.with_structured_output(City).invoke("Describe Paris.")
     assert isinstance(answer, City)
