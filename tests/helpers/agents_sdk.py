@@ -9,26 +9,31 @@ typed answer, as the Responses API tests use them.
 from __future__ import annotations
 
 import asyncio
+from typing import Annotated, Literal
 
 import openai
 from agents import Agent, FunctionTool, RunConfig, Runner, function_tool
 from agents.models.openai_provider import OpenAIProvider
 from agents.result import RunResultBase
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
+
+# Bounded, so a babbling model's constrained JSON ends within its max_tokens.
+City = Annotated[str, Field(max_length=20)]
 
 
 class Weather(BaseModel):
     """An agent's typed answer (`output_type`)."""
 
-    city: str
-    sky: str
+    city: City
+    sky: Literal["sunny", "cloudy", "rain"]
 
 
-def weather_tool(asked: list[str]) -> FunctionTool:
-    """`get_weather`, which notes each city it is asked about and answers "sunny"."""
+def weather_tool(asked: list[str], *, once: bool = False) -> FunctionTool:
+    """`get_weather`, which notes each city it is asked about and answers "sunny"; `once`: the
+    agent is offered it until it has called it (a babbling model would call it forever)."""
 
-    @function_tool
-    def get_weather(city: str) -> str:
+    @function_tool(is_enabled=lambda context, agent: not (once and asked))
+    def get_weather(city: City) -> str:
         """Current weather in a city."""
         asked.append(city)
         return "sunny"
