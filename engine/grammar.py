@@ -6,9 +6,10 @@ its wheel (abi3, CPython >= 3.9) depends on nothing, where xgrammar's pulls torc
 triton, apache-tvm-ffi and pydantic into the engine's install; a grammar needs no compilation
 against the vocabulary (a JSON schema over Qwen3.6's 248,320 tokens: ~1 ms for llguidance,
 ~27 ms for xgrammar, paid at every new schema's first token); a matcher forks (`deep_copy`,
-~2 us) and rolls back, and checks a token without consuming it, which a draft tree needs; masks
-for many states compute on parallel threads (`LLExecutor`). Its mask per token is ~10 us at the
-median over that vocabulary (xgrammar's precomputed masks: ~3 us), far below a verify pass.
+~2 us) and rolls back, and checks a token without consuming it, which a draft tree needs. Its
+mask per token is ~10 us at the median over that vocabulary (xgrammar's precomputed masks:
+~3 us), far below a verify pass. A round's masks are computed one after another on the calling
+thread: llguidance's thread pool (`LLExecutor`) cost more than it saved for 16 masks here.
 Figures: engine/NOTES.md, measured by `python -m engine.tools.grammar_cost`.
 
 The engine knows no tokenizer and no JSON schema: the server compiles the grammar with its
@@ -31,7 +32,6 @@ ends where the grammar does, as with `ar` under the same grammar.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from functools import cache
 
 import llguidance
 import numpy as np
@@ -125,9 +125,9 @@ class Guide:
         if count != len(self.nodes):
             raise ValueError(f"{count} masks asked of a tree of {len(self.nodes)} nodes")
         masks = np.full((count, self.constraint.words), -1, np.int32)
-        live = [(node.state, row) for row, node in enumerate(self.nodes[:count]) if not node.ended]
-        if live:
-            _executor().unsafe_compute_mask_ptr(live, masks.ctypes.data, masks[0].nbytes, count)
+        for row, node in enumerate(self.nodes):
+            if not node.ended:  # one after another: llguidance's thread pool costs more here
+                node.state.unsafe_compute_mask_ptr(masks[row].ctypes.data, masks[row].nbytes)
         return masks
 
     def advance(self, accepted: list[int], next_token: int) -> None:
@@ -135,11 +135,6 @@ class Guide:
         root = self.nodes[accepted[-1]]
         root.accept(next_token)
         self.nodes = [root]
-
-
-@cache
-def _executor() -> llguidance.LLExecutor:
-    return llguidance.LLExecutor()
 
 
 def tokenizer_from_json(
