@@ -4,8 +4,9 @@
 for `max_len` tokens and the static passes over them (engine/decode.py): made once, so on CUDA a
 pass's graph is captured once for the server (again only when its key window changes), not once
 per request. A request takes the caches as a `SequenceCaches` (`pool.open(...)`): emptied, or
-resumed from the longest cached prefix of its prompt (`resume`); its prefill snapshots the
-recurrent state at chunk boundaries and at the prompt's end (`after_chunk`); at the end it gives
+resumed from the longest cached prefix of its prompt (`resume`); its prefill snapshots at
+every chunk's end (`after_chunk`: chunk boundaries, the request's checkpoints, such as where
+a chat's messages end before the generation prompt, and the prompt's end); at the end it gives
 the drafter the last features and stores what it committed for the next request (`finish`).
 
 One sequence decodes in the pool at a time (batch 1). A batch > 1 scheduler would hold a slot
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -32,15 +33,16 @@ from engine.prefix_cache import Capture, PrefixCache, has_states
 log = logging.getLogger(__name__)
 
 
-def chunk_bounds(start: int, end: int, size: int) -> list[tuple[int, int]]:
-    """Prefill chunks over tokens start..end-1 that end at multiples of `size` (and at `end`): a
-    prefill resumed mid-prompt runs the chunks a cold one would from there on."""
-    bounds, first = [], start
-    while first < end:
-        last = min(end, (first // size + 1) * size)
-        bounds.append((first, last))
-        first = last
-    return bounds
+def chunk_bounds(
+    start: int, end: int, size: int, checkpoints: Iterable[int] = ()
+) -> list[tuple[int, int]]:
+    """Prefill chunks over tokens start..end-1 that end at multiples of `size`, at each of
+    `checkpoints` and at `end`: a prefill resumed mid-prompt runs the chunks a cold one would
+    from there on, and one ends wherever a snapshot is wanted."""
+    cuts = {*range((start // size + 1) * size, end, size), end}
+    cuts.update(c for c in checkpoints if start < c < end)
+    ends = sorted(cuts)
+    return list(zip([start, *ends[:-1]], ends, strict=True)) if start < end else []
 
 
 class CachePool:
@@ -122,8 +124,8 @@ class SequenceCaches:
 
     def after_chunk(self, end: int, prompt_len: int, logits: torch.Tensor) -> None:
         """A prefill chunk ended at `end`: snapshot there (the recurrent state's only resume
-        points), with the logits at the prompt's end."""
-        if self.prefix is None or (end < prompt_len and not self.prefix.recurrent):
+        points; a dense target's, its tail), with the logits at the prompt's end."""
+        if self.prefix is None:
             return
         capture = self.prefix.capture(self.cache, end, logits if end == prompt_len else None)
         if capture is not None:

@@ -83,6 +83,7 @@ class GenerationConfig:
     sampling: Sampling = NO_SAMPLING  # top_p, top_k, min_p and the penalties (engine/sampling.py)
     constraint: Constraint | None = None  # a grammar the output follows (engine/grammar.py)
     cache_prompt: bool = True  # with a pool's prefix cache: reuse and extend it
+    checkpoints: tuple[int, ...] = ()  # prompt positions a prefill chunk ends at (snapshots)
 
 
 @dataclass
@@ -266,7 +267,8 @@ class _Sequence:
             prompt = torch.tensor(prompt_ids[cached:], dtype=torch.long, device=self.device)
             if self.speculative:  # the drafter's features of the prompt's uncached tokens
                 self.context = self._features(total - cached)
-            for start, end in chunk_bounds(cached, total, self.cfg.prefill_chunk):
+            chunks = chunk_bounds(cached, total, self.cfg.prefill_chunk, self.cfg.checkpoints)
+            for start, end in chunks:
                 chunk = prompt[start - cached : end - cached]
                 logits, hidden = self.target.extend(chunk, self.cache, self.layers)
                 if hidden is not None:

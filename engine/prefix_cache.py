@@ -43,6 +43,14 @@ import torch
 from engine.memory_plan import BLOCK_TOKENS
 
 
+def common_prefix(ids: Sequence[int], others: Sequence[int]) -> int:
+    """How many leading tokens two id lists share."""
+    for index, (one, other) in enumerate(zip(ids, others, strict=False)):
+        if one != other:
+            return index
+    return min(len(ids), len(others))
+
+
 def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 

@@ -3,6 +3,7 @@
     python -m engine serve --model DIR [--draft DIR] [--host 127.0.0.1] [--port 8000] \\
         [--max-model-len N] [--api-key KEY | env DDOPS_API_KEY] [--dtype float32] [--device cpu] \\
         [--tp N] [--prefill-chunk 2048] \\
+        [--enable-prefix-caching | --no-enable-prefix-caching] [--prefix-cache-memory SIZE] \\
         [--method ar|linear|ddtree] [--budget 15] [--max-waiting 32] [--served-model-name NAME] \\
         [--tool-call-parser auto|none|hermes|qwen3_coder] [--reasoning-parser auto|none|qwen3] \\
         [--max-request-bytes 8388608] [--shutdown-grace-s 5]
@@ -12,7 +13,9 @@ memory, read at start: on CUDA what `torch.cuda.mem_get_info` reports free on th
 device; on the CPU the RAM the kernel reports available (MemAvailable), since the process has
 no other bound there. A --max-model-len that cannot fit refuses to start (one line, exit 2);
 without it the server serves the longest context that fits, or the model's own
-max_position_embeddings when that is smaller, and reports it on /v1/models and /ready.
+max_position_embeddings when that is smaller, and reports it on /v1/models and /ready. The
+prefix cache (on by default) gets --prefix-cache-memory, else what the served context leaves;
+the plan's lines are logged at start.
 
 The model loads after the port opens: `/health` answers at once, `/ready` once the model is
 loaded and a 1-token generation succeeded. A load failure stops the server with exit code 1.
@@ -28,6 +31,7 @@ import os
 import sys
 from pathlib import Path
 
+from engine.cli.plan import add_prefix_cache_arguments, prefix_cache_memory
 from engine.methods import METHODS
 from engine.server import API_KEY_ENV
 from engine.server.body import DEFAULT_MAX_REQUEST_BYTES
@@ -51,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill pass"
     )
+    add_prefix_cache_arguments(parser)
     parser.add_argument(
         "--api-key", help=f"require 'Authorization: Bearer KEY' (default: env {API_KEY_ENV})"
     )
@@ -127,6 +132,10 @@ def _usage_problem(args: argparse.Namespace, method: str) -> str | None:
         return "--max-request-bytes must be at least 1, --shutdown-grace-s within 0..3600"
     if args.prefill_chunk < 1:
         return "--prefill-chunk must be at least 1"
+    try:
+        prefix_cache_memory(args)
+    except ValueError as error:
+        return f"--prefix-cache-memory: {error}"
     return None
 
 
@@ -144,11 +153,11 @@ def available_memory(device: str) -> int:
     raise OSError("/proc/meminfo has no MemAvailable")
 
 
-def context_limit(args: argparse.Namespace) -> tuple[int, str | None]:
-    """(the context to serve, why it cannot be served or None), from the memory plan."""
-    from engine.memory_plan import GIB, plan_from_dirs
+def memory_plan(args: argparse.Namespace):
+    """The memory plan of this serve command on the device's free memory."""
+    from engine.memory_plan import plan_from_dirs
 
-    plan = plan_from_dirs(
+    return plan_from_dirs(
         args.model,
         args.draft,
         args.dtype,
@@ -157,7 +166,19 @@ def context_limit(args: argparse.Namespace) -> tuple[int, str | None]:
         args.tp,
         args.prefill_chunk,
         args.budget + 1,
+        args.enable_prefix_caching,
+        prefix_cache_memory(args),
     )
+
+
+def context_limit(args: argparse.Namespace) -> tuple[int, str | None]:
+    """(the context to serve, why it cannot be served or None), from the memory plan."""
+    return served_context(memory_plan(args), args)
+
+
+def served_context(plan, args: argparse.Namespace) -> tuple[int, str | None]:
+    from engine.memory_plan import GIB
+
     if problem := plan.problem():
         return 0, f"--max-model-len does not fit: {problem}"
     limit = args.max_model_len or plan.longest_context
@@ -175,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"Error: {problem}", file=sys.stderr)
         return 2
     try:
-        max_model_len, problem = context_limit(args)
+        plan = memory_plan(args)
+        max_model_len, problem = served_context(plan, args)
     except (OSError, ValueError, KeyError) as error:
         problem = f"cannot plan memory for {args.model}: {error}"
     if problem:
@@ -201,7 +223,13 @@ def run(args: argparse.Namespace) -> int:
 
     def load():
         engine = load_engine(
-            args.model, args.draft, args.dtype, args.device, max_model_len, args.tp
+            args.model,
+            args.draft,
+            args.dtype,
+            args.device,
+            max_model_len,
+            args.tp,
+            plan.prefix_cache_bytes,
         )
         return with_generation_options(
             engine, prefill_chunk=args.prefill_chunk, cuda_graphs=args.cuda_graphs
@@ -214,7 +242,10 @@ def run(args: argparse.Namespace) -> int:
 
     app = create_app(load, config, on_fatal=stop_server)
     server = draining_server(app, host=args.host, port=args.port, log_level=args.log_level)
-    logging.getLogger(__name__).info("serving a context of up to %d tokens", max_model_len)
+    log = logging.getLogger(__name__)
+    for line in plan.lines():
+        log.info("memory plan: %s", line)
+    log.info("serving a context of up to %d tokens", max_model_len)
     server.run()
     return 1 if app.state.server.worker.startup_error else 0
 

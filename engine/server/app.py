@@ -39,6 +39,7 @@ At shutdown, requests in flight get `shutdown_grace_s`, then a 503 (engine/serve
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -55,6 +56,8 @@ from engine.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.server.schemas import ApiError, ChatTemplateInputs, TokenizeRequest, parse_body
 from engine.server.state import LoadedEngine, ServerConfig, ServerState
 
+log = logging.getLogger(__name__)
+
 
 def load_engine(
     model_dir: str | Path,
@@ -63,14 +66,19 @@ def load_engine(
     device: str = "cpu",
     max_model_len: int | None = None,
     tp: int = 1,
+    prefix_cache_bytes: int = 0,
 ) -> LoadedEngine:
     """Load the target (and drafter) and the model directory's tokenizer for serving.
 
     `max_model_len` defaults to the target's max_position_embeddings; `tp` > 1 spreads the
-    target over that many tensor-parallel ranks (engine/parallel.py).
+    target over that many tensor-parallel ranks (engine/parallel.py). On one rank the
+    sequences decode in caches allocated once (engine/cache_pool.py) beside a prefix cache of
+    `prefix_cache_bytes` (0: none); over several, each request gets its own caches and no
+    prefix cache (every rank would have to restore its share), which is logged.
     """
     import torch
 
+    from engine.cache_pool import CachePool
     from engine.decode import generate
     from engine.grammar import tokenizer_from_json
     from engine.models import load_drafter
@@ -81,9 +89,20 @@ def load_engine(
     target = open_target(model_dir, torch_dtype, device, tp)
     drafter = load_drafter(draft_dir, dtype=torch_dtype, device=device) if draft_dir else None
     limit = max_model_len or target.config.max_position_embeddings
+    pool = None
+    if tp == 1:
+        pool = CachePool.for_server(target, drafter, limit, prefix_cache_bytes)
+    elif prefix_cache_bytes:
+        log.info("tensor parallel (--tp %d): no prefix cache; every prompt is prefilled", tp)
 
-    def bound_generate(prompt_ids: list[int], cfg: GenerationConfig, **callbacks):
-        return generate(target, drafter, prompt_ids, cfg, **callbacks)
+    def bound_generate(prompt_ids: list[int], cfg: GenerationConfig, *, on_tokens=None, **rest):
+        if pool is None:
+            return generate(target, drafter, prompt_ids, cfg, on_tokens=on_tokens, **rest)
+
+        def attempt(callback):
+            return generate(target, drafter, prompt_ids, cfg, on_tokens=callback, pool=pool, **rest)
+
+        return pool.run(attempt, on_tokens)
 
     tokenizer = load_tokenizer(model_dir)
     vocab = target.config.vocab_size
@@ -94,6 +113,7 @@ def load_engine(
         vocab_size=vocab,
         has_drafter=drafter is not None,
         grammar_tokenizer=tokenizer_from_json(tokenizer.to_json(), vocab, tokenizer.eos_token_ids),
+        prefix_caching=pool is not None and pool.prefix_cache is not None,
     )
 
 

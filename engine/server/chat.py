@@ -56,6 +56,7 @@ class OutputParsing:
 @dataclass(frozen=True)
 class ChatPrompt:
     text: str  # the prompt, forced call opening included
+    history: str | None  # with_history: the messages alone (what a next turn re-renders)
     opening: str  # the start of a forced call ("" if none): the output continues it
     tool_format: ToolCallFormat | None  # None: tool calls are not parsed
     schemas: Schemas
@@ -70,9 +71,11 @@ def build_chat_prompt(
     renderer: ChatRenderer,
     parsing: OutputParsing,
     structured: bool = False,
+    with_history: bool = False,
 ) -> ChatPrompt:
     """Render the request's conversation, or raise a 400 ApiError saying what cannot be honoured.
-    `structured`: the output is grammar-constrained JSON, so no think block is left open."""
+    `structured`: the output is grammar-constrained JSON, so no think block is left open;
+    `with_history`: also render it without the generation prompt (`ChatPrompt.history`)."""
     template = renderer.chat_template or ""
     variables = template_variables(template) if template else frozenset()
     messages = [_template_message(i, m, template) for i, m in enumerate(body.messages)]
@@ -93,11 +96,15 @@ def build_chat_prompt(
         )
     kwargs = _template_kwargs(body, variables)
     try:
-        text = renderer.render_chat(
-            messages, True, tools=body.tools, documents=body.documents, **kwargs
-        )
+        renderings = [
+            renderer.render_chat(
+                messages, opens, tools=body.tools, documents=body.documents, **kwargs
+            )
+            for opens in ((True, False) if with_history else (True,))
+        ]
     except (ChatTemplateError, ValueError) as exc:
         raise ApiError(400, f"messages: {exc}", param="messages") from None
+    text, history = renderings[0], (renderings[1] if with_history else None)
     opening = ""
     forced = choice in ("required", "named")
     if (forced or structured) and prompt_opens_reasoning(text):
@@ -107,6 +114,7 @@ def build_chat_prompt(
     reasoning = prompt_opens_reasoning(text) if parsing.reasoning else None
     return ChatPrompt(
         text=text + opening,
+        history=history,
         opening=opening,
         tool_format=parsing.tool_format if parse_tools else None,
         schemas=_schemas(body.tools or []),

@@ -53,9 +53,13 @@ async def serve_choices(
     prompt_ids: list[int],
     output: ChatOutput | None = None,
     constraint: Constraint | None = None,
+    checkpoints: tuple[int, ...] = (),
 ) -> Response:
-    """Run the request through the shared generation path and answer it in `shape`."""
-    generation = gen.submit(state, shape.endpoint, shape.id_prefix, body, prompt_ids, constraint)
+    """Run the request through the shared generation path and answer it in `shape`
+    (`checkpoints`: prompt positions the prefix cache snapshots at, see engine/decode.py)."""
+    generation = gen.submit(
+        state, shape.endpoint, shape.id_prefix, body, prompt_ids, constraint, checkpoints
+    )
     answer = _Answer(state, shape, generation, output)
     if body.stream:
         return gen.event_stream(answer.generation, answer.stream())

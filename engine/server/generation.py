@@ -8,7 +8,9 @@ hangs up cancels it); a streaming handler iterates `events` and sets `job.cancel
 `usage`, `speculative_stats` and `finish_reason` are what every API reports of a finished job.
 
 The body is any request of the API modules with `model`, `temperature`, `seed`, `speculative`,
-`stop_strings()`, `requested_max_tokens()` and `include_usage_chunk()`.
+`cache_prompt`, `stop_strings()`, `requested_max_tokens()` and `include_usage_chunk()`. Usage
+reports the prompt tokens the prefix cache held as `prompt_tokens_details.cached_tokens`
+(OpenAI's field), and the prefix-cache counters count what each request asked of it.
 """
 
 from __future__ import annotations
@@ -65,15 +67,17 @@ def submit(
     body: Any,
     prompt_ids: list[int],
     constraint: Constraint | None = None,
+    checkpoints: tuple[int, ...] = (),
 ) -> Generation:
     """Validate against the engine, queue the job, or raise an ApiError. `constraint`: the
     grammar the output follows (engine/server/structured.py makes it)."""
     engine = state.ready_engine()
     state.check_model(body.model)
-    cfg = _generation_config(state, engine, body, prompt_ids, constraint)
+    cfg = _generation_config(state, engine, body, prompt_ids, constraint, checkpoints)
     text = TextAssembler(engine.tokenizer.decode, body.stop_strings(), cfg.stop_token_ids)
     events: asyncio.Queue = asyncio.Queue()
-    emit = _recording_emitter(state, events, cfg.method, len(prompt_ids), text)
+    queried = engine.prefix_caching and cfg.cache_prompt
+    emit = _recording_emitter(state, events, cfg.method, len(prompt_ids), text, queried)
     job = Job(prompt_ids, cfg, text, emit=emit)
     try:
         state.worker.submit(job)
@@ -104,6 +108,7 @@ def _generation_config(
     body: Any,
     prompt_ids: list[int],
     constraint: Constraint | None,
+    checkpoints: tuple[int, ...],
 ) -> GenerationConfig:
     max_tokens = _max_tokens(body.requested_max_tokens(), len(prompt_ids), engine)
     method, budget = _speculative(state, body, engine)
@@ -116,6 +121,8 @@ def _generation_config(
         stop_token_ids=tuple(engine.tokenizer.eos_token_ids),
         sampling=_sampling(body),
         constraint=constraint,
+        cache_prompt=body.cache_prompt,
+        checkpoints=checkpoints,
     )
 
 
@@ -172,9 +179,10 @@ def _recording_emitter(
     method: str,
     prompt_tokens: int,
     text: TextAssembler,
+    queried: bool,
 ) -> Callable[[Delta | Done | Failed], None]:
     """The job's `emit`: records a finished generation's metrics (even when its client has
-    gone), then hands the event to the request's handler."""
+    gone; `queried`: it asked the prefix cache), then hands the event to the request's handler."""
     put = _thread_safe_put(events)
 
     def emit(event: Delta | Done | Failed) -> None:
@@ -183,6 +191,8 @@ def _recording_emitter(
             state.metrics.observe_generation(
                 method, prompt_tokens, event.result, finish, event.ttft_s
             )
+            if queried:
+                state.metrics.observe_prefix_cache(prompt_tokens, event.result.cached_tokens)
         put(event)
 
     return emit
@@ -268,10 +278,12 @@ def _engine_finish_reason(text: TextAssembler, result: Any) -> str:
 
 def usage(generation: Generation, result: Any) -> dict:
     completion = len(result.output_ids) if result is not None else 0
+    cached = result.cached_tokens if result is not None else 0
     return {
         "prompt_tokens": generation.prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": generation.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 

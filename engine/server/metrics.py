@@ -14,6 +14,9 @@ Each server owns its registry, so several apps (tests) never share counters. Nam
 - `ddops_engine_queue_waiting`: requests waiting for the worker
 - `process_cpu_seconds_total`, `process_resident_memory_bytes`, ...: Prometheus' standard
   process figures (the bench subtracts the engine's CPU from the machine's busy time)
+- `ddops_engine_prefix_cache_queries_total`, `ddops_engine_prefix_cache_hits_total`: prompt
+  tokens of the requests that asked the prefix cache, and the tokens it held (vLLM's pair:
+  hits / queries is the hit rate)
 """
 
 from __future__ import annotations
@@ -84,6 +87,16 @@ class ServerMetrics:
             buckets=_TTFT_BUCKETS,
             registry=r,
         )
+        self.prefix_cache_queries = Counter(
+            "ddops_engine_prefix_cache_queries",
+            "Prompt tokens of requests that asked the prefix cache.",
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "ddops_engine_prefix_cache_hits",
+            "Prompt tokens the prefix cache held (not prefilled).",
+            registry=r,
+        )
         self.queue_waiting = Gauge(
             "ddops_engine_queue_waiting", "Requests waiting for the engine worker.", registry=r
         )
@@ -100,6 +113,10 @@ class ServerMetrics:
             self.acceptance_length.labels(method).observe(accepted)
         self.decode_speed.labels(method).observe(result.decode_tokens_per_s)
         self.ttft.labels(method).observe(ttft_s)
+
+    def observe_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
+        self.prefix_cache_queries.inc(queried_tokens)
+        self.prefix_cache_hits.inc(hit_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -40,10 +40,10 @@ ENDPOINT = "/v1/responses"
 
 def router(state: ServerState) -> APIRouter:
     async def responses(request: Request) -> Response:
-        body, chat, prompt_ids, prompt, constraint = await state.prepare(
+        body, chat, prompt_ids, prompt, constraint, checkpoints = await state.prepare(
             lambda raw: _prompt(state, raw), request
         )
-        generation = gen.submit(state, ENDPOINT, "resp_", chat, prompt_ids, constraint)
+        generation = gen.submit(state, ENDPOINT, "resp_", chat, prompt_ids, constraint, checkpoints)
         answer = _Answer(state, body, chat, generation, ChatOutput(prompt))
         if body.stream:
             return gen.event_stream(generation, answer.stream())
@@ -57,7 +57,9 @@ def router(state: ServerState) -> APIRouter:
 
 def _prompt(
     state: ServerState, raw: bytes
-) -> tuple[ResponsesRequest, ChatRequest, list[int], ChatPrompt, Constraint | None]:
+) -> tuple[
+    ResponsesRequest, ChatRequest, list[int], ChatPrompt, Constraint | None, tuple[int, ...]
+]:
     body = parse_body(ResponsesRequest, raw)
     chat = chat_request(body)
     return body, chat, *chat_prompt(state, chat)

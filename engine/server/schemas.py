@@ -250,6 +250,7 @@ class _Sampling(_Request):
     stream_options: StreamOptions | None = None
     n: Integer = Field(1, ge=1, le=1)
     speculative: Speculative | None = None
+    cache_prompt: bool = True  # llama.cpp's name: false neither reuses nor extends the prefix cache
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

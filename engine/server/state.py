@@ -58,6 +58,7 @@ class LoadedEngine:
     vocab_size: int
     has_drafter: bool
     grammar_tokenizer: LLTokenizer | None = None  # structured output (engine/server/structured.py)
+    prefix_caching: bool = False  # requests may reuse a prefix cache (engine/prefix_cache.py)
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class ServerState:
             budget=self.config.default_budget,
             max_new_tokens=1,
             temperature=0.0,
+            cache_prompt=False,  # the warm-up leaves the prefix cache empty
         )
         result = engine.generate(warm_up_ids, cfg)
         if len(result.output_ids) != 1:

@@ -215,3 +215,56 @@ def test_plan_from_configs_takes_the_dicts_ops_holds():
     target = json.loads((QWEN36 / "target" / "config.json").read_text())
     plan = plan_from_configs(target, None, "bfloat16", 96 * GIB, max_model_len=32_768)
     assert plan.problem() is None and plan.total_bytes(32_768) < 96 * GIB
+
+
+def test_qwen36_27b_prefix_cache_figures_on_96_gib():
+    """A cached token keeps the target's and the drafter's K/V (84 KiB); a GDN snapshot is the
+    recurrent state of the 48 GDN layers (~147 MiB). By default the cache gets what the served
+    context leaves: beside the model's whole 262,144 tokens about 7 GiB, beside 32,768 tokens
+    about 36 GiB."""
+    full, agent = qwen36_plan(96 * GIB), qwen36_plan(96 * GIB, max_model_len=32_768)
+    assert full.cached_bytes_per_token == KV_PER_TOKEN + DRAFT_KV_PER_TOKEN == 86_016
+    assert full.snapshot_bytes == RECURRENT
+    assert full.prefix_cache_bytes == 96 * GIB - full.total_bytes(262_144)
+    assert agent.prefix_cache_bytes == 96 * GIB - agent.total_bytes(32_768)
+    conversation = 32_768 * 86_016 + 2 * RECURRENT + 2 * 256 * 86_016 + V * 4
+    assert full.conversation_bytes(32_768) == conversation
+    with_chunks = conversation + 16 * RECURRENT  # a snapshot per 2048-token chunk
+    assert full.conversation_bytes(32_768, chunk_snapshots=True) == with_chunks
+    assert (full.conversations_held(), full.conversations_held(chunk_snapshots=True)) == (2, 1)
+    assert (agent.conversations_held(), agent.conversations_held(chunk_snapshots=True)) == (12, 6)
+
+
+def test_a_prefix_cache_asked_for_comes_out_of_the_context_and_off_is_zero():
+    asked = qwen36_plan(96 * GIB, prefix_cache_memory=8 * GIB)
+    default = qwen36_plan(96 * GIB)
+    assert asked.prefix_cache_bytes == 8 * GIB
+    assert asked.longest_fit == qwen36_plan(88 * GIB).longest_fit < default.longest_fit
+    assert qwen36_plan(96 * GIB, prefix_caching=False).prefix_cache_bytes == 0
+    dense = qwen36_plan(96 * GIB, draft=False)
+    assert (
+        dense.conversation_bytes(100)
+        == 100 * KV_PER_TOKEN + 2 * RECURRENT + 2 * 256 * KV_PER_TOKEN + V * 4
+    )
+
+
+def test_cli_prints_the_prefix_cache_and_refuses_a_bad_size():
+    base = (
+        "--model",
+        str(QWEN36 / "target"),
+        "--draft",
+        str(QWEN36 / "draft"),
+        "--device-memory",
+        "96GiB",
+    )
+    text = run_plan(*base, "--max-model-len", "32768").stdout
+    assert (
+        "prefix cache         36.32 GiB beside a context of 32768 (84.0 KiB per cached token, "
+        in text
+    )
+    assert "12 conversations of 32768 tokens (6 with chunk snapshots)" in text
+    assert "prefix cache         off" in run_plan(*base, "--no-enable-prefix-caching").stdout
+    document = json.loads(run_plan(*base, "--prefix-cache-memory", "8GiB", "--json").stdout)
+    assert document["prefix_cache_bytes"] == 8 * GIB and document["snapshot_bytes"] == RECURRENT
+    bad = run_plan(*base, "--prefix-cache-memory", "lots")
+    assert bad.returncode == 2 and bad.stderr.startswith("Error: not a size")

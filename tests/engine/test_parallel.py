@@ -4,7 +4,8 @@ This pytest process is rank 0 and spawns rank 1, once per tiny model (dense with
 replicated on rank 0, hybrid with it vocab-sharded), so the tests drive the real leader/follower
 protocol: logits and hidden states within 1e-5 of the whole model through prefill, a tree
 verify, its commit and a chain; greedy ddtree (with a drafter that is often right, so trees are
-accepted several tokens deep) and ar token for token. The slow test starts `serve --tp 2`.
+accepted several tokens deep) and ar token for token. The slow test starts `serve --tp 2` (which
+serves without a prefix cache, and says so).
 
 Run: python -m pytest -q tests/engine/test_parallel.py [--slow]
 """
@@ -133,6 +134,7 @@ def test_server_with_two_ranks_answers_like_one_rank_and_stops_cleanly(tmp_path)
     try:
         body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
         response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        again = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
         ranks = children_of(server.pid)
     finally:
         exit_code = server.stop()
@@ -142,3 +144,7 @@ def test_server_with_two_ranks_answers_like_one_rank_and_stops_cleanly(tmp_path)
     assert exit_code == -signal.SIGTERM  # uvicorn re-raises SIGTERM after a graceful stop
     assert ranks and not wait_until_gone(ranks)  # the spawned rank ended with rank 0
     assert "Traceback" not in server.log_text()
+    # over two ranks there is no prefix cache: said once at start, every prompt prefilled
+    assert "tensor parallel (--tp 2): no prefix cache" in server.log_text()
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert again["choices"][0]["text"] == response.json()["choices"][0]["text"]

@@ -123,6 +123,25 @@ def test_a_conversation_decodes_the_same_with_the_cache_on_and_off(
     assert 0 < pool.prefix_cache.used_bytes <= pool.prefix_cache.budget_bytes
 
 
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_a_checkpoint_is_where_a_history_without_the_generation_prompt_resumes(pair, checkpoint):
+    """The next turn renders the answer without the generation prompt's last tokens (an empty
+    think block): it diverges before the first prompt's end; the server's checkpoint where the
+    messages end is a snapshot there."""
+    target, drafter = pair
+    pool = server_pool(pair)
+    messages, think = SYSTEM + USER_2, [3, 4, 5]  # 15 tokens: not a chunk or block boundary
+    marks = (len(messages),) if checkpoint else ()
+    cfg = config("ddtree", 6, 0.0, checkpoints=marks)
+    first = generate(target, drafter, messages + think, cfg, pool=pool)
+    prompt = messages + first.output_ids + TOOL
+    second = generate(target, drafter, prompt, cfg, pool=pool)
+    assert second.output_ids == generate(target, drafter, prompt, cfg).output_ids
+    hybrid = hasattr(pool.cache, "recurrent")
+    fallback = CHUNK if hybrid else len(messages) // BLOCK * BLOCK  # a chunk's or block's end
+    assert second.cached_tokens == (len(messages) if checkpoint else fallback)
+
+
 def test_cache_prompt_false_neither_reuses_nor_stores(pair):
     target, drafter = pair
     pool = server_pool(pair)
@@ -235,6 +254,12 @@ def test_chunks_end_where_a_cold_prefill_s_do():
     assert chunk_bounds(11, 20, 8) == [(11, 16), (16, 20)]
     assert chunk_bounds(16, 17, 8) == [(16, 17)]
     assert chunk_bounds(5, 5, 8) == []
+    assert chunk_bounds(3, 20, 8, checkpoints=(2, 5, 16, 20, 30)) == [
+        (3, 5),
+        (5, 8),
+        (8, 16),
+        (16, 20),
+    ]
 
 
 def test_the_cache_keeps_the_output_but_its_last_token_when_a_stop_ends_a_path(pair):

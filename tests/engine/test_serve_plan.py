@@ -99,3 +99,28 @@ def test_a_25k_token_prompt_at_max_model_len_32768(hybrid_dir):
     cfg = GenerationConfig(method="ar", max_new_tokens=8, prefill_chunk=len(prompt))
     unchunked = generate(load_target(hybrid_dir), None, prompt, cfg).output_ids
     assert served_text == load_tokenizer(hybrid_dir).decode(unchunked)
+
+
+def test_the_prefix_cache_gets_what_the_context_leaves_unless_asked_or_off(hybrid_dir, monkeypatch):
+    monkeypatch.setattr(serve, "available_memory", lambda device: 64 * GIB)
+    on = serve.memory_plan(serve_args(hybrid_dir, enable_prefix_caching=True))
+    assert on.prefix_cache_bytes == 64 * GIB - on.total_bytes(512)  # the tiny model's 512 tokens
+    asked = serve.memory_plan(serve_args(hybrid_dir, prefix_cache_memory="1GiB"))
+    assert asked.prefix_cache_bytes == GIB
+    off = serve.memory_plan(serve_args(hybrid_dir, enable_prefix_caching=False))
+    assert off.prefix_cache_bytes == 0
+
+
+def test_a_bad_prefix_cache_size_refuses_to_start(hybrid_dir):
+    done = subprocess.run(
+        [sys.executable, "-m", "engine", "serve", "--model", str(hybrid_dir)]
+        + ["--prefix-cache-memory", "lots", "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert (
+        done.stderr.strip()
+        == "Error: --prefix-cache-memory: not a size: 'lots' (e.g. 96GiB, 80GB, 512MiB)"
+    )

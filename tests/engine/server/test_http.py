@@ -43,7 +43,12 @@ def test_completion_carries_text_usage_and_speculative_statistics(server, engine
     assert body["object"] == "text_completion"
     assert body["choices"][0]["text"] == "Hello world!"
     assert body["choices"][0]["finish_reason"] == "stop"
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 13, "total_tokens": 15}
+    assert body["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 13,
+        "total_tokens": 15,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     spec = body["speculative"]
     assert (spec["method"], spec["budget"], spec["rounds"]) == ("ddtree", 15, 7)
     assert spec["mean_acceptance_length"] == pytest.approx(13 / 7)
