@@ -56,7 +56,6 @@ class OutputParsing:
 @dataclass(frozen=True)
 class ChatPrompt:
     text: str  # the prompt, forced call opening included
-    history: str | None  # with_history: the messages alone (what a next turn re-renders)
     opening: str  # the start of a forced call ("" if none): the output continues it
     tool_format: ToolCallFormat | None  # None: tool calls are not parsed
     schemas: Schemas
@@ -64,6 +63,7 @@ class ChatPrompt:
     max_calls: int | None
     forced: str | None = None  # "required", or the named tool's name
     strict_tools: tuple[str, ...] = ()  # tools declared with strict: true
+    history: str | None = None  # with_history: the messages alone (what a next turn re-renders)
 
 
 def build_chat_prompt(

@@ -199,7 +199,6 @@ def test_the_prompt_says_whether_output_starts_in_reasoning():
 def chat_output(**overrides) -> ChatOutput:
     settings = dict(
         text="",
-        history=None,
         opening="",
         tool_format=FORMATS["hermes"],
         schemas=SCHEMAS,
