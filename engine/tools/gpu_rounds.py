@@ -13,7 +13,11 @@ and a few layers, after a `prefix`-token prefill, through the engine's own `gene
 - CUDA graph replay against eager (`cuda_graphs=False`), ms per ar step and per verify, and
   what the first rounds of a generation, which capture its graphs, cost either way;
 - recompiles while the context grows: Triton kernels compiled by generations at longer prefixes
-  after a first one (target 0).
+  after a first one (target 0);
+- a conversation in a server's pool (engine/cache_pool.py): turns that each add TURN_TOKENS to
+  the last one's prompt and answer, their graphs captured in the first turn only (target 0
+  captures after it), and the time to first token of a turn from the prefix cache over that of
+  the same turn cold (`cache_prompt` off).
 
     python -m engine.tools.gpu_rounds [--layers 4] [--prefix 32768] [--budget 15] [--json]
 
@@ -32,7 +36,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -45,6 +49,7 @@ from engine.tools.gpu_memory import stack_config
 FULL_LAYERS = 64  # Qwen3.6-27B
 KV_BYTES_PER_TOKEN_PER_ATTENTION_LAYER = 2 * 4 * 256 * 2  # K and V, 4 heads x 256, bf16
 GROWTH = (256, 512)  # tokens added to the prefix by the later generations (recompile check)
+TURN_TOKENS = 64  # what each turn of the pooled conversation adds after the last answer
 DRAFT_LAYERS = 1
 NEW_TOKENS = 48
 WARM_ROUNDS = 2  # the first rounds of a generation capture its graphs: left out
@@ -226,6 +231,7 @@ def check_rounds(
         }
         if count == layers:
             compiles = recompiles(target, drafter, prefix, budget)
+            pooled = pooled_conversation(target, drafter, prefix, budget)
         del target, drafter
         torch.cuda.empty_cache()
     small, large = runs[layers], runs[2 * layers]
@@ -256,8 +262,60 @@ def check_rounds(
         Figure("ddtree first rounds ms, graphs", at_64("first_rounds_ms_graphs"), None, " ms"),
         Figure("ddtree first rounds ms, eager", at_64("first_rounds_ms_eager"), None, " ms"),
         Figure("recompiles as the context grows", compiles, 0),
+        Figure("pooled: graph captures after turn 1", pooled["captures_after_first_turn"], 0),
+        Figure(
+            f"pooled: TTFT cached / cold ({layers} layers)",
+            pooled["ttft_cached_ms"] / pooled["ttft_cold_ms"],
+            0.25,
+            "x",
+        ),
     ]
     return [asdict(f) | {"passed": f.passed} for f in figures]
+
+
+@contextmanager
+def counted_captures() -> Iterator[list]:
+    """The static passes captured as CUDA graphs inside the block (engine/decode.py)."""
+    from engine import decode as decoding
+
+    captured: list = []
+    capture = decoding._Pass._capture
+
+    def counting(self) -> None:
+        captured.append(self)
+        capture(self)
+
+    decoding._Pass._capture = counting
+    try:
+        yield captured
+    finally:
+        decoding._Pass._capture = capture
+
+
+def pooled_conversation(
+    target, drafter, prefix: int, budget: int, turns: int = 3, cache_bytes: int = 8 << 30
+) -> dict:
+    """A ddtree conversation of `turns` turns in one pool with a prefix cache: graphs captured
+    after the first turn, and the last turn's TTFT from the cache and cold (ms)."""
+    from engine.cache_pool import CachePool
+
+    pool = CachePool.for_server(target, drafter, prefix + turns * 2 * NEW_TOKENS, cache_bytes)
+    cfg = GenerationConfig(method="ddtree", budget=budget, max_new_tokens=NEW_TOKENS)
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, target.config.vocab_size - 1, (prefix,), generator=generator).tolist()
+    captures = []
+    with torch.inference_mode(), counted_captures() as captured:
+        for turn in range(turns):
+            cold = generate(target, drafter, prompt, replace(cfg, cache_prompt=False), pool=pool)
+            warm = generate(target, drafter, prompt, cfg, pool=pool)
+            captures.append(len(captured))
+            prompt = prompt + warm.output_ids + prompt[turn : turn + TURN_TOKENS]
+    return {
+        "captures_after_first_turn": captures[-1] - captures[0],
+        "ttft_cold_ms": 1000 * cold.ttft_s,
+        "ttft_cached_ms": 1000 * warm.ttft_s,
+        "cached_tokens": warm.cached_tokens,
+    }
 
 
 def recompiles(target, drafter, prefix: int, budget: int) -> int:

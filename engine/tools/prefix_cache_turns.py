@@ -2,7 +2,7 @@
 
     python -m engine.tools.prefix_cache_turns --model DIR [--draft DIR] [--methods ar,ddtree] \\
         [--history 3500] [--max-new-tokens 32] [--prefill-chunk 2048] [--dtype float32] \\
-        [--json FILE]
+        [--repeats 1] [--json FILE]
 
 With a chat template (the demo pair): an agent's conversation rendered by the model's template, a
 system prompt and tools, then turns that alternate a user request and a tool result (held-out
@@ -14,8 +14,9 @@ tests/helpers/qwen36_checkpoint.py's): token ids, a first prompt of --history to
 Each turn runs twice on one server's pool (engine/cache_pool.py): with `cache_prompt` off, then
 on, so both see the same machine; their outputs must be identical (exit 1 otherwise). The chat
 prompt's checkpoint where its messages end is the server's (engine/server/chat_completions.py).
-Prints a line per turn (prompt tokens, cached tokens, TTFT off and on, their ratio) and with
---json writes them. Not the runtime: a measurement (engine/NOTES.md).
+Prints a line per turn (prompt tokens, cached tokens, TTFT off and on, their ratio), then with
+--repeats N (N conversations per method, each in a fresh pool) the per-turn medians, and with
+--json writes those. Not the runtime: a measurement (engine/NOTES.md).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -95,10 +97,10 @@ def token_turns(vocab: int, history: int, turns: int, new: int):
 
 
 def run(args: argparse.Namespace) -> list[Turn]:
+    """Every method's conversation, --repeats times (each in a fresh pool): per turn the
+    median TTFTs, and whether every run's outputs matched."""
     import torch
 
-    from engine.cache_pool import CachePool
-    from engine.decode import GenerationConfig, generate
     from engine.models import load_drafter, load_target
 
     dtype = getattr(torch, args.dtype)
@@ -107,53 +109,64 @@ def run(args: argparse.Namespace) -> list[Turn]:
     tokenizer = _tokenizer(args.model)
     results = []
     for method in args.methods:
-        pool = CachePool.for_server(
-            target, drafter if method != "ar" else None, args.max_len, args.cache_bytes
-        )
-        cfg = GenerationConfig(
-            method=method,
-            budget=args.budget,
-            max_new_tokens=args.max_new_tokens,
-            prefill_chunk=args.prefill_chunk,
-            stop_token_ids=tuple(tokenizer.eos_token_ids) if tokenizer else (),
-        )
-        generate(target, drafter, [1, 2, 3], replace(cfg, cache_prompt=False), pool=pool)  # warm
-        if tokenizer is not None:
-            turns = chat_turns(tokenizer, args.history)
-        else:
-            vocab = target.config.vocab_size
-            turns = token_turns(vocab, args.history, args.turns, args.turn_tokens)
-        prompt, checkpoints = next(turns)
-        for number in range(1, 1000):
-            marked = replace(cfg, checkpoints=checkpoints)
-            off = generate(target, drafter, prompt, replace(marked, cache_prompt=False), pool=pool)
-            on = generate(target, drafter, prompt, marked, pool=pool)
-            turn = Turn(
-                method,
-                number,
-                len(prompt),
-                on.cached_tokens,
-                off.ttft_s,
-                on.ttft_s,
-                on.output_ids == off.output_ids,
+        runs = [conversation(args, target, drafter, tokenizer, method) for _ in range(args.repeats)]
+        for turns in zip(*runs, strict=True):
+            median = replace(
+                turns[0],
+                ttft_off_s=statistics.median(t.ttft_off_s for t in turns),
+                ttft_on_s=statistics.median(t.ttft_on_s for t in turns),
+                same_output=all(t.same_output for t in turns),
             )
-            results.append(turn)
-            print(_line(turn), flush=True)
-            answer = on.output_ids[:-1] if on.finish_reason == "stop" else on.output_ids
-            try:
-                prompt, checkpoints = turns.send(tokenizer.decode(answer) if tokenizer else answer)
-            except StopIteration:
-                break
+            results.append(median)
+            print("median " + _line(median), flush=True)
     return results
+
+
+def conversation(args, target, drafter, tokenizer, method: str) -> list[Turn]:
+    """One conversation in a fresh server pool: each turn cache off, then on."""
+    from engine.cache_pool import CachePool
+    from engine.decode import GenerationConfig, generate
+
+    pool = CachePool.for_server(
+        target, drafter if method != "ar" else None, args.max_len, args.cache_bytes
+    )
+    cfg = GenerationConfig(
+        method=method,
+        budget=args.budget,
+        max_new_tokens=args.max_new_tokens,
+        prefill_chunk=args.prefill_chunk,
+        stop_token_ids=tuple(tokenizer.eos_token_ids) if tokenizer else (),
+    )
+    generate(target, drafter, [1, 2, 3], replace(cfg, cache_prompt=False), pool=pool)  # warm
+    if tokenizer is not None:
+        turns = chat_turns(tokenizer, args.history)
+    else:
+        turns = token_turns(target.config.vocab_size, args.history, args.turns, args.turn_tokens)
+    prompt, checkpoints = next(turns)
+    results = []
+    while True:
+        marked = replace(cfg, checkpoints=checkpoints)
+        off = generate(target, drafter, prompt, replace(marked, cache_prompt=False), pool=pool)
+        on = generate(target, drafter, prompt, marked, pool=pool)
+        same = on.output_ids == off.output_ids
+        turn = Turn(
+            method, len(results) + 1, len(prompt), on.cached_tokens, off.ttft_s, on.ttft_s, same
+        )
+        results.append(turn)
+        print(_line(turn), flush=True)
+        answer = on.output_ids[:-1] if on.finish_reason == "stop" else on.output_ids
+        try:
+            prompt, checkpoints = turns.send(tokenizer.decode(answer) if tokenizer else answer)
+        except StopIteration:
+            return results
 
 
 def _tokenizer(model_dir: Path):
     from engine.tokenizer import load_tokenizer
 
-    try:
-        tokenizer = load_tokenizer(model_dir)
-    except (OSError, ValueError):
+    if not (model_dir / "tokenizer.json").exists():
         return None
+    tokenizer = load_tokenizer(model_dir)
     return tokenizer if tokenizer.chat_template else None
 
 
@@ -178,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=2, help="turns after the first (no template)")
     parser.add_argument("--turn-tokens", type=int, default=200, help="new tokens a turn adds")
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=1, help="conversations per method")
     parser.add_argument("--prefill-chunk", type=int, default=2048)
     parser.add_argument("--max-len", type=int, default=4096, help="the pool's context")
     parser.add_argument("--prefix-cache-memory", default="2GiB")

@@ -62,3 +62,16 @@ def test_without_cuda_it_says_so_in_one_line_and_exits_2(monkeypatch, capsys):
 
 def test_steady_figures_leave_the_capturing_rounds_out():
     assert gpu_rounds.steady([900.0, 500.0, 11.0, 12.0, 10.0]) == 11.0
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_the_pooled_conversation_runs_its_turns_from_the_cache(tmp_path):
+    """On the CPU (no graphs: nothing captured) the pooled conversation's plumbing: the last
+    turn resumes from the cache; the figure is timed on a GPU."""
+    from tests.helpers.tiny_pairs import load_tiny_pair
+
+    target, drafter = load_tiny_pair(tmp_path, "hybrid")
+    pooled = gpu_rounds.pooled_conversation(target, drafter, prefix=40, budget=4, turns=2)
+    assert pooled["captures_after_first_turn"] == 0
+    assert pooled["cached_tokens"] == 40 + gpu_rounds.NEW_TOKENS - 1  # turn 1's prompt + answer
+    assert pooled["ttft_cold_ms"] > 0 and pooled["ttft_cached_ms"] > 0
