@@ -86,7 +86,15 @@ def test_the_agentic_scenario_runs_per_method_against_serve(tmp_path):
         assert [s["completion_tokens"] for s in samples[1::2]] == [1, 1, 1]
         assert cell["agentic"]["final_context_tokens"] <= 1200
         assert cell["metrics"]["requests"] == 2 * 3 and cell["metrics"]["e2e_tok_s"] > 0
+        # the prefix cache: from turn 2 on, the turn with it on reuses the session's history (its
+        # previous prompt, give or take its last tokens re-tokenized); the re-send with it off
+        # reuses nothing
+        on, off = samples[0::2], samples[1::2]
+        assert on[0]["cached_tokens"] < 64 and {s["cached_tokens"] for s in off} == {0}
+        for before, turn in zip(on, on[1:], strict=False):
+            assert before["prompt_tokens"] - 16 <= turn["cached_tokens"] < turn["prompt_tokens"]
     rows = {row["method"]: row for row in rows_from_cells(cells)}
     for row in rows.values():
         assert [t["turn"] for t in row["turns"]] == [0, 1, 2]
         assert all(t["ttft_on_s"]["n"] == 2 and t["ttft_off_s"]["n"] == 2 for t in row["turns"])
+        assert row["turns"][2]["cached_tokens"] >= row["turns"][1]["prompt_tokens"] - 16
