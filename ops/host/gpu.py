@@ -4,6 +4,8 @@
     facts.majors.uvm            # the dynamic nvidia-uvm major from /proc/devices (e.g. 509)
     facts.node("/dev/nvidia-uvm")  # DeviceNode(kind="char", major=509, minor=0) or None
     facts.driver_version        # "550.90.07" from /proc/driver/nvidia/version, None unloaded
+    history = read_major_history(t)   # {511: "nvidia-uvm", ...}: every major NVIDIA has held here
+    record_majors(t, char_majors)     # adds today's NVIDIA majors to that history (atomic, backed up)
 
 Each parser is a pure function of the text a host gives (tested on real-world samples in
 tests/ops/host/test_gpu.py); the readers beside them only fetch that text. Remedy: `create_uvm_nodes`
@@ -61,6 +63,51 @@ def nvidia_majors(proc_devices: str) -> NvidiaMajors:
 
 def read_majors(t: Transport) -> NvidiaMajors:
     return nvidia_majors(t.read_text("/proc/devices"))
+
+
+# -- the host's history of NVIDIA majors ---------------------------------------------------------
+# A CT config rule for a major NVIDIA held once and holds no more grants whatever device takes that
+# major next. Only the host can say which majors were NVIDIA's: provision and every recover (the
+# boot unit's too) add today's to this file, so a rule added by hand for an old uvm major is known.
+MAJOR_HISTORY = "/var/lib/ddops/nvidia-majors"
+_HISTORY_HEADER = "# Majors NVIDIA drivers have held on this host (ddops: stale CT grants)\n"
+
+
+def nvidia_char_majors(char_majors: dict[str, int]) -> dict[int, str]:
+    """{major: driver name} of the NVIDIA drivers in a /proc/devices table."""
+    return {major: name for name, major in char_majors.items() if name.startswith("nvidia")}
+
+
+def parse_major_history(text: str) -> dict[int, str]:
+    """{major: driver name} from the history file's `MAJOR NAME` lines (others are ignored)."""
+    history = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].startswith("nvidia"):
+            history.setdefault(int(parts[0]), parts[1])
+    return history
+
+
+def read_major_history(t: Transport) -> dict[int, str]:
+    """Every major an NVIDIA driver has held on the host, as ddops recorded them ({} at first)."""
+    return parse_major_history(t.read_text(MAJOR_HISTORY)) if t.exists(MAJOR_HISTORY) else {}
+
+
+def unrecorded_majors(t: Transport, char_majors: dict[str, int]) -> dict[int, str]:
+    """Today's NVIDIA majors the history does not name yet."""
+    history = read_major_history(t)
+    return {m: name for m, name in nvidia_char_majors(char_majors).items() if m not in history}
+
+
+def record_majors(t: Transport, char_majors: dict[str, int]) -> dict[int, str]:
+    """Add today's NVIDIA majors to the history (written atomically, the old one backed up);
+    the majors added."""
+    history = read_major_history(t)
+    new = {m: name for m, name in nvidia_char_majors(char_majors).items() if m not in history}
+    if new:
+        merged = sorted({**history, **new}.items())
+        t.write_file(MAJOR_HISTORY, _HISTORY_HEADER + "".join(f"{m} {n}\n" for m, n in merged))
+    return new
 
 
 # -- /dev/nvidia* ------------------------------------------------------------------------------

@@ -5,7 +5,7 @@
     problems = find_problems(text)            # named problems with line numbers; validate() raises
     new = plan_gpu_block(text, GpuBlock(devices, style="devN", shm_size_gib=16), majors=host_majors)
     print(ops.diffs.unified_diff(text, new, "/etc/pve/lxc/200.conf"))  # for --dry-run
-    report = find_stale_rules(text, {"nvidia-frontend": 195, "nvidia-uvm": 509})
+    report = find_stale_rules(text, {"nvidia-frontend": 195, "nvidia-uvm": 509}, history={511})
 
 The file format (as Proxmox writes it): `#` lines on top are the description; `key: value` lines,
 Proxmox keys first (sorted), raw `lxc.*` keys after them; then `[name]` sections (snapshots,
@@ -14,9 +14,12 @@ Proxmox keys first (sorted), raw `lxc.*` keys after them; then `[name]` sections
 What ddops owns there, the GPU block:
   - `devN:` entries whose path is /dev/nvidia*;
   - `lxc.cgroup2.devices.allow` (and the wrong v1 spelling `lxc.cgroup.devices.allow`) rules for
-    a char major an NVIDIA driver holds now (195, and e.g. nvidia-uvm's dynamic major), or for a
-    major ddops marked as its own when it wrote the rule: a rule left behind when the uvm major
-    moved. A rule for any other major is the user's (`c 240:* rwm`), whatever it looks like;
+    a char major an NVIDIA driver holds now (195, and e.g. nvidia-uvm's dynamic major), for a
+    major ddops marked as its own when it wrote the rule, or for a major an NVIDIA driver held
+    before (the host's major history, ops/host/gpu.py: a rule added by hand while 511 was the
+    uvm major). Such a rule for a major no NVIDIA driver holds now is stale: it would grant the
+    CT whatever device takes that major next, so it goes. A rule for a major that was never
+    NVIDIA's is the user's (`c 240:* rwm`), whatever it looks like, and stays byte for byte;
   - the mark itself, one description line `#ddops owns devices.allow majors 195 509`. Proxmox
     keeps `#` lines as the CT's description (moved to the top, with `:` and non-printable
     characters %-encoded; the mark has none), so it survives `pct set`;
@@ -333,22 +336,27 @@ class _Owner:
     """Decides which main-section lines belong to ddops' GPU block."""
 
     nvidia_majors: frozenset[int]  # majors NVIDIA drivers hold now (or the block grants)
-    marked: frozenset[int]  # majors of the rules ddops wrote, from its mark line
+    were_nvidia: frozenset[int]  # majors ddops marked, and those the host's history names
     known: bool  # whether the host's majors now were given (else nothing is called stale)
 
     @classmethod
     def for_config(
-        cls, section: Section, majors: Mapping[str, int] | None, extra: Iterable[int] = ()
+        cls,
+        section: Section,
+        majors: Mapping[str, int] | None,
+        extra: Iterable[int] = (),
+        history: Iterable[int] = (),
     ) -> _Owner:
         nvidia = {NVIDIA_FRONTEND_MAJOR, *extra}
         if majors is not None:
             nvidia |= {m for name, m in majors.items() if name.startswith("nvidia")}
         marked = frozenset().union(*(m for line in section.lines if (m := _mark_majors(line))))
-        return cls(frozenset(nvidia), marked, majors is not None)
+        return cls(frozenset(nvidia), marked | frozenset(history), majors is not None)
 
     def is_stale(self, major: int) -> bool:
-        """A rule ddops marked for a major no NVIDIA driver holds now: the uvm major moved."""
-        return self.known and major in self.marked and major not in self.nvidia_majors
+        """A rule for a major that was NVIDIA's (ddops marked it, or the host's history names
+        it) and no NVIDIA driver holds now: the uvm major moved."""
+        return self.known and major in self.were_nvidia and major not in self.nvidia_majors
 
     def owns(self, line: Line) -> bool:
         if _mark_majors(line) is not None:
@@ -569,20 +577,24 @@ def _terminate(raws: list[str], eol: str, ends_open: bool) -> str:
 
 
 def plan_gpu_block(
-    config_text: str, desired: GpuBlock, majors: Mapping[str, int] | None = None
+    config_text: str,
+    desired: GpuBlock,
+    majors: Mapping[str, int] | None = None,
+    history: Iterable[int] = (),
 ) -> str:
     """The config with its GPU block set to `desired`; every other line byte for byte and in place.
 
     majors: the host's char majors now, from /proc/devices (name -> major, at least the nvidia
-    ones). With them, allow rules ddops marked for a major no NVIDIA driver holds any more (the
-    uvm major moved) are recognised as the stale GPU block and replaced; without, they are left
-    alone, as is every rule for another major. Raw rules are written with their mark. A config
+    ones); history: every major an NVIDIA driver has held on the host. With the majors now, allow
+    rules for a major that was NVIDIA's (marked by ddops, or in the history) and is no longer
+    (the uvm major moved) are recognised as stale and removed; without, they are left alone, as
+    is every rule for a major that never was NVIDIA's. Raw rules are written with their mark. A config
     whose GPU rules already are `desired` (in any order) is returned unchanged, mark or not
     (adding only a mark is not worth a CT restart). Problems
     in lines ddops does not own (see find_problems) are left for the caller to report.
     """
     config = parse(config_text)
-    owner = _Owner.for_config(config.main, majors, (d.major for d in desired.devices))
+    owner = _Owner.for_config(config.main, majors, (d.major for d in desired.devices), history)
     owned = owner.owned(config.main)
     indices = (
         _assign_dev_indices(config, owned, desired)
@@ -645,7 +657,8 @@ class GrantReport:
                 for u in self.ungranted
             ),
             *(
-                f"line {s.number}: `{s.text}` grants a major no driver holds now"
+                f"line {s.number}: `{s.text}` is a stale grant (major {_allow_major(s.value)} was "
+                "NVIDIA's, no NVIDIA driver holds it now)"
                 for s in self.stale
             ),
             *(
@@ -655,16 +668,19 @@ class GrantReport:
         ]
 
 
-def find_stale_rules(config_text: str, majors: Mapping[str, int]) -> GrantReport:
+def find_stale_rules(
+    config_text: str, majors: Mapping[str, int], history: Iterable[int] = ()
+) -> GrantReport:
     """Compare the main section's GPU rules with the host's char majors now (from /proc/devices:
     name -> major, e.g. {"nvidia-frontend": 195, "nvidia-uvm": 509}; pass the whole table so
-    other drivers' dynamic majors are not mistaken for stale ones).
+    other drivers' dynamic majors are not mistaken for stale ones) and with `history`, every
+    major an NVIDIA driver has held on the host (ops/host/gpu.py).
 
     A node is granted by a devN entry for it (Proxmox grants its current major at start) or by a
     cgroup2 allow rule for its major; v1-spelled rules grant nothing on PVE 7+.
     """
     main = parse(config_text).main
-    owner = _Owner.for_config(main, majors)
+    owner = _Owner.for_config(main, majors, history=history)
     entries = main.entries()
     required = [("nvidia-frontend", NVIDIA_FRONTEND_MAJOR)]
     if "nvidia-uvm" in majors:

@@ -47,7 +47,8 @@ description:
 options:
   check:
     description:
-      - The key of the check to run, one of the chain's keys, C(host), C(modules), C(nodes), C(ct-exists), C(ct-config),
+      - The key of the check to run, one of the chain's keys, C(host), C(modules), C(nodes), C(gpu-majors), C(ct-exists),
+        C(ct-config),
         C(ct-running), C(cuda), C(model), C(service), C(engine), C(bench), C(host-ddops), and under
         O(mode=provision) also C(capacity), C(gpu-capacity), C(boot), C(hookscript), C(engine-installed), C(api-key).
       - The task fails when the check is not in the chain of O(mode).

@@ -196,3 +196,43 @@ def test_a_host_without_the_driver(tmp_path):
     (tmp_path / "proc/modules").write_text("overlay 196608 3 - Live 0x0000000000000000\n")
     facts = gpu.gpu_facts(LocalTransport(sysroot=str(tmp_path)))
     assert facts == gpu.GpuFacts(NvidiaMajors(None, None, None), (), None, {})
+
+
+# -- the history of NVIDIA majors --------------------------------------------------------------
+
+
+def test_majors_are_recorded_once_and_kept_across_moves(tmp_path):
+    from ops.host.gpu import MAJOR_HISTORY, read_major_history, record_majors, unrecorded_majors
+    from ops.host.transport import LocalTransport
+
+    t = LocalTransport(sysroot=str(tmp_path))
+    before = {"mem": 1, "nvidia-frontend": 195, "nvidia-caps": 510, "nvidia-uvm": 511}
+    assert unrecorded_majors(t, before) == {
+        195: "nvidia-frontend",
+        510: "nvidia-caps",
+        511: "nvidia-uvm",
+    }
+    assert record_majors(t, before) == {
+        195: "nvidia-frontend",
+        510: "nvidia-caps",
+        511: "nvidia-uvm",
+    }
+    assert record_majors(t, before) == {}  # nothing new: the file is not rewritten
+    after = {**before, "nvidia-uvm": 509, "nvidia-caps": 508}
+    assert record_majors(t, after) == {508: "nvidia-caps", 509: "nvidia-uvm"}
+    assert set(read_major_history(t)) == {195, 508, 509, 510, 511}
+    assert t.read_text(MAJOR_HISTORY).splitlines()[1:] == [
+        "195 nvidia-frontend",
+        "508 nvidia-caps",
+        "509 nvidia-uvm",
+        "510 nvidia-caps",
+        "511 nvidia-uvm",
+    ]
+    assert list((tmp_path / "var/lib/ddops/backups").iterdir())  # the old history backed up
+
+
+def test_the_history_file_ignores_lines_it_does_not_know():
+    from ops.host.gpu import parse_major_history
+
+    text = "# comment\n511 nvidia-uvm\n240 hidraw\nnonsense\n195 nvidia-frontend extra\n"
+    assert parse_major_history(text) == {511: "nvidia-uvm"}

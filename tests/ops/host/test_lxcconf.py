@@ -405,7 +405,8 @@ def test_the_incident_stale_uvm_rule_is_reported_as_evidence():
     assert not report.ok
     assert report.evidence() == [
         "/dev/nvidia-uvm major 509 is not allowed by the CT config (allows 511)",
-        "line 19: `lxc.cgroup2.devices.allow: c 511:* rwm` grants a major no driver holds now",
+        "line 19: `lxc.cgroup2.devices.allow: c 511:* rwm` is a stale grant (major 511 was "
+        "NVIDIA's, no NVIDIA driver holds it now)",
     ]
 
 
@@ -450,3 +451,39 @@ def test_unified_diff_is_empty_without_change_and_marks_a_missing_final_newline(
         "--- /x.conf\n+++ /x.conf (planned)\n@@ -1 +1 @@\n-a: 1\n\\ No newline at end of file\n"
         "+a: 2\n\\ No newline at end of file\n"
     )
+
+
+# -- stale grants: rules for a major that was NVIDIA's (the host's history) ------------------------
+
+
+def test_a_hand_added_rule_for_a_major_nvidia_held_before_is_stale_and_removed():
+    """The issue: `c 511:* rwm` added by hand while 511 was the uvm major, never marked by ddops.
+    With the host's history naming 511, it is stale once uvm moved: removed, reported."""
+    user_rule = "lxc.cgroup2.devices.allow:   c 240:* rwm  \n"
+    old = f"arch: amd64\nhostname: llm\nlxc.cgroup2.devices.allow: c 511:* rwm\n{user_rule}"
+    history = {195, 511}
+    new = plan_gpu_block(old, block("devN"), HOST_MAJORS, history)
+    assert "c 511:" not in new
+    assert user_rule in new  # never NVIDIA's: byte for byte
+    report = find_stale_rules(old, HOST_MAJORS, history)
+    assert [line.text for line in report.stale] == ["lxc.cgroup2.devices.allow: c 511:* rwm"]
+    assert find_stale_rules(new, HOST_MAJORS, history).ok
+
+
+def test_a_v1_spelt_rule_for_an_old_nvidia_major_is_stale_too():
+    old = "arch: amd64\nlxc.cgroup.devices.allow: c 507:* rwm\n"
+    assert [s.number for s in find_stale_rules(old, HOST_MAJORS, {507}).stale] == [2]
+    assert "507" not in plan_gpu_block(old, block("devN"), HOST_MAJORS, {507})
+
+
+def test_a_major_that_was_nvidias_and_is_again_is_not_stale():
+    old = "arch: amd64\nlxc.cgroup2.devices.allow: c 509:* rwm\n"
+    assert not find_stale_rules(old, HOST_MAJORS, {509, 511}).stale
+
+
+def test_a_major_now_held_by_another_driver_but_nvidias_before_is_stale():
+    """237 is nvidia-caps today; had 226 (drm now) been NVIDIA's once, its rule grants the GPU's
+    neighbour: stale, whatever holds it now."""
+    old = "arch: amd64\nlxc.cgroup2.devices.allow: c 226:* rwm\n"
+    assert find_stale_rules(old, HOST_MAJORS).stale == ()
+    assert [s.number for s in find_stale_rules(old, HOST_MAJORS, {226}).stale] == [2]
