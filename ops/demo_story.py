@@ -1,14 +1,15 @@
 """`ddops demo`: the whole lifecycle on a simulated Proxmox host, on this machine's CPU.
 
-    sim init -> provision (the demo model pair, served by a local hub) -> health
+    sim init -> provision (the demo model pair, served by the sim host's own hub) -> health
     -> sim reboot (the incident: the uvm major moves, /dev/shm empties; the boot units repair it)
     -> health (shows what the boot-time recovery did) -> recover (nothing left) -> bench
     -> bench agentic (an agent's turns with the engine's prefix cache on and off)
 
 Every stage runs the real `ddops --json` command in-process against a site file the demo writes
 (WORKDIR/site.yml), so what the demo shows is exactly what a user runs; the demo reads each
-stage's document and tells the story in one screen (`story_lines`). The sim host, the hub's
-repos, the results and the report all live under WORKDIR.
+stage's document and tells the story in one screen (`story_lines`). The sim host (its hub
+too: ops/sim/hubservice.py, at an address that is the host's for good, so the site file stays
+true after the demo), the results and the report all live under WORKDIR.
 
 The bench runs its methods interleaved, repeat after repeat within a time budget (BENCH_REPEATS
 at least, more while BENCH_BUDGET_S lasts): the story shows each speedup with its interval and
@@ -21,7 +22,6 @@ import contextlib
 import io
 import json
 import os
-import socket
 import sys
 import textwrap
 import time
@@ -33,7 +33,7 @@ import yaml
 
 from ops.bench.figures import spread_of
 from ops.errors import DdopsError
-from ops.site.selection import DEMO_MODEL_DIR, DEMO_REPOS
+from ops.sim.hubservice import DEMO_MODEL_DIR, DEMO_REPOS, bytes_served, ensure_hub, free_port
 
 DEMO_VMID = 200
 INCIDENT_UVM_MAJORS = (511, 509)  # before and after the reboot, as in the incident report
@@ -57,7 +57,7 @@ class Stage:
     exit_code: int = 0
     seconds: float = 0.0
     document: dict | None = None  # what the command printed with --json
-    hub_bytes: int = 0  # bytes the local hub served during the stage
+    hub_bytes: int = 0  # bytes the sim host's hub served during the stage
 
 
 @dataclass
@@ -70,23 +70,6 @@ class DemoResult:
 
     def stage(self, name: str) -> Stage | None:
         return next((s for s in self.stages if s.name == name), None)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def hub_root(workdir: Path) -> Path:
-    """WORKDIR/hub/<org>/<name> links to the shipped demo model pair."""
-    root = workdir / "hub"
-    for part, repo in DEMO_REPOS.items():
-        link = root / repo
-        link.parent.mkdir(parents=True, exist_ok=True)
-        if not link.is_symlink():
-            link.symlink_to(DEMO_MODEL_DIR / part)
-    return root
 
 
 def site_document(sim_root: Path, hub_url: str, port: int) -> dict:
@@ -153,15 +136,17 @@ def _environment(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def run_stage(stage: Stage, invoke: Callable[[Sequence[str]], int], hub) -> None:
+def run_stage(
+    stage: Stage, invoke: Callable[[Sequence[str]], int], served: Callable[[], int]
+) -> None:
     """Run `ddops --json ARGV` in this process; its document kept, its chatter dropped unless
-    it fails (DdopsError with the stage's own last words)."""
+    it fails (DdopsError with the stage's own last words). `served`: the hub's bytes so far."""
     out, err = io.StringIO(), io.StringIO()
-    served, start = hub.bytes_served, time.monotonic()
+    before, start = served(), time.monotonic()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         stage.exit_code = invoke(["--json", *stage.argv])
     stage.seconds = time.monotonic() - start
-    stage.hub_bytes = hub.bytes_served - served
+    stage.hub_bytes = served() - before
     with contextlib.suppress(ValueError):
         stage.document = json.loads(out.getvalue())
     if stage.exit_code != 0:
@@ -178,7 +163,6 @@ def run_demo(
 ) -> DemoResult:
     """Run every stage; `on_stage(stage, done)` before and after each (for a progress display)."""
     from ops.sim.host import destroy_host
-    from ops.sim.hub import LocalHub
     from ops.sim.state import is_sim_root
 
     if not (DEMO_MODEL_DIR / "target" / "config.json").is_file():
@@ -190,17 +174,17 @@ def run_demo(
     workdir.mkdir(parents=True, exist_ok=True)
     result = DemoResult(workdir)
     results = workdir / "results"  # the chain's stale-run check and the bench share it
-    with LocalHub(hub_root(workdir)) as hub, _environment(DDOPS_RESULTS=str(results)):
-        result.hub_url = hub.url
-        site = workdir / "site.yml"
-        site.write_text(
-            yaml.safe_dump(site_document(sim_root, hub.url, free_port()), sort_keys=False)
-        )
+    site = workdir / "site.yml"
+    with _environment(DDOPS_RESULTS=str(results)):
         for stage in stages(workdir, site):
             result.stages.append(stage)
             on_stage(stage, False)
-            run_stage(stage, invoke, hub)
+            run_stage(stage, invoke, lambda: bytes_served(sim_root) if result.hub_url else 0)
             on_stage(stage, True)
+            if not result.hub_url:  # the host is made: its hub serves the site's models
+                result.hub_url = ensure_hub(sim_root)
+                document = site_document(sim_root, result.hub_url, free_port())
+                site.write_text(yaml.safe_dump(document, sort_keys=False))
     result.report = _report_of(result.stage("bench"))
     result.agentic_report = _report_of(result.stage("bench agentic"))
     return result

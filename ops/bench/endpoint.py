@@ -90,14 +90,8 @@ def site_endpoint(
     """The engine of CT `vmid` of the CLI's site (`app`: ops.commands.shared.AppContext), after the chain."""
     from ops.chain.checks import Policy
     from ops.chain.runner import contexts, health, recover
-    from ops.site.selection import open_site
 
-    with open_site(
-        inventory=app.inventory,
-        host=app.host,
-        vmids=[vmid],
-        accept_new_host_key=app.accept_new_host_key,
-    ) as opened:
+    with app.open_site([vmid]) as opened:
         chain = dataclasses.replace(contexts(opened, Policy())[0], results_dir=results)
         reports = [health(chain)]
         if not reports[-1].ok and recover_first:

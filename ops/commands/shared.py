@@ -7,6 +7,7 @@ registers them at its top.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,7 +20,8 @@ from ops.chain.output import chain_output
 from ops.chain.report import FAILED, ChainReport, Mode, reports_json
 from ops.chain.runner import contexts, health, provision, recover
 from ops.host.pve import VMID_RANGE
-from ops.site.selection import open_site
+from ops.site.inventory import Site
+from ops.site.selection import OpenedSite, open_site
 
 
 @dataclass
@@ -32,6 +34,24 @@ class AppContext:
     verbose: int = 0
     accept_new_host_key: bool = False
     _closers: list = field(default_factory=list)
+
+    def open_site(self, vmids: Sequence[int]) -> contextlib.AbstractContextManager[OpenedSite]:
+        """The site the global options name (ops/site/selection.py), a simulated host's default
+        site when there is no inventory."""
+        return open_site(
+            inventory=self.inventory,
+            host=self.host,
+            vmids=vmids,
+            accept_new_host_key=self.accept_new_host_key,
+            default_site=sim_default_site,
+        )
+
+
+def sim_default_site(host: str, vmids: Sequence[int]) -> Site:
+    """A simulated host's default site (ops/sim/default_site.py: the sim, only for sim hosts)."""
+    from ops.sim.default_site import default_site
+
+    return default_site(host, vmids)
 
 
 VMID = click.IntRange(VMID_RANGE.start, VMID_RANGE.stop - 1)
@@ -59,12 +79,7 @@ def run_chain_command(
     `Error:` line on stderr and exit 1. `api_key`: provision's key to install; `trigger`: why a
     recover runs (its record says "manual" or "boot")."""
     app = ctx.obj
-    with open_site(
-        inventory=app.inventory,
-        host=app.host,
-        vmids=vmids,
-        accept_new_host_key=app.accept_new_host_key,
-    ) as opened:
+    with app.open_site(vmids) as opened:
         if via == "ansible":
             from ops.commands.via_ansible import chain_via_ansible
 

@@ -29,7 +29,7 @@ from ops.bench.report import summary_table
 from ops.chain.checks import Policy
 from ops.chain.output import render_reports
 from ops.chain.report import reports_json
-from ops.site.selection import OpenedSite, open_site, results_dir
+from ops.site.selection import OpenedSite, results_dir
 
 
 def _progress(ctx: click.Context):
@@ -66,12 +66,7 @@ def bench_via_ansible(
     """bench over the site's CTs (or one) through playbooks/bench.yml; reports fetched here."""
     app = ctx.obj
     fetch_dir = (Path(out) if out else results_dir()) / "fleet"
-    with open_site(
-        inventory=app.inventory,
-        host=app.host,
-        vmids=[vmid] if vmid else [],
-        accept_new_host_key=app.accept_new_host_key,
-    ) as opened:
+    with app.open_site([vmid] if vmid else []) as opened:
         run = run_bench_playbook(
             opened,
             config,

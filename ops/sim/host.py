@@ -4,6 +4,7 @@
     init_host(Path("/tmp/pve1"), gpus=2, ct=200)      # a healthy host with CT 200 running
     reboot_host(Path("/tmp/pve1"), uvm_major=509)     # the incident's starting point
 
+The host's own hub (ops/sim/hubservice.py) has an address fixed here; a reboot restarts it.
 A reboot stops every CT (their /dev/shm empties), unloads the modules and removes every
 /dev/nvidia* node, may change the uvm major, loads `nvidia` (udev does, for the PCI device)
 plus the modules named in PATH/etc/modules-load.d/*.conf, runs the boot units the sim
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ops.errors import DdopsError
-from ops.sim import boot, kernel, pveconf
+from ops.sim import boot, hubservice, kernel, pveconf
 from ops.sim.executables import install_host_tools
 from ops.sim.pct import Pct, PctError
 from ops.sim.state import (
@@ -100,6 +101,7 @@ def init_host(
         caps_major=_other_major(uvm_major),
         containers=choose_containers(containers),
         device_nodes=device_nodes or ("mknod" if os.geteuid() == 0 else "file"),
+        hub_port=hubservice.free_port(),  # the host's hub address, for good (started on demand)
     )
     for sub in (CT_CONF_DIR, "etc/modules-load.d", "etc/systemd/system", "dev", "root", "tmp"):
         (root / sub).mkdir(parents=True, exist_ok=True)
@@ -158,6 +160,8 @@ def reboot_host(root: Path, *, uvm_major: int | None = None) -> BootReport:
         save_state(root, state)
         report.modules = list(state.modules)
     log(root, f"boot {state.boots}: uvm major {report.uvm_major_before} -> {report.uvm_major}")
+    if hubservice.stop_hub(root):  # the host's services come back with it
+        hubservice.ensure_hub(root)
     report.units = boot.run_boot_units(root, after_guests_started=False)
     _start_onboot(root, report)
     report.units += boot.run_boot_units(root, after_guests_started=True)
@@ -193,5 +197,6 @@ def destroy_host(root: Path) -> list[int]:
             if pct.cts.is_running(vmid):
                 pct.cts.stop(vmid)
             pct.cts.destroy(vmid)
+    hubservice.stop_hub(root)
     shutil.rmtree(root)
     return destroyed

@@ -14,16 +14,23 @@ a hash of its files, and it answers to "main" and to that sha. `bytes_served` co
 sent, so tests can assert "zero bytes downloaded". With `token`, requests without
 `Authorization: Bearer <token>` get 401 (the hub's answer for a private repo).
 
-    python -m ops.sim.hub ROOT [--port 0]     # prints the URL, serves until interrupted
+    python -m ops.sim.hub ROOT [--port 0] [--stats FILE]   # prints the URL, serves until stopped
+
+With `stats_file` (`--stats`), the byte count is also kept there (JSON, written atomically as it
+changes, carried on from the file when the hub starts again): how a hub running as its own
+process (the sim host's, ops/sim/hubservice.py) tells what it served over the host's life.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import hmac
 import json
+import os
 import re
+import signal
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -94,10 +101,18 @@ class Repo:
 class LocalHub:
     """Serve ROOT/<org>/<name> directories as hub repos on 127.0.0.1."""
 
-    def __init__(self, root: str | Path, *, port: int = 0, token: str | None = None) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        port: int = 0,
+        token: str | None = None,
+        stats_file: Path | None = None,
+    ) -> None:
         self.root = Path(root)
         self.token = token
-        self.bytes_served = 0
+        self.stats_file = stats_file
+        self.bytes_served = _served_before(stats_file)
         self.requests: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         self._repos: dict[str, Repo] = {}
@@ -149,6 +164,10 @@ class LocalHub:
         with self._lock:
             self.requests.append((method, path))
             self.bytes_served += sent
+            if self.stats_file is not None and sent:
+                tmp = self.stats_file.with_suffix(".tmp")
+                tmp.write_text(json.dumps({"bytes_served": self.bytes_served}))
+                os.replace(tmp, self.stats_file)
 
 
 def _handler_for(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
@@ -246,6 +265,13 @@ def _handler_for(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def _served_before(stats_file: Path | None) -> int:
+    try:
+        return int(json.loads(stats_file.read_text())["bytes_served"]) if stats_file else 0
+    except (FileNotFoundError, KeyError, ValueError):
+        return 0
+
+
 def _tree_entry(f: HubFile) -> dict:
     entry = {"type": "file", "path": f.path, "size": f.size, "oid": f.git_oid}
     if f.is_lfs:
@@ -264,13 +290,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("root", help="directory holding <org>/<name> model directories")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--stats", type=Path, help="keep the counters in this JSON file")
     args = parser.parse_args(argv)
-    hub = LocalHub(args.root, port=args.port).start()
+    hub = LocalHub(args.root, port=args.port, stats_file=args.stats).start()
     print(hub.url, flush=True)
-    try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        hub.stop()
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    with contextlib.suppress(KeyboardInterrupt):
+        stopped.wait()
+    hub.stop()
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ class SimState:
     ct_path: str = ""  # PATH inside containers (`pct exec`); empty = default_ct_path()
     running: list[int] = field(default_factory=list)  # process mode only: CTs "running"
     boots: int = 1
+    hub_port: int = 0  # the host's own hub (ops/sim/hubservice.py) on 127.0.0.1; 0: none yet
     sim: int = 1
 
     def module_loaded(self, name: str) -> bool:

@@ -5,19 +5,16 @@
             ...
 
 With an inventory, `--host` narrows it to the host of that name or target. With `--host sim:PATH`
-and no inventory, a default site fitted to this machine is made: one container per `--ct`, the
-shipped demo model pair (engine/demo_model/{target,draft}) served by a local hub that lives as
-long as the `with` block, and the engine on this Python (float32 on the CPU). Other hosts need
-an inventory: only it says which model to serve.
+and no inventory, the caller's `default_site(host, vmids)` makes the site (the CLI passes the
+simulated host's: ops/sim/default_site.py, the demo pair from the host's own hub; this module
+never imports the sim). Other hosts need an inventory: only it says which model to serve.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import sys
-import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,19 +23,9 @@ import click
 from ops.errors import DdopsError, InputError
 from ops.host.targets import open_transport, parse_target, shown_target
 from ops.host.transport import Transport
-from ops.site.inventory import (
-    ContainerSpec,
-    EngineSpec,
-    HostSpec,
-    ModelRef,
-    ModelSpec,
-    Site,
-    load_site,
-)
+from ops.site.inventory import ContainerSpec, HostSpec, Site, load_site
 
-DEMO_MODEL_DIR = Path(__file__).resolve().parents[2] / "engine" / "demo_model"
-DEMO_REPOS = {"target": "ddops/demo-target", "draft": "ddops/demo-draft"}
-DEMO_ENGINE = {"method": "ddtree", "budget": 15, "max_model_len": 2048}
+DefaultSite = Callable[[str, Sequence[int]], Site]  # (host, vmids) -> the site without inventory
 
 
 @dataclass(frozen=True)
@@ -72,6 +59,7 @@ def open_site(
     host: str | None,
     vmids: Sequence[int] = (),
     accept_new_host_key: bool = False,
+    default_site: DefaultSite | None = None,
 ) -> Iterator[OpenedSite]:
     """The containers named by `vmids` (all of the site's when empty), their transports open."""
     with contextlib.ExitStack() as stack:
@@ -79,7 +67,7 @@ def open_site(
             site = _narrowed(load_site(inventory), host)
             inventory_path = os.path.abspath(inventory)
         elif host:
-            site = stack.enter_context(_default_site(host, vmids))
+            site = _default_site(host, vmids, default_site)
             inventory_path = None
         else:
             raise DdopsError("ddops", "name the site: -i INVENTORY (or DDOPS_INVENTORY) or --host")
@@ -114,32 +102,13 @@ def _selected(site: Site, vmids: Sequence[int]) -> list[tuple[HostSpec, Containe
     return selected
 
 
-@contextlib.contextmanager
-def _default_site(host: str, vmids: Sequence[int]) -> Iterator[Site]:
-    """A sim host's default site: the demo pair from a local hub, the engine on this Python."""
-    if parse_target(host).kind != "sim":
+def _default_site(host: str, vmids: Sequence[int], default_site: DefaultSite | None) -> Site:
+    """A sim host's default site, from the caller's `default_site`."""
+    if parse_target(host).kind != "sim" or default_site is None:
         raise InputError(
             f"host {shown_target(host)}",
             "without an inventory only sim:PATH hosts have a default site: -i",
         )
     if not vmids:
         raise DdopsError(f"host {host!r}", "name the container with --ct (there is no inventory)")
-    if not all((DEMO_MODEL_DIR / part / "config.json").is_file() for part in DEMO_REPOS):
-        raise DdopsError(
-            str(DEMO_MODEL_DIR), "the demo model pair is not in this checkout: use -i INVENTORY"
-        )
-    from ops.sim.hub import LocalHub  # the sim is only for sim hosts
-
-    with tempfile.TemporaryDirectory(prefix="ddops-demo-hub-") as hub_root:
-        for part, repo in DEMO_REPOS.items():
-            (Path(hub_root) / repo).parent.mkdir(parents=True, exist_ok=True)
-            (Path(hub_root) / repo).symlink_to(DEMO_MODEL_DIR / part)
-        with LocalHub(hub_root) as hub:
-            model = ModelSpec(
-                target=ModelRef(DEMO_REPOS["target"], name="target"),
-                draft=ModelRef(DEMO_REPOS["draft"], name="draft"),
-                hub_endpoint=hub.url,
-            )
-            engine = EngineSpec(**DEMO_ENGINE, dtype="float32", device="cpu", python=sys.executable)
-            containers = tuple(ContainerSpec(vmid) for vmid in vmids)
-            yield Site((HostSpec("sim", host, containers),), model, engine)
+    return default_site(host, vmids)

@@ -13,9 +13,10 @@ import yaml
 from click.testing import CliRunner
 
 from ops.cli import cli
+from ops.commands.shared import sim_default_site
 from ops.errors import DdopsError
-from ops.sim.host import destroy_host, init_host
-from ops.site import selection as site_module
+from ops.sim import hubservice
+from ops.sim.host import destroy_host, init_host, reboot_host
 from ops.site.selection import open_site
 from tests.helpers.site import inventory_document
 
@@ -67,12 +68,17 @@ def test_host_and_ct_outside_the_inventory_are_named(tmp_path, sim_root):
 def test_without_inventory_only_a_sim_host_has_a_default_site(sim_root):
     with (
         pytest.raises(DdopsError, match="only sim:PATH hosts have a default site"),
-        open_site(inventory=None, host="local", vmids=[200]),
+        open_site(inventory=None, host="local", vmids=[200], default_site=sim_default_site),
     ):
         pass
     with (
         pytest.raises(DdopsError, match="name the container with --ct"),
-        open_site(inventory=None, host=f"sim:{sim_root}"),
+        open_site(inventory=None, host=f"sim:{sim_root}", default_site=sim_default_site),
+    ):
+        pass
+    with (  # a caller without a default site (the selection never imports the sim)
+        pytest.raises(DdopsError, match="only sim:PATH hosts have a default site"),
+        open_site(inventory=None, host=f"sim:{sim_root}", vmids=[200]),
     ):
         pass
     result = CliRunner().invoke(cli, ["health", "--ct", "200"])
@@ -80,31 +86,47 @@ def test_without_inventory_only_a_sim_host_has_a_default_site(sim_root):
     assert result.stderr.startswith("Error: ddops: name the site: -i INVENTORY")
 
 
-def test_the_sim_default_site_serves_the_demo_pair_from_a_local_hub(
-    tmp_path, sim_root, monkeypatch
-):
+def fake_demo_pair(tmp_path, monkeypatch):
     demo = tmp_path / "demo_model"
     for part in ("target", "draft"):
         (demo / part).mkdir(parents=True)
         (demo / part / "config.json").write_text(f'{{"part": "{part}"}}')
-    monkeypatch.setattr(site_module, "DEMO_MODEL_DIR", demo)
-    with open_site(inventory=None, host=f"sim:{sim_root}", vmids=[200, 201]) as opened:
+    monkeypatch.setattr(hubservice, "DEMO_MODEL_DIR", demo)
+
+
+def test_the_sim_default_site_serves_the_demo_pair_from_the_hosts_own_hub(
+    tmp_path, sim_root, monkeypatch
+):
+    """The hub belongs to the simulated host: one address for good, so the host's site file
+    (written by provision, read at boot) names a hub that is there on every run and reboot."""
+    fake_demo_pair(tmp_path, monkeypatch)
+    host = f"sim:{sim_root}"
+    with open_site(
+        inventory=None, host=host, vmids=[200, 201], default_site=sim_default_site
+    ) as opened:
         model, engine = opened.site.model, opened.site.engine
         assert [t.ct.vmid for t in opened.targets] == [200, 201]
         assert (engine.python, engine.device, engine.dtype) == (sys.executable, "cpu", "float32")
         assert (model.target.name, model.draft.name) == ("target", "draft")
-        config = httpx.get(
-            f"{model.hub_endpoint}/{model.draft.repo}/resolve/main/config.json", timeout=10
-        )
-        assert config.json() == {"part": "draft"}
-    with pytest.raises(httpx.ConnectError):  # the hub lives as long as the site is open
+    config = httpx.get(
+        f"{model.hub_endpoint}/{model.draft.repo}/resolve/main/config.json", timeout=10
+    )  # the hub outlives the command: it is the host's
+    assert config.json() == {"part": "draft"}
+    reboot_host(sim_root)
+    with open_site(inventory=None, host=host, vmids=[200], default_site=sim_default_site) as again:
+        assert again.site.model.hub_endpoint == model.hub_endpoint
+    assert httpx.get(f"{model.hub_endpoint}/api/models/{model.target.repo}", timeout=10).is_success
+    assert hubservice.stop_hub(sim_root)
+    with pytest.raises(httpx.ConnectError):
         httpx.get(model.hub_endpoint, timeout=2)
 
 
 def test_the_sim_default_site_needs_the_demo_pair(tmp_path, sim_root, monkeypatch):
-    monkeypatch.setattr(site_module, "DEMO_MODEL_DIR", tmp_path / "absent")
+    monkeypatch.setattr(hubservice, "DEMO_MODEL_DIR", tmp_path / "absent")
     with (
         pytest.raises(DdopsError, match="the demo model pair is not in this checkout"),
-        open_site(inventory=None, host=f"sim:{sim_root}", vmids=[200]),
+        open_site(
+            inventory=None, host=f"sim:{sim_root}", vmids=[200], default_site=sim_default_site
+        ),
     ):
         pass
