@@ -6,8 +6,8 @@ returns a Finding (ok, evidence, fixable), the keys of the checks it needs, and 
 when nothing can fix it automatically). A remedy takes `dry_run` and returns an Outcome (ops/chain/report.py)
 with the plan and any file diff; it raises DdopsError when it cannot act.
 
-    host -> modules -> nodes -> ct-exists -> ct-config -> ct-running -> cuda -> model -> service
-    -> engine -> bench -> host-ddops
+    host -> modules -> nodes -> gpu-majors -> ct-exists -> ct-config -> ct-running -> cuda -> model
+    -> service -> engine -> bench -> host-ddops
       (+ capacity, gpu-capacity, boot, hookscript, engine-installed, api-key under provision)
 
 The runner that applies them is ops/chain/runner.py. Tests: tests/integration/test_checks.py (one check at a time
@@ -31,9 +31,19 @@ from ops.chain.report import Outcome
 from ops.chain.stage_model import check_staged, stage_model
 from ops.diffs import unified_diff
 from ops.errors import DdopsError
-from ops.host.gpu import driver_version, gpu_facts, loaded_modules, parse_char_majors
+from ops.host.gpu import (
+    MAJOR_HISTORY,
+    driver_version,
+    gpu_facts,
+    loaded_modules,
+    parse_char_majors,
+    read_major_history,
+    record_majors,
+    unrecorded_majors,
+)
 from ops.host.lxcconf import GpuBlock, GpuDevice, find_stale_rules, plan_gpu_block
 from ops.host.pve import (
+    ct_config,
     ct_config_lock,
     ct_exec,
     ct_lock,
@@ -192,11 +202,49 @@ def create_nodes(c: ChainContext, dry_run: bool) -> Outcome:
     return Outcome(True, "; ".join(o.detail for o in outcomes))
 
 
+# -- the host's NVIDIA majors remembered: how a stale grant is known after the major moved -----
+def _char_majors(c: ChainContext) -> dict[str, int]:
+    return parse_char_majors(c.t.read_text("/proc/devices"))
+
+
+def _named(majors: dict[int, str]) -> str:
+    return ", ".join(f"{major} ({name})" for major, name in sorted(majors.items()))
+
+
+def probe_gpu_majors(c: ChainContext) -> Finding:
+    if new := unrecorded_majors(c.t, _char_majors(c)):
+        return _bad(f"{c.t.label}: NVIDIA major(s) {_named(new)} not yet in {MAJOR_HISTORY}")
+    return _ok(f"NVIDIA majors recorded in {MAJOR_HISTORY}")
+
+
+def record_gpu_majors(c: ChainContext, dry_run: bool) -> Outcome:
+    if dry_run:
+        new = unrecorded_majors(c.t, _char_majors(c))
+        return Outcome(True, f"would record {_named(new)} in {MAJOR_HISTORY}")
+    return Outcome(
+        True, f"recorded {_named(record_majors(c.t, _char_majors(c)))} in {MAJOR_HISTORY}"
+    )
+
+
 # -- CT exists (created by provision only) ---------------------------------------------------
 def probe_ct_exists(c: ChainContext) -> Finding:
     if ct_status(c.t, c.vmid) is None:
         return _bad(f"{c.name} does not exist on {c.t.label}")
-    return _ok(f"{c.name} exists")
+    return _ok(f"{c.name} exists{_privilege_words(c)}")
+
+
+def _privilege_words(c: ChainContext) -> str:
+    """A warning for a privileged CT the inventory did not ask for: ddops never converts one
+    (its files would need their owners shifted), it says so."""
+    privileged = ct_config(c.t, c.vmid).get("unprivileged", "0") != "1"
+    if not privileged:
+        return ", unprivileged"
+    if c.ct.privileged:
+        return ", privileged as the inventory asks"
+    return (
+        f"; warning: {c.name} is privileged (root in it is root on the host): ddops does not "
+        "convert it; recreate it unprivileged, or say `privileged: true` in the inventory"
+    )
 
 
 def create_ct(c: ChainContext, dry_run: bool) -> Outcome:
@@ -262,27 +310,37 @@ def desired_gpu_block(c: ChainContext) -> GpuBlock:
         node = facts.node(path)
         if node is None:
             raise DdopsError(c.t.label, f"{path} is missing: cannot grant it to {c.name}")
-        devices.append(GpuDevice(path, node.major, node.minor))
+        devices.append(GpuDevice(path, node.major, node.minor, gid=c.ct.gpu_gid))
     style = c.ct.device_style
     if style == "auto":
         style = "devN" if supports_dev_entries(pve_version(c.t)) else "raw"
     return GpuBlock(tuple(devices), style=style, shm_size_gib=c.ct.shm_gib)
 
 
-def _planned_config(c: ChainContext) -> tuple[str, str, dict[str, int]]:
-    """(the config now, the config with the wanted GPU block, the host's char majors)."""
+@dataclass(frozen=True)
+class _PlannedConfig:
+    text: str  # the config now
+    planned: str  # the config with the wanted GPU block
+    stale: tuple[str, ...]  # the stale grants the edit removes, as their lines read
+    evidence: list[str]  # why the config is not as wanted, in words
+
+
+def _planned_config(c: ChainContext) -> _PlannedConfig:
+    """The config now and as wanted. Stale grants (rules for a major that was NVIDIA's, in the
+    host's history or ddops' mark, and is no longer) are part of what the edit removes."""
     text = c.t.read_text(_config_path(c))
-    majors = parse_char_majors(c.t.read_text("/proc/devices"))
-    return text, plan_gpu_block(text, desired_gpu_block(c), majors), majors
+    majors, history = _char_majors(c), read_major_history(c.t)
+    planned = plan_gpu_block(text, desired_gpu_block(c), majors, history)
+    report = find_stale_rules(text, majors, history)
+    stale = tuple(line.text for line in report.stale)
+    return _PlannedConfig(text, planned, stale, report.evidence())
 
 
 def probe_ct_config(c: ChainContext) -> Finding:
-    text, planned, majors = _planned_config(c)
-    if planned == text:
+    config = _planned_config(c)
+    if config.planned == config.text:
         return _ok(f"{c.name}: the config grants the current majors")
-    evidence = find_stale_rules(text, majors).evidence() or [
-        "the GPU block differs from the inventory's"
-    ]
+    evidence = config.evidence or ["the GPU block differs from the inventory's"]
     return _bad("; ".join(f"{c.name}: {line}" for line in evidence))
 
 
@@ -291,17 +349,22 @@ def write_ct_config(c: ChainContext, dry_run: bool) -> Outcome:
     running = ct_status(c.t, c.vmid) == "running"
     then = "; restart the CT to apply it" if running else ""
     if dry_run:
-        text, planned, _ = _planned_config(c)
-        return Outcome(True, f"would write {path}{then}", unified_diff(text, planned, path))
+        config = _planned_config(c)
+        removes = _stale_words(config.stale)
+        diff = unified_diff(config.text, config.planned, path)
+        return Outcome(True, f"would write {path}{removes}{then}", diff)
     with ct_config_lock(c.t, c.vmid):  # pct set's lock: no edit is lost between read and write
-        text, planned, _ = _planned_config(c)
-        backup = c.t.write_file(path, planned)
-    diff = unified_diff(text, planned, path)
+        config = _planned_config(c)
+        backup = c.t.write_file(path, config.planned)
+    diff = unified_diff(config.text, config.planned, path)
     if running:
         restart_ct(c)
-    return Outcome(
-        True, f"wrote {path} (backup {backup})" + ("; restarted" if running else ""), diff
-    )
+    done = f"wrote {path} (backup {backup}){_stale_words(config.stale)}"
+    return Outcome(True, done + ("; restarted" if running else ""), diff)
+
+
+def _stale_words(stale: tuple[str, ...]) -> str:
+    return f", removing stale grant(s) {'; '.join(f'`{s}`' for s in stale)}" if stale else ""
 
 
 def restart_ct(c: ChainContext) -> None:
@@ -537,6 +600,13 @@ CHAIN: tuple[Check, ...] = (
     ),
     Check("modules", "nvidia kernel modules loaded", probe_modules, load_modules, ("host",)),
     Check("nodes", "/dev/nvidia* and uvm nodes", probe_nodes, create_nodes, ("modules",)),
+    Check(
+        "gpu-majors",
+        "NVIDIA majors remembered",
+        probe_gpu_majors,
+        record_gpu_majors,
+        ("modules",),
+    ),
     Check(
         "gpu-capacity",
         "GPU memory holds the engine's plan",

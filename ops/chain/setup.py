@@ -45,7 +45,8 @@ MIB = 1 << 20
 
 # -- the CT ------------------------------------------------------------------------------------
 def pct_create_argv(ct: ContainerSpec) -> list[str]:
-    """`pct create` for the inventory's container (the GPU block is added by the next check)."""
+    """`pct create` for the inventory's container (the GPU block is added by the next check):
+    unprivileged unless the inventory says `privileged: true`."""
     options = {
         "hostname": ct.hostname,
         "cores": ct.cores,
@@ -54,6 +55,7 @@ def pct_create_argv(ct: ContainerSpec) -> list[str]:
         "rootfs": ct.rootfs,
         "net0": ct.net0,
         "onboot": int(ct.onboot),
+        "unprivileged": int(not ct.privileged),  # root in the CT is not root on the host
     }
     argv = ["pct", "create", str(ct.vmid), ct.ostemplate]
     for key, value in options.items():

@@ -198,6 +198,8 @@ class ContainerSpec:
     rootfs: str = "local-lvm:32"
     net0: str = "name=eth0,bridge=vmbr0,ip=dhcp"
     device_style: str = "auto"  # auto (devN on PVE >= 8.1) | devN | raw
+    privileged: bool = False  # a new CT is unprivileged unless the inventory asks
+    gpu_gid: int = 44  # the group owning the GPU nodes in the CT (Debian's video); the engine's
 
     def __post_init__(self) -> None:
         if type(self.vmid) is not int or self.vmid not in VMID_RANGE:
@@ -229,6 +231,8 @@ class ContainerSpec:
                 obj, "net0", self.net0, f"must be KEY=VALUE,... with keys {', '.join(NET_KEYS)}"
             )
         check_choice(obj, "device_style", self.device_style, ("auto", "devN", "raw"))
+        check_bool(obj, "privileged", self.privileged)
+        check_int(obj, "gpu_gid", self.gpu_gid, 1, 65535)
 
 
 @dataclass(frozen=True)
