@@ -106,8 +106,6 @@ OPS_LAYERS = (
 # The simulator, host's test double, stands beside the layers between `above` and `below`: it
 # imports only layers up to `above`'s, and only layers from `below`'s up import it.
 OPS_SIDE = {"ops.sim": ("ops.agents", "ops.demo_story")}
-# Landing with issue 32 (i32): selection's default site from the caller, the sim's own.
-PENDING = {"ops.site imports ops.sim"}
 
 
 def unit_of(module: str) -> str:
@@ -158,7 +156,7 @@ def test_the_layering_check_finds_an_import_upwards_and_a_unit_without_a_layer()
 
 def test_every_ops_unit_imports_only_the_layers_below_it():
     """Function-level imports count: a lazy import upwards is still an upward dependency."""
-    offences = set(layering_offences(unit_graph("ops"), layer_spans())) - PENDING
+    offences = set(layering_offences(unit_graph("ops"), layer_spans()))
     assert not offences, "\n".join(sorted(offences))
 
 
