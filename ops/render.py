@@ -29,6 +29,7 @@ from ops.methods import METHODS
 from ops.resources import templates_dir
 
 MODULE_NAME = re.compile(r"[A-Za-z0-9_-]+")
+USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 CUDA_DEVICE_LIST = re.compile(r"\d+(,\d+)*")
 HOST_NAME = re.compile(r"[A-Za-z0-9_.:\[\]-]+")
 DEVICE_NAME = re.compile(r"cpu|cuda(:\d+)?")
@@ -88,6 +89,14 @@ def _check_path(template: str, name: str, value: str | None, optional: bool = Fa
         _fail(template, f"{name} must be an absolute path, got {value!r}")
     if any(ord(c) < 32 or ord(c) == 127 for c in value):
         _fail(template, f"{name} must not contain control characters: {value!r}")
+
+
+def _check_raw_path(template: str, name: str, value: str | None, optional: bool = False) -> None:
+    """A path a unit names where systemd reads it raw (EnvironmentFile=): absolute, and no
+    blank, quote, backslash, specifier or variable that systemd would take as part of it."""
+    _check_path(template, name, value, optional)
+    if value is not None and any(c.isspace() or c in "\"'\\%$" for c in value):
+        _fail(template, f"{name} must be a plain path (no blank, quote, \\, % or $): {value!r}")
 
 
 def _check_int(template: str, name: str, value: int, allowed: range) -> None:
@@ -175,7 +184,7 @@ class RecoverUnit(TemplateSpec):
         _check_path(self.TEMPLATE, "ddops", self.ddops)
         _check_path(self.TEMPLATE, "inventory", self.inventory, optional=True)
         _check_int(self.TEMPLATE, "timeout_s", self.timeout_s, range(1, 86_401))
-        _check_path(self.TEMPLATE, "env_file", self.env_file, optional=True)
+        _check_raw_path(self.TEMPLATE, "env_file", self.env_file, optional=True)
 
 
 @dataclass(frozen=True)
@@ -202,7 +211,8 @@ class Hookscript(TemplateSpec):
 
 @dataclass(frozen=True)
 class EngineUnit(TemplateSpec):
-    """The engine's systemd unit inside the CT: `python -m engine serve` with the site's settings.
+    """The engine's systemd unit inside the CT: `python -m engine serve` with the site's settings,
+    as `user` with group `gid` (the GPU nodes' group), sandboxed.
 
     The API key is never a field: the unit names `env_file`, which holds DDOPS_API_KEY.
     """
@@ -222,14 +232,18 @@ class EngineUnit(TemplateSpec):
     dtype: str = "bfloat16"
     device: str = "cuda"
     cuda_visible_devices: str | None = None
-    env_file: str | None = None
+    env_file: str = "/etc/ddops/engine.env"
+    user: str = "ddops-engine"
+    gid: int = 44
 
     def __post_init__(self) -> None:
         t = self.TEMPLATE
         _check_path(t, "python", self.python)
         _check_path(t, "model", self.model)
         _check_path(t, "draft", self.draft, optional=True)
-        _check_path(t, "env_file", self.env_file, optional=True)
+        _check_raw_path(t, "env_file", self.env_file)
+        _check_match(t, "user", self.user, USER_NAME)
+        _check_int(t, "gid", self.gid, range(1, 65536))
         _check_match(t, "host", self.host, HOST_NAME)
         _check_int(t, "port", self.port, range(1, 65536))
         if self.max_model_len is not None:

@@ -226,6 +226,7 @@ def _copy_verified(src: Path, dest: Path, entry: FileEntry) -> bool:
         if os.path.getsize(tmp) != entry.size or digest.hexdigest() != entry.sha256:
             Path(tmp).unlink()
             return False
+        os.chmod(tmp, 0o644)  # the engine reads it as its own user, not root
         os.replace(tmp, dest)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

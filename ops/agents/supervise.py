@@ -8,7 +8,13 @@ a systemd container would run (one source of truth: ops/render.py's EngineUnit):
 
 `start` reads the unit's ExecStart=, Environment=, EnvironmentFile= and RestartSec=, detaches
 (setsid: its own session and process group, stdio on the log) and returns once the pidfile is
-written. The supervisor then runs the engine and restarts it after RestartSec when it exits
+written. The engine runs as systemd would run it, as far as a plain process can: as the unit's
+User= and Group= (no supplementary groups), with an empty capability bounding set and no new
+privileges (NoNewPrivileges=), the unit's UMask= and its CacheDirectory= made and owned by that
+user. The namespace sandboxing a supervisor cannot give (ProtectSystem=, PrivateTmp=, ...) is
+named in the log, once per start. A unit systemd would reject is refused here too: an
+EnvironmentFile= that is not an absolute path as written (systemd reads it raw: a quoted path
+is no path), AmbientCapabilities= (a supervisor cannot grant them). The supervisor then runs the engine and restarts it after RestartSec when it exits
 non-zero or is killed (SIGKILL, SIGSEGV...), doubling the wait up to MAX_BACKOFF_S while it keeps
 failing, as systemd's `Restart=on-failure` would; a clean exit (0, SIGTERM...) ends the service.
 Files:
@@ -24,8 +30,11 @@ container's Python runs it.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import grp
 import json
 import os
+import pwd
 import shlex
 import signal
 import subprocess
@@ -49,14 +58,29 @@ CLEAN_SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE)
 
 
 # -- the unit, read as systemd reads what ops/render.py writes --------------------------------------
+# What the supervisor applies itself, and what only systemd's namespaces give (named in the log).
+_APPLIED = {"ExecStart", "Environment", "EnvironmentFile", "RestartSec", "Restart", "Type"}
+_APPLIED |= {"User", "Group", "UMask", "NoNewPrivileges", "CapabilityBoundingSet"}
+_APPLIED |= {"AmbientCapabilities", "CacheDirectory"}
+CACHE_ROOT = "/var/cache"
+PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP = 38, 24
+
+
 @dataclass(frozen=True)
 class UnitCommand:
-    """What a unit runs: argv, its environment (Environment= lines), env files, restart delay."""
+    """What a unit runs: argv, its environment (Environment= lines), env files, restart delay,
+    and the privileges it runs with."""
 
     argv: list[str]
     environment: dict[str, str] = field(default_factory=dict)
     environment_files: list[str] = field(default_factory=list)
     restart_sec: float = 0.1  # systemd's default RestartSec
+    user: str | None = None  # None: root, as systemd without User=
+    group: str | None = None  # a name or a numeric gid; None: the user's own group
+    umask: int | None = None
+    no_new_privileges: bool = False
+    cache_directory: str | None = None  # below /var/cache, made and owned by the user
+    unapplied: list[str] = field(default_factory=list)  # sandboxing only systemd gives
 
 
 def unquote_systemd(value: str) -> list[str]:
@@ -66,11 +90,14 @@ def unquote_systemd(value: str) -> list[str]:
 
 
 def parse_unit(text: str) -> UnitCommand:
-    """The [Service] section's command and environment; ValueError when there is no ExecStart."""
+    """The [Service] section's command, environment and privileges; ValueError for a unit
+    systemd would not run as written (no ExecStart=, a relative or quoted EnvironmentFile=) or
+    that asks what a supervisor cannot give (AmbientCapabilities=)."""
     argv: list[str] | None = None
     environment: dict[str, str] = {}
     env_files: list[str] = []
-    restart_sec = UnitCommand.restart_sec
+    settings: dict[str, str] = {}
+    unapplied: list[str] = []
     section = ""
     for raw in text.splitlines():
         line = raw.strip()
@@ -85,12 +112,42 @@ def parse_unit(text: str) -> UnitCommand:
         elif key == "Environment":
             environment.update(w.split("=", 1) for w in unquote_systemd(value) if "=" in w)
         elif key == "EnvironmentFile":
-            env_files += unquote_systemd(value)
-        elif key == "RestartSec":
-            restart_sec = float(value.removesuffix("s"))
+            env_files.append(env_file_path(value))
+        elif key in _APPLIED:
+            settings[key] = value
+        else:
+            unapplied.append(f"{key}={value}")
     if not argv:
         raise ValueError("the unit has no ExecStart= in [Service]")
-    return UnitCommand(argv, environment, env_files, restart_sec)
+    if settings.get("AmbientCapabilities"):
+        raise ValueError(
+            f"AmbientCapabilities={settings['AmbientCapabilities']}: the ddops supervisor grants "
+            "no capabilities (serve on a port >= 1024)"
+        )
+    umask = settings.get("UMask")
+    return UnitCommand(
+        argv,
+        environment,
+        env_files,
+        float(settings.get("RestartSec", UnitCommand.restart_sec).removesuffix("s")),
+        user=settings.get("User") or None,
+        group=settings.get("Group") or None,
+        umask=int(umask, 8) if umask else None,
+        no_new_privileges=settings.get("NoNewPrivileges", "no") in ("yes", "true", "1", "on"),
+        cache_directory=settings.get("CacheDirectory") or None,
+        unapplied=unapplied,
+    )
+
+
+def env_file_path(value: str) -> str:
+    """EnvironmentFile='s value as systemd reads it: raw, an optional leading "-", then an
+    absolute path (systemd ignores any other, e.g. a quoted one, and the "-" hides that)."""
+    path = value.removeprefix("-")
+    if not path.startswith("/") or any(c.isspace() or c in "\"'" for c in path):
+        raise ValueError(
+            f"EnvironmentFile={value}: not an absolute path as written (systemd reads it raw)"
+        )
+    return value
 
 
 def read_env_file(path: str) -> dict[str, str]:
@@ -139,6 +196,12 @@ class Status:
     last_exit: int | None = None  # the exit code; negative: killed by that signal
 
 
+def _prctl(option: int, arg: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({option}, {arg})")
+
+
 def _write_atomic(path: str, text: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp"
@@ -180,6 +243,51 @@ class Supervisor:
         os.dup2(self.log.fileno(), 1)
         os.dup2(self.log.fileno(), 2)
 
+    def credentials(self) -> tuple[int, int] | None:
+        """(uid, gid) the engine runs as; None: as the supervisor (no User=, or not root)."""
+        if self.command.user is None or os.geteuid() != 0:
+            return None
+        try:
+            account = pwd.getpwnam(self.command.user)
+        except KeyError:
+            raise ValueError(f"User={self.command.user}: no such user") from None
+        group = self.command.group
+        if group is None:
+            gid = account.pw_gid
+        else:
+            gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+        return account.pw_uid, gid
+
+    def drop_privileges(self) -> None:
+        """In the engine's process before it execs: no capabilities left to gain back, the
+        unit's user and group (no supplementary groups), no new privileges."""
+        ids = self.credentials()
+        if ids is not None:
+            for cap in range(int(Path("/proc/sys/kernel/cap_last_cap").read_text()) + 1):
+                _prctl(PR_CAPBSET_DROP, cap)
+            os.setgroups([])
+            os.setgid(ids[1])
+            os.setuid(ids[0])
+        if self.command.no_new_privileges:
+            _prctl(PR_SET_NO_NEW_PRIVS, 1)
+
+    def prepare(self) -> None:
+        """What systemd does before the first start: the cache directory, owned by the user;
+        and the sandboxing a supervisor cannot give, named once."""
+        if self.command.cache_directory:
+            path = Path(CACHE_ROOT) / self.command.cache_directory
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if (ids := self.credentials()) is not None:
+                os.chown(path, *ids)
+        if self.command.unapplied:
+            self.say("not applied without systemd: " + ", ".join(self.command.unapplied))
+        who = self.credentials()
+        self.say(
+            f"the engine runs as uid:gid {who[0]}:{who[1]}"
+            if who
+            else "the engine runs as this user"
+        )
+
     def say(self, message: str) -> None:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
         self.log.write(f"{stamp} ddops-supervise: {message}\n")
@@ -194,6 +302,7 @@ class Supervisor:
             self.engine.send_signal(signal.SIGTERM)
 
     def run(self) -> int:
+        self.prepare()
         delay = self.command.restart_sec
         while not self.stopping.is_set():
             started = time.monotonic()
@@ -215,6 +324,8 @@ class Supervisor:
             stdin=subprocess.DEVNULL,
             stdout=self.log,
             stderr=self.log,
+            umask=self.command.umask if self.command.umask is not None else -1,
+            preexec_fn=self.drop_privileges,  # noqa: PLW1509 - the supervisor runs no other thread
         )
         if self.stopping.is_set():  # a SIGTERM came while it was being started
             self.engine.terminate()
@@ -237,6 +348,8 @@ def start(unit: str, pidfile: str, status_file: str, log_file: str) -> int:
         return pid
     command = parse_unit(Path(unit).read_text())  # a bad unit fails here, in the caller's view
     env = service_environment(command)  # and so does a missing EnvironmentFile
+    supervisor = Supervisor(command, env, status_file, log_file)
+    supervisor.credentials()  # and an unknown User=
     stop(pidfile)  # an engine left behind by a killed supervisor would hold the port
     os.makedirs(os.path.dirname(log_file), exist_ok=True)
     ready_r, ready_w = os.pipe()
@@ -253,7 +366,7 @@ def start(unit: str, pidfile: str, status_file: str, log_file: str) -> int:
     os.setsid()
     if os.fork():  # the session leader's child runs on, reparented to init
         os._exit(0)
-    _become_daemon(Supervisor(command, env, status_file, log_file), pidfile, ready_w)
+    _become_daemon(supervisor, pidfile, ready_w)
 
 
 def _become_daemon(supervisor: Supervisor, pidfile: str, ready_w: int) -> None:

@@ -513,7 +513,14 @@ def probe_service(c: ChainContext) -> Finding:
 def ensure_service(c: ChainContext, dry_run: bool) -> Outcome:
     draft = model_dir(c.model.draft) if c.model.draft else None
     outcome = deploy.ensure_service(
-        c.t, c.vmid, c.engine, model_dir(c.model.target), draft, dry_run, len(c.ct.gpus)
+        c.t,
+        c.vmid,
+        c.engine,
+        model_dir(c.model.target),
+        draft,
+        dry_run,
+        len(c.ct.gpus),
+        c.ct.gpu_gid,
     )
     if not dry_run:
         deploy.wait_ready(c.t, c.vmid, c.engine, ENGINE_READY_TIMEOUT_S)

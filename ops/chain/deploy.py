@@ -9,10 +9,14 @@ Everything runs inside the CT through `pct exec` / `pct push` over a Transport. 
 ops/render.py's EngineUnit, rendered once: a CT with systemd (/run/systemd/system) gets it as
 /etc/systemd/system/ddops-engine.service; a CT without (busybox, Alpine) gets the same file as
 /etc/ddops/ddops-engine.service, run by the ddops supervisor (ops/agents/supervise.py) started
-detached inside the CT. The API key belongs to the host side: it lives in /etc/ddops/engine.env
-(0600) in the CT, which the unit names as optional. Only `provision` changes it (install or rotate
-the operator's DDOPS_API_KEY, generate one when none is installed, remove it when told); recover
-and the boot units keep it. It travels on stdin: never on a command line, in a log or a diff.
+detached inside the CT. Either way the engine runs as its own user (ddops-engine, created here,
+in the group that owns the CT's GPU nodes), not root. The API key belongs to the host side: it
+lives in /etc/ddops/engine.env (0600, root's: systemd or the supervisor reads it before the
+engine starts) in the CT. The unit requires that file, so an engine never starts without the key
+it was given; without a key (`provision --no-api-key`) the file is there and says so. Only
+`provision` changes it (install or rotate the operator's DDOPS_API_KEY, generate one when none is
+installed, remove it when told); recover and the boot units keep it. It travels on stdin: never on
+a command line, in a log or a diff.
 Tests: tests/integration/test_deploy.py (real LXC containers on a simulated host, a tiny model).
 """
 
@@ -39,6 +43,8 @@ from ops.site.inventory import EngineSpec
 
 API_KEY_ENV = "DDOPS_API_KEY"
 ENV_FILE = "/etc/ddops/engine.env"
+ENGINE_USER = "ddops-engine"
+NO_KEY_TEXT = "# No API key: `ddops provision --no-api-key` removed it; the engine asks for none.\n"
 SUPERVISED_UNIT = "/etc/ddops/ddops-engine.service"
 SYSTEMD_UNIT_NAME = "ddops-engine.service"
 PUSH_DIR = "/var/lib/ddops/push"  # host-side copies of files pushed into CTs (never secrets)
@@ -208,13 +214,14 @@ def engine_unit(
     engine: EngineSpec,
     model_dir: str,
     draft_dir: str | None,
-    env_file: str | None,
+    env_file: str,
     gpu_count: int = 0,
+    gid: int = 44,
 ) -> EngineUnit:
     """The engine's unit for this host: EngineSpec's "auto" dtype/device become CUDA + bfloat16
     on a real host, CPU + float32 on a simulated one (it has no GPU behind its device nodes).
     On CUDA the engine sees the CT's `gpu_count` GPUs as 0..gpu_count-1 (CUDA_VISIBLE_DEVICES);
-    TP rank r uses GPU r."""
+    TP rank r uses GPU r. It runs as ENGINE_USER in group `gid`, which owns the GPU nodes."""
     device, dtype = engine_device_dtype(t, engine)
     return EngineUnit(
         python=engine.python,
@@ -229,6 +236,8 @@ def engine_unit(
         dtype=dtype,
         device=device,
         env_file=env_file,
+        user=ENGINE_USER,
+        gid=gid,
         cuda_visible_devices=(
             ",".join(map(str, range(gpu_count))) if device == "cuda" and gpu_count else None
         ),
@@ -403,11 +412,13 @@ def ensure_service(
     draft_dir: str | None,
     dry_run: bool,
     gpu_count: int = 0,
+    gid: int = 44,
 ) -> Outcome:
-    """The rendered unit installed (its diff shown) and the service running. A changed unit
-    restarts a running service. The API key file is never touched here (see `apply_api_key`)."""
+    """The engine's user there, the rendered unit installed (its diff shown) and the service
+    running. A changed unit restarts a running service. The API key file is never touched here
+    (see `apply_api_key`)."""
     manager = service_manager(t, vmid)
-    unit_text = render(engine_unit(t, engine, model_dir, draft_dir, ENV_FILE, gpu_count))
+    unit_text = render(engine_unit(t, engine, model_dir, draft_dir, ENV_FILE, gpu_count, gid))
     current = _read_ct_file(t, manager.vmid, manager.unit_path)
     diff = unified_diff(current, unit_text, f"CT {manager.vmid}:{manager.unit_path}")
     running = manager.state().running
@@ -417,6 +428,7 @@ def ensure_service(
         return Outcome(False, f"running ({manager.kind})")
     if dry_run:
         return Outcome(True, f"would {', '.join(plan)} ({manager.kind})", diff)
+    ensure_engine_user(t, manager.vmid, gid)
     if diff:
         manager.install(unit_text)
     if running:
@@ -424,6 +436,32 @@ def ensure_service(
     else:
         manager.start()
     return Outcome(True, f"did {', '.join(plan)} ({manager.kind})", diff)
+
+
+# Makes the engine's system user ("$1", no home, no login) with primary group "$2" (a gid): the
+# group of that gid if the CT has one (Debian's video is 44), else ddops-gpu. useradd/groupadd
+# (shadow's, Debian), else busybox's adduser/addgroup (Alpine). Does nothing when the user exists.
+_ENSURE_USER = """set -e
+user="$1"; gid="$2"
+id -u "$user" >/dev/null 2>&1 && exit 0
+group=$(awk -F: -v g="$gid" '$3 == g { print $1; exit }' /etc/group)
+if [ -z "$group" ]; then
+    group=ddops-gpu
+    if command -v groupadd >/dev/null; then groupadd -r -g "$gid" "$group"
+    else addgroup -S -g "$gid" "$group"; fi
+fi
+if command -v useradd >/dev/null; then
+    useradd -r -M -N -g "$gid" -d /nonexistent -s /usr/sbin/nologin "$user"
+else
+    adduser -S -D -H -h /nonexistent -s /sbin/nologin -G "$group" "$user"
+fi
+"""
+
+
+def ensure_engine_user(t: Transport, vmid: int | str, gid: int) -> None:
+    """The engine's own user in the CT (ENGINE_USER, group `gid`), made once."""
+    argv = ["sh", "-c", _ENSURE_USER, "sh", ENGINE_USER, str(int(gid))]
+    _run(t, vmid, argv, f"creating the engine's user {ENGINE_USER}")
 
 
 def restart_service(t: Transport, vmid: int | str) -> Outcome:
@@ -459,11 +497,13 @@ def api_key_change(
     t: Transport, vmid: int | str, wanted: str | None, remove: bool
 ) -> KeyChange | None:
     """None when the CT's key file is as provision wants it: the operator's key when one is
-    given (compared by hash inside the CT, never read back), any key when none is given, no key
-    when `remove`."""
+    given (compared by hash inside the CT, never read back), any key when none is given, a file
+    saying there is no key when `remove`."""
     present = _installed_key_digest(t, validate_vmid(vmid))
     if remove:
-        return KeyChange(f"an API key is installed in {ENV_FILE}", "remove") if present else None
+        if present:
+            return KeyChange(f"an API key is installed in {ENV_FILE}", "remove")
+        return KeyChange(f"no {ENV_FILE}", "remove") if present is None else None
     if wanted is not None:
         if present == hashlib.sha256(_env_file_text(wanted).encode()).hexdigest():
             return None
@@ -475,11 +515,11 @@ def api_key_change(
 def apply_api_key(t: Transport, vmid: int | str, change: KeyChange, wanted: str | None) -> str:
     """Carry out `change` (the key on stdin, 0600 from its first byte); what was done, in words."""
     vmid = validate_vmid(vmid)
-    if change.action == "remove":
-        _run(t, vmid, ["rm", "-f", ENV_FILE], f"removing {ENV_FILE}")
-        return f"removed {ENV_FILE}: the engine serves without authentication"
-    key = wanted if change.action == "write" else secrets.token_urlsafe(32)
     argv = ["sh", "-c", _WRITE_PRIVATE, "sh", ENV_FILE]
+    if change.action == "remove":
+        _run(t, vmid, argv, f"writing {ENV_FILE}", input=NO_KEY_TEXT)
+        return f"removed the API key from {ENV_FILE}: the engine serves without authentication"
+    key = wanted if change.action == "write" else secrets.token_urlsafe(32)
     _run(t, vmid, argv, f"writing {ENV_FILE}", input=_env_file_text(key))
     if change.action == "write":
         return f"wrote {API_KEY_ENV} to {ENV_FILE} (0600)"
@@ -499,8 +539,15 @@ def installed_api_key(t: Transport, vmid: int | str) -> str | None:
 
 
 def _installed_key_digest(t: Transport, vmid: str) -> str | None:
-    r = ct_exec(t, vmid, ["sha256sum", ENV_FILE])
-    return r.stdout.split()[0] if r.ok and r.stdout.strip() else None
+    """The key file's sha256 when it holds a key; "" when it holds none; None without a file."""
+    r = ct_exec(t, vmid, ["sh", "-c", _KEY_DIGEST, "sh", ENV_FILE, API_KEY_ENV])
+    return r.stdout.strip() if r.ok else None
+
+
+# Prints the file's sha256 when it sets "$2", an empty line when it does not; fails without it.
+_KEY_DIGEST = """[ -f "$1" ] || exit 1
+if grep -q "^$2=" "$1"; then sha256sum "$1" | cut -d ' ' -f 1; else echo; fi
+"""
 
 
 def _env_file_text(api_key: str) -> str:

@@ -57,6 +57,8 @@ def pct_create_argv(ct: ContainerSpec) -> list[str]:
         "onboot": int(ct.onboot),
         "unprivileged": int(not ct.privileged),  # root in the CT is not root on the host
     }
+    if not ct.privileged:  # systemd's sandboxing (the engine unit's) needs it in such a CT
+        options["features"] = "nesting=1"
     argv = ["pct", "create", str(ct.vmid), ct.ostemplate]
     for key, value in options.items():
         argv += [f"--{key}", str(value)]

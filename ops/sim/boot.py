@@ -11,7 +11,8 @@ have started, every other unit after the modules load and before the CTs start (
 are executed: its own tools (nvidia-modprobe, modprobe, ...), run from PATH/usr/{s,}bin, and
 `ddops` as installed on the host (PATH/usr/local/bin/ddops, what `ddops provision` puts there),
 whose `--host` becomes `--host sim:PATH` and whose host paths (`-i /etc/ddops/site.yml`) are read
-below PATH. Any other command, and a ddops the host does not have, is logged as skipped: the sim
+below PATH. `EnvironmentFile=` is read raw, as systemd reads it (a quoted path is ignored).
+Any other command, and a ddops the host does not have, is logged as skipped: the sim
 runs on a real machine and never executes arbitrary boot commands on it.
 """
 
@@ -132,13 +133,17 @@ def _without_host_option(args: list[str]) -> list[str]:
 def unit_env(root: Path, unit: Path) -> dict[str, str]:
     """The environment a unit's commands get: the sim host's tools first on PATH, and the unit's
     EnvironmentFile= files read as systemd reads them (below the sim root; "-" optional)."""
-    from ops.agents.supervise import read_env_file, unquote_systemd
+    from ops.agents.supervise import env_file_path, read_env_file
 
     env = dict(os.environ)
     env["PATH"] = f"{root / 'usr/sbin'}:{root / 'usr/bin'}:{env.get('PATH', '')}"
     for line in unit.read_text().splitlines():
         if line.strip().startswith("EnvironmentFile="):
-            for path in unquote_systemd(line.strip().removeprefix("EnvironmentFile=")):
-                optional = "-" if path.startswith("-") else ""
-                env.update(read_env_file(optional + str(root / path.lstrip("-").lstrip("/"))))
+            try:  # read raw, as systemd reads it; a path it would ignore is ignored here too
+                path = env_file_path(line.strip().removeprefix("EnvironmentFile="))
+            except ValueError as exc:
+                log(root, f"boot: {unit.name}: {exc}: ignored")
+                continue
+            optional = "-" if path.startswith("-") else ""
+            env.update(read_env_file(optional + str(root / path.lstrip("-").lstrip("/"))))
     return env

@@ -7,11 +7,23 @@ busybox template (its own /bin, /sbin and init) with the host's /usr, /lib, /lib
 bound read-only, so the host's Python and the installed project run inside. The network
 namespace is the host's (`lxc.net.0.type = none`): an engine on 127.0.0.1 inside is reachable
 outside. /dev/shm is a real tmpfs: it empties when the container stops.
+
+An unprivileged CT (`unprivileged: 1`) runs in a user namespace, ids 0..65535 mapped to
+100000.. as Proxmox maps them (root needs that range in /etc/subuid and /etc/subgid, as a
+Proxmox host has it: `root:100000:65536`); its rootfs is owned by the mapped ids from its
+creation, as `pct create` extracts a template. Without the range the CT runs privileged and the
+sim's log says so. devN nodes are made in the CT's passthrough directory (mode, mapped owner)
+and bind-mounted onto its /dev, as Proxmox's start hook does. The host directories bound into
+an unprivileged CT are first bound, by the host's root, onto the CT's own `binds/` directory in
+a mount namespace of the CT's own (`unshare`), since the CT's root may not walk the paths that
+lead to them (a Python under /root); those mounts live and die with the CT.
 """
 
 from __future__ import annotations
 
+import os
 import shlex
+import stat
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +36,19 @@ DEFAULT_DEVICE_RULES = [
     f"c {n} rwm" for n in ("1:3", "1:5", "1:7", "1:8", "1:9", "5:0", "5:1", "5:2", "136:*")
 ]
 HOST_RO_BINDS = ("/usr", "/lib", "/lib64", "/etc/alternatives")
+ID_MAP_BASE, ID_MAP_SIZE = 100000, 65536  # Proxmox's map for unprivileged CTs
+ROOTFS_BASE_FILE = "rootfs.idbase"  # the host id the CT's rootfs root is owned by
+
+
+def subordinate_ids_for_root() -> bool:
+    """Whether root may map Proxmox's range (newuidmap reads /etc/subuid and /etc/subgid)."""
+    wanted = f"root:{ID_MAP_BASE}:{ID_MAP_SIZE}"
+    try:
+        return all(
+            wanted in Path(f"/etc/{name}").read_text().split() for name in ("subuid", "subgid")
+        )
+    except FileNotFoundError:
+        return False
 
 
 def devices_cgroup_is_v1() -> bool:
@@ -56,15 +81,25 @@ class LxcContainers:
             words = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
             raise StartError(f"{what} failed: {words[-1] if words else 'no output'}")
 
-    def create(self, vmid: int) -> None:
+    def create(self, vmid: int, unprivileged: bool = False) -> None:
         """The busybox template, booting to nothing: no DHCP client (the CT has no network of
-        its own), so busybox init reaches its main loop and honours a shutdown signal."""
+        its own), so busybox init reaches its main loop and honours a shutdown signal. An
+        unprivileged CT's files belong to its mapped ids from the start."""
         if (self.lxcpath / str(vmid) / "config").exists():
             return
         self._check(self._lxc("lxc-create", vmid, "-t", "busybox"), f"lxc-create {vmid}")
         etc = self.rootfs(vmid) / "etc"
         (etc / "init.d/rcS").write_text("#!/bin/sh\n# ddops sim CT: nothing to bring up\n")
         (etc / "inittab").write_text("::sysinit:/etc/init.d/rcS\n")
+        if unprivileged and subordinate_ids_for_root():
+            _shift_ids(self.rootfs(vmid), ID_MAP_BASE)
+            (self.lxcpath / str(vmid) / ROOTFS_BASE_FILE).write_text(f"{ID_MAP_BASE}\n")
+            (self.lxcpath / str(vmid)).chmod(0o755)  # the mapped root must reach its rootfs
+
+    def id_base(self, vmid: int) -> int:
+        """The host id of the CT's root: 0, or the mapped base of an unprivileged CT."""
+        marker = self.lxcpath / str(vmid) / ROOTFS_BASE_FILE
+        return int(marker.read_text()) if marker.exists() else 0
 
     def is_running(self, vmid: int) -> bool:
         if not (self.lxcpath / str(vmid) / "config").exists():
@@ -72,8 +107,16 @@ class LxcContainers:
         return self._lxc("lxc-info", vmid, "-s").stdout.split()[-1:] == ["RUNNING"]
 
     def start(self, vmid: int, plan: StartPlan) -> None:
-        self.create(vmid)
+        self.create(vmid, plan.unprivileged)
         ct_dir = self.lxcpath / str(vmid)
+        if plan.unprivileged and not self.id_base(vmid):
+            log(
+                self.root,
+                f"CT {vmid}: unprivileged in its config but run privileged: root has no "
+                f"subordinate ids (add root:{ID_MAP_BASE}:{ID_MAP_SIZE} to /etc/subuid and "
+                "/etc/subgid, as on a Proxmox host)",
+            )
+        self._make_passthrough_nodes(vmid, plan)
         v1 = devices_cgroup_is_v1()
         config = self.render_config(vmid, plan, v1)
         if v1 and plan.rules:
@@ -85,12 +128,12 @@ class LxcContainers:
         for ignored in plan.ignored:
             log(self.root, f"CT {vmid}: not applied by the sim: {ignored}")
         (ct_dir / "config").write_text(config)
-        if plan.devices:
-            hook = ct_dir / "autodev-hook.sh"
-            hook.write_text(_autodev_script(plan))
-            hook.chmod(0o755)
         log_file = str(ct_dir / "lxc.log")
-        self._check(self._lxc("lxc-start", vmid, "-o", log_file, "-l", "WARN"), "lxc-start")
+        argv = ["lxc-start", "-P", str(self.lxcpath), "-n", str(vmid), "-o", log_file, "-l", "WARN"]
+        if self.id_base(vmid):
+            argv = self._with_staged_binds(vmid, argv)
+        proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        self._check(proc, "lxc-start")
 
     def stop(self, vmid: int, *, graceful: bool = False, timeout: int = 60) -> None:
         args = ["-t", str(timeout)] if graceful else ["-k"]
@@ -140,9 +183,47 @@ class LxcContainers:
         if (self.lxcpath / str(vmid)).exists():
             self._check(self._lxc("lxc-destroy", vmid), "lxc-destroy")
 
+    def host_binds(self) -> list[str]:
+        """The host directories bound read-only into every CT."""
+        return [*HOST_RO_BINDS, *self.state.extra_binds]
+
+    def staged_bind(self, vmid: int, index: int) -> Path:
+        return self.lxcpath / str(vmid) / "binds" / str(index)
+
+    def _with_staged_binds(self, vmid: int, argv: list[str]) -> list[str]:
+        """`argv` (lxc-start) run in a mount namespace of its own where each host bind is first
+        bound onto the CT's binds/<i> by the host's root: the CT's mapped root can reach those."""
+        mounts = []
+        for i, source in enumerate(self.host_binds()):
+            if os.path.isdir(source):
+                stage = self.staged_bind(vmid, i)
+                stage.mkdir(parents=True, exist_ok=True)
+                mounts.append(f"mount --bind {shlex.quote(source)} {shlex.quote(str(stage))}")
+        script = " && ".join([*mounts, 'exec "$@"'])
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *argv]
+
+    def passthrough(self, vmid: int) -> Path:
+        """Where the CT's devN nodes are made before they are bound onto its /dev."""
+        return self.lxcpath / str(vmid) / "passthrough"
+
+    def _make_passthrough_nodes(self, vmid: int, plan: StartPlan) -> None:
+        """Each devN node with the numbers the host node has now, its mode, and its owner as
+        the CT sees it (mapped for an unprivileged CT), as Proxmox's pre-start hook makes them."""
+        base = self.id_base(vmid)
+        for dev in plan.devices:
+            node = self.passthrough(vmid) / "dev" / dev.name
+            node.parent.mkdir(parents=True, exist_ok=True)
+            node.unlink(missing_ok=True)
+            os.mknod(node, stat.S_IFCHR | dev.mode, os.makedev(dev.major, dev.minor))
+            os.chmod(node, dev.mode)
+            os.chown(node, base + dev.uid, base + dev.gid)
+
     def render_config(self, vmid: int, plan: StartPlan, cgroup_v1: bool) -> str:
         """The LXC config for `plan`; device rules spelt for this machine's cgroup version."""
         rule_prefix = "lxc.cgroup.devices" if cgroup_v1 else "lxc.cgroup2.devices"
+        base = self.id_base(vmid)
+        # sysfs cannot be mounted in a user namespace that shares the host's network namespace
+        auto = "cgroup:mixed proc:rw" if base else "cgroup:mixed proc:mixed sys:ro"
         lines = [
             f"# Rendered by the ddops sim's pct start from /etc/pve/lxc/{vmid}.conf",
             f"lxc.uts.name = {plan.hostname}",
@@ -155,32 +236,32 @@ class LxcContainers:
             "lxc.tty.max = 1",
             "lxc.pty.max = 16",
             "lxc.cap.drop = sys_module mac_admin mac_override sys_time",
-            "lxc.mount.auto = cgroup:mixed proc:mixed sys:ro",
+            f"lxc.mount.auto = {auto}",
         ]
+        if base:
+            lines += [f"lxc.idmap = {kind} 0 {base} {ID_MAP_SIZE}" for kind in "ug"]
         if not plan.has_shm_mount:
             lines.append(f"lxc.mount.entry = shm {SHM_TARGET} tmpfs defaults,create=dir 0 0")
-        binds = [*HOST_RO_BINDS, *self.state.extra_binds]
         lines += [
-            f"lxc.mount.entry = {p} {p.lstrip('/')} none ro,bind,optional,create=dir 0 0"
-            for p in binds
+            f"lxc.mount.entry = {self.staged_bind(vmid, i) if base else p} {p.lstrip('/')} "
+            "none ro,bind,optional,create=dir 0 0"
+            for i, p in enumerate(self.host_binds())
         ]
         lines += [f"lxc.mount.entry = {entry}" for entry in plan.mounts]
+        lines += [
+            f"lxc.mount.entry = {self.passthrough(vmid) / 'dev' / dev.name} dev/{dev.name} "
+            "none bind,create=file 0 0"
+            for dev in plan.devices
+        ]
         lines.append(f"{rule_prefix}.deny = a")
         lines += [f"{rule_prefix}.allow = {rule}" for rule in DEFAULT_DEVICE_RULES]
         lines += [f"{rule_prefix}.{kind} = {rule}" for kind, rule in plan.rules]
-        if plan.devices:
-            lines.append(f"lxc.hook.autodev = {self.lxcpath / str(vmid) / 'autodev-hook.sh'}")
         return "\n".join(lines) + "\n"
 
 
-def _autodev_script(plan: StartPlan) -> str:
-    """The autodev hook creating each devN node in the CT's fresh /dev, as Proxmox's hook does."""
-    lines = ["#!/bin/sh", "set -e", 'cd "$LXC_ROOTFS_MOUNT/dev"']
-    for dev in plan.devices:
-        if "/" in dev.name:
-            lines.append(shlex.join(["mkdir", "-p", dev.name.rsplit("/", 1)[0]]))
-        lines.append(shlex.join(["rm", "-f", dev.name]))
-        mknod = ["mknod", "-m", f"{dev.mode:o}", dev.name, "c", str(dev.major), str(dev.minor)]
-        lines.append(shlex.join(mknod))
-        lines.append(shlex.join(["chown", f"{dev.uid}:{dev.gid}", dev.name]))
-    return "\n".join(lines) + "\n"
+def _shift_ids(root: Path, base: int) -> None:
+    """Own every file below `root` (itself too) by its id + base, as an unprivileged CT's
+    template is extracted: the CT's root then owns its files."""
+    for path in [root, *root.rglob("*")]:
+        st = path.lstat()
+        os.lchown(path, st.st_uid + base, st.st_gid + base)

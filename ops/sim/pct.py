@@ -117,7 +117,7 @@ class Pct:
                 run_hook(self.root, hook, vmid, "pre-start")
                 self._reload_state()  # the hook may have run nvidia-modprobe
             plan = plan_start(vmid, conf, self.root)
-            self.cts.create(vmid)
+            self.cts.create(vmid, plan.unprivileged)
             self._install_ct_userspace(vmid)
             self.cts.start(vmid, plan)
         except (HookError, StartError) as exc:
@@ -176,7 +176,7 @@ class Pct:
         self.conf_path(vmid).parent.mkdir(parents=True, exist_ok=True)
         self.conf_path(vmid).write_text("".join(f"{k}: {v}\n" for k, v in sorted(settings.items())))
         try:
-            self.cts.create(vmid)
+            self.cts.create(vmid, settings.get("unprivileged") == "1")
         except StartError as exc:
             self.conf_path(vmid).unlink()
             raise PctError(f"unable to create CT {vmid} - {exc}") from None

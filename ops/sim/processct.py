@@ -26,6 +26,7 @@ from ops.sim.state import ROOTFS_DIR, SimState
 
 CT_ROOT_ENV = "DDOPS_CT_ROOT"
 SKELETON = ("bin", "dev/shm", "etc", "root", "tmp")
+USER_TOOLS = ("useradd", "groupadd", "adduser", "addgroup")
 
 
 class ProcessContainers:
@@ -38,9 +39,18 @@ class ProcessContainers:
     def rootfs(self, vmid: int) -> Path:
         return self.root / ROOTFS_DIR / str(vmid)
 
-    def create(self, vmid: int) -> None:
+    def create(self, vmid: int, unprivileged: bool = False) -> None:
+        """The CT's directories (plain processes: no user namespace, `unprivileged` has no
+        effect), and user tools that make no user: a plain-process CT shares the machine's
+        accounts, so its processes run as whoever runs the sim."""
         for sub in SKELETON:
             (self.rootfs(vmid) / sub).mkdir(parents=True, exist_ok=True)
+        for tool in USER_TOOLS:
+            stub = self.rootfs(vmid) / "bin" / tool
+            stub.write_text(
+                f"#!/bin/sh\n# ddops sim, plain-process CT: {tool} makes no user here\n"
+            )
+            stub.chmod(0o755)
 
     def is_running(self, vmid: int) -> bool:
         return vmid in self.state.running

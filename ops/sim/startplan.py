@@ -1,8 +1,11 @@
 """What `pct start` derives from /etc/pve/lxc/<vmid>.conf before a container runs, as Proxmox does.
 
 - `devN: /dev/X[,mode=..,uid=..,gid=..]`: the host node is stat'ed now (below the sim root);
-  its *current* major:minor is granted and the node is created inside the CT. A missing node
-  fails the start loudly.
+  its *current* major:minor is granted and the node is made for the CT (mode 0660 unless given,
+  owner uid:gid inside the CT, both 0 unless given: Proxmox's passthrough defaults). A missing
+  node fails the start loudly.
+- `unprivileged: 1`: the CT's root is not the host's (ids 0..65535 mapped to 100000.., as
+  Proxmox maps them).
 - `lxc.cgroup2.devices.allow|deny` lines are kept as device rules (the backend spells them
   for the machine's cgroup version).
 - `lxc.mount.entry` lines keep their options; an absolute source path is a host path, so it
@@ -21,6 +24,7 @@ from ops.sim.kernel import node_numbers
 
 DEVICE_RULE_KEYS = ("lxc.cgroup2.devices.allow", "lxc.cgroup2.devices.deny")
 SHM_TARGET = "dev/shm"
+PASSTHROUGH_MODE = 0o660  # what Proxmox gives a devN node without mode=
 
 
 class StartError(Exception):
@@ -46,6 +50,7 @@ class StartPlan:
     rules: list[tuple[str, str]] = field(default_factory=list)  # ("allow"|"deny", "c 195:* rwm")
     mounts: list[str] = field(default_factory=list)  # LXC mount entries, host paths mapped
     ignored: list[str] = field(default_factory=list)
+    unprivileged: bool = False
 
     @property
     def has_shm_mount(self) -> bool:
@@ -55,7 +60,10 @@ class StartPlan:
 def plan_start(vmid: int, conf_text: str, sim_root: Path) -> StartPlan:
     """The plan for starting CT `vmid`; StartError when a devN node is missing."""
     settings = pveconf.values(conf_text)
-    plan = StartPlan(hostname=settings.get("hostname", f"CT{vmid}"))
+    plan = StartPlan(
+        hostname=settings.get("hostname", f"CT{vmid}"),
+        unprivileged=settings.get("unprivileged") == "1",
+    )
     for dev in pveconf.dev_entries(conf_text):
         plan.devices.append(_resolve_dev(dev, sim_root))
         major, minor = plan.devices[-1].major, plan.devices[-1].minor
@@ -79,7 +87,7 @@ def _resolve_dev(dev: pveconf.DevEntry, sim_root: Path) -> CtDevice:
         name=dev.path.removeprefix("/dev/"),
         major=numbers[0],
         minor=numbers[1],
-        mode=dev.mode if dev.mode is not None else 0o666,
+        mode=dev.mode if dev.mode is not None else PASSTHROUGH_MODE,
         uid=dev.uid or 0,
         gid=dev.gid or 0,
     )

@@ -353,11 +353,69 @@ def test_parse_unit_reads_back_the_rendered_engine_unit():
         "/models/50% done",
     ]
     assert command.argv[-4:] == ["--dtype", "bfloat16", "--device", "cuda"]
-    assert command.environment == {"CUDA_VISIBLE_DEVICES": "0,1"}
-    assert command.environment_files == ["-/etc/ddops/engine.env"]  # optional, as systemd reads it
+    assert command.environment == {
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "HOME": "/var/cache/ddops-engine",
+    }
+    assert command.environment_files == ["/etc/ddops/engine.env"]  # required: never without it
     assert command.restart_sec == 5.0
+    assert (command.user, command.group, command.umask) == ("ddops-engine", "44", 0o077)
+    assert command.no_new_privileges and command.cache_directory == "ddops-engine"
+    assert "ProtectSystem=strict" in command.unapplied  # only systemd's namespaces give it
     with pytest.raises(ValueError, match="no ExecStart"):
         supervise.parse_unit("[Unit]\nExecStart=/bin/true\n")
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        'EnvironmentFile=-"/etc/ddops/engine.env"',  # what the unit template wrote before
+        "EnvironmentFile=etc/ddops/engine.env",
+        "EnvironmentFile=/etc/dd ops.env",
+        "AmbientCapabilities=CAP_NET_BIND_SERVICE",
+    ],
+)
+def test_parse_unit_refuses_what_systemd_would_not_run_as_written(line):
+    """systemd reads EnvironmentFile= raw: a quoted or relative path is ignored (and a "-" hides
+    that: the engine would start without its key). The parser took the quotes away and ran it."""
+    with pytest.raises(ValueError, match="EnvironmentFile=|AmbientCapabilities="):
+        supervise.parse_unit(f"[Service]\n{line}\nExecStart=/bin/true\n")
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"  # one that another user may run (this venv's may be under /root)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
+    reason="dropping to another user needs root, and a Python that user may run",
+)
+def test_the_supervisor_runs_the_engine_as_the_units_user_without_privileges(supervisor, tmp_path):
+    """User=, Group=, NoNewPrivileges=, an empty bounding set, CacheDirectory=: as systemd would."""
+    script = (
+        "import os; s = dict(l.split(':\\t') for l in open('/proc/self/status').read().splitlines() "
+        "if ':\\t' in l); print('ids', os.getuid(), os.getgid(), os.getgroups(), s['NoNewPrivs'], "
+        "s['CapBnd'], s['CapEff'], flush=True); import time; time.sleep(600)"
+    )
+    unit = stand_in_unit(tmp_path, script)
+    unit.write_text(
+        unit.read_text()
+        .replace(f"ExecStart={sys.executable} ", f"ExecStart={SYSTEM_PYTHON} ")
+        .replace(
+            "[Service]\n",
+            "[Service]\nUser=nobody\nGroup=65534\nNoNewPrivileges=yes\nUMask=0077\n"
+            f"CacheDirectory=ddops-test-{tmp_path.name}\nProtectSystem=strict\n",
+        )
+    )
+    supervisor.start(unit)
+    supervisor.wait_for_log("ids ", 1)
+    said = next(x for x in supervisor.log.read_text().splitlines() if x.startswith("ids "))
+    assert said == "ids 65534 65534 [] 1 0000000000000000 0000000000000000"
+    log = supervisor.log.read_text()
+    assert "not applied without systemd: ProtectSystem=strict" in log
+    cache = Path("/var/cache") / f"ddops-test-{tmp_path.name}"
+    assert cache.stat().st_uid == 65534
+    supervisor.call("stop")
+    cache.rmdir()
 
 
 def test_supervisor_runs_the_unit_restarts_a_killed_engine_and_stops_the_group(
@@ -424,6 +482,7 @@ class SystemdCtHost(Transport):
         self.systemctl: list[list[str]] = []
         self.ct_commands: list[list[str]] = []
         self.engine_installed = engine_installed
+        self.users: dict[str, int] = {}  # made by the engine-user script: name -> gid
         self.unit_state = ("inactive", "dead", 0)  # ActiveState, SubState, NRestarts
 
     def run(self, argv, *, timeout=60.0, input=None, env=None) -> Result:
@@ -444,10 +503,14 @@ class SystemdCtHost(Transport):
                 return 0, ""
             case ["cat", path]:
                 return (0, self.ct_files[path].decode()) if path in self.ct_files else (1, "")
-            case ["sha256sum", path] if path in self.ct_files:
-                return 0, f"{hashlib.sha256(self.ct_files[path]).hexdigest()}  {path}\n"
-            case ["rm", "-f", path]:
-                self.ct_files.pop(path, None)
+            case ["sh", "-c", deploy._KEY_DIGEST, "sh", path, variable]:
+                if path not in self.ct_files:
+                    return 1, ""
+                data = self.ct_files[path]
+                has_key = any(x.startswith(f"{variable}=") for x in data.decode().splitlines())
+                return 0, (hashlib.sha256(data).hexdigest() if has_key else "") + "\n"
+            case ["sh", "-c", deploy._ENSURE_USER, "sh", user, gid]:
+                self.users[user] = int(gid)
                 return 0, ""
             case ["sh", "-c", deploy._WRITE_PRIVATE, "sh", path]:
                 self.ct_files[path] = stdin.encode()
@@ -498,7 +561,9 @@ def test_systemd_ct_gets_the_unit_enabled_and_started_then_nothing_changes():
     unit = t.ct_files[EngineUnit.INSTALL_PATH].decode()
     assert f"+{unit.splitlines()[0]}" in outcome.diff
     assert "--method ddtree --budget 15 --dtype bfloat16 --device cuda" in unit  # "auto", real host
-    assert "EnvironmentFile=-/etc/ddops/engine.env\n" in unit  # optional: no key, still starts
+    assert "EnvironmentFile=/etc/ddops/engine.env\n" in unit  # required: never without its key
+    assert "User=ddops-engine\nGroup=44\n" in unit
+    assert t.users == {"ddops-engine": 44}  # made before the unit names it
     assert t.systemctl == [["daemon-reload"], ["enable", "--now", "ddops-engine.service"]]
     assert deploy.service_problem(t, CT) is None
     pushed = len(t.host_files)
@@ -540,12 +605,23 @@ def test_without_a_key_the_installed_one_is_kept_and_only_removal_drops_it():
     assert deploy.api_key_change(t, CT, None, remove=False) is None
     deploy.ensure_service(t, CT, REAL_ENGINE, TARGET, DRAFT, dry_run=False)  # unit + start
     assert t.ct_files[deploy.ENV_FILE] == b"DDOPS_API_KEY=sk-kept\n"
-    assert not any(cmd[:1] == ["rm"] for cmd in t.ct_commands)
     change = deploy.api_key_change(t, CT, None, remove=True)
     assert change == deploy.KeyChange("an API key is installed in /etc/ddops/engine.env", "remove")
-    assert deploy.apply_api_key(t, CT, change, None).startswith("removed /etc/ddops/engine.env")
-    assert deploy.ENV_FILE not in t.ct_files
+    assert deploy.apply_api_key(t, CT, change, None).startswith(
+        "removed the API key from /etc/ddops/engine.env"
+    )
+    assert t.ct_files[deploy.ENV_FILE] == deploy.NO_KEY_TEXT.encode()  # the unit requires it
     assert deploy.api_key_change(t, CT, None, remove=True) is None
+    assert deploy.installed_api_key(t, CT) is None
+    assert deploy.api_key_change(t, CT, None, remove=False).action == "generate"
+
+
+def test_removing_the_key_of_a_ct_that_has_no_key_file_writes_one_saying_so():
+    t = SystemdCtHost()
+    change = deploy.api_key_change(t, CT, None, remove=True)
+    assert change == deploy.KeyChange("no /etc/ddops/engine.env", "remove")
+    deploy.apply_api_key(t, CT, change, None)
+    assert t.ct_files[deploy.ENV_FILE] == deploy.NO_KEY_TEXT.encode()
 
 
 def test_a_ct_without_a_key_gets_a_random_one_and_is_told_how_to_read_it():
