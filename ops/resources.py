@@ -1,7 +1,8 @@
-"""Where the shipped data lives: templates/ and playbooks/.
+"""Where the shipped data lives: playbooks/, and the templates inside its ddops_chain role.
 
-In a source checkout they sit beside ops/; an installed wheel carries them as the data
-packages ops.templates and ops.playbooks (see pyproject.toml).
+In a source checkout playbooks/ sits beside ops/ (and templates/ at the top is a link to the
+role's templates: the role is self-contained, the CLI renders the same files); an installed wheel
+carries it as the data package ops.playbooks (see pyproject.toml).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ def _shipped(name: str) -> Path:
 
 
 def templates_dir() -> Path:
-    """The directory of the Jinja2 templates shared by the CLI and the playbooks."""
-    return _shipped("templates")
+    """The directory of the Jinja2 templates shared by the CLI and the playbooks: the
+    ddops_chain role's own, so the role works from wherever a playbook names it."""
+    return playbooks_dir() / "roles" / "ddops_chain" / "templates"
 
 
 def playbooks_dir() -> Path:

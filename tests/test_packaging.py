@@ -30,10 +30,12 @@ def test_templates_and_playbooks_resolve_to_the_shipped_directories():
 
 
 def test_an_installed_ops_finds_its_templates_inside_the_package(tmp_path):
-    """The layout of an installed wheel (no pyproject beside it): ops/templates in site-packages."""
+    """The layout of an installed wheel (no pyproject beside it): the role's templates in
+    ops/playbooks in site-packages."""
     package = tmp_path / "site-packages" / "ops"
-    (package / "templates").mkdir(parents=True)
-    (package / "templates" / "x.j2").write_text("x")
+    templates = package / "playbooks" / "roles" / "ddops_chain" / "templates"
+    templates.mkdir(parents=True)
+    (templates / "x.j2").write_text("x")
     (package / "__init__.py").write_text("")
     shutil.copy(ROOT / "ops" / "resources.py", package / "resources.py")
     code = "from ops.resources import templates_dir; print(templates_dir())"
@@ -45,4 +47,4 @@ def test_an_installed_ops_finds_its_templates_inside_the_package(tmp_path):
         text=True,
         check=True,
     ).stdout.strip()
-    assert out == str(package / "templates") and (Path(out) / "x.j2").is_file()
+    assert out == str(templates) and (Path(out) / "x.j2").is_file()

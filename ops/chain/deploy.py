@@ -428,6 +428,12 @@ def ensure_service(
         return Outcome(False, f"running ({manager.kind})")
     if dry_run:
         return Outcome(True, f"would {', '.join(plan)} ({manager.kind})", diff)
+    if _installed_key_digest(t, manager.vmid) is None:
+        raise DdopsError(
+            f"CT {manager.vmid}",
+            f"{ENV_FILE} is missing and the engine's unit requires it: `ddops provision` "
+            "installs the API key (or, with --no-api-key, a file saying there is none)",
+        )
     ensure_engine_user(t, manager.vmid, gid)
     if diff:
         manager.install(unit_text)

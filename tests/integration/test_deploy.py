@@ -68,6 +68,8 @@ def host(tmp_path_factory):
             for vmid in (CT, SCRATCH_CT):
                 t.write_file(f"/etc/pve/lxc/{vmid}.conf", CT_CONF.format(vmid=vmid), backup=False)
                 t.run(["pct", "start", str(vmid)]).check(f"CT {vmid}")
+                no_key = deploy.api_key_change(t, vmid, None, remove=True)  # the unit requires
+                deploy.apply_api_key(t, vmid, no_key, None)  # its key file, keyless or not
             yield t
     finally:
         destroy_host(tmp / "pve")
@@ -478,7 +480,7 @@ class SystemdCtHost(Transport):
     def __init__(self, engine_installed: bool = True) -> None:
         super().__init__("fake-pve")
         self.host_files: dict[str, bytes] = {}
-        self.ct_files: dict[str, bytes] = {}
+        self.ct_files: dict[str, bytes] = {deploy.ENV_FILE: deploy.NO_KEY_TEXT.encode()}
         self.systemctl: list[list[str]] = []
         self.ct_commands: list[list[str]] = []
         self.engine_installed = engine_installed
@@ -618,6 +620,10 @@ def test_without_a_key_the_installed_one_is_kept_and_only_removal_drops_it():
 
 def test_removing_the_key_of_a_ct_that_has_no_key_file_writes_one_saying_so():
     t = SystemdCtHost()
+    del t.ct_files[deploy.ENV_FILE]
+    with pytest.raises(DdopsError, match="engine.env is missing and the engine's unit requires it"):
+        deploy.ensure_service(t, CT, REAL_ENGINE, TARGET, DRAFT, dry_run=False)
+    assert not t.systemctl
     change = deploy.api_key_change(t, CT, None, remove=True)
     assert change == deploy.KeyChange("no /etc/ddops/engine.env", "remove")
     deploy.apply_api_key(t, CT, change, None)
@@ -699,8 +705,13 @@ def test_the_unit_on_a_gpu_host_sees_the_cts_gpus_and_tp():
     from ops.render import render
 
     engine = EngineSpec(tp=2, python="/opt/ddops/venv/bin/python")
-    unit = render(deploy.engine_unit(LocalTransport(), engine, "/dev/shm/models/t", "/d", None, 2))
+    env_file = deploy.ENV_FILE
+    unit = render(
+        deploy.engine_unit(LocalTransport(), engine, "/dev/shm/models/t", "/d", env_file, 2)
+    )
     assert "Environment=CUDA_VISIBLE_DEVICES=0,1" in unit
     assert " --tp 2 " in unit and "--device cuda" in unit and "--dtype bfloat16" in unit
-    sim = render(deploy.engine_unit(LocalTransport(sysroot="/tmp/x"), engine, "/m", "/d", None, 2))
+    sim = render(
+        deploy.engine_unit(LocalTransport(sysroot="/tmp/x"), engine, "/m", "/d", env_file, 2)
+    )
     assert "CUDA_VISIBLE_DEVICES" not in sim and "--device cpu" in sim

@@ -1,4 +1,4 @@
-"""The Ansible modules (playbooks/library/) document themselves as the collections' modules do.
+"""The Ansible modules (the ddops_chain role's library/) document themselves as the collections' modules do.
 
 Each module has DOCUMENTATION, EXAMPLES and RETURN (YAML, in the form of community.general's and
 community.proxmox's modules); its documented options are exactly its argument_spec (the
@@ -6,7 +6,7 @@ module-level ARGUMENT_SPEC that its AnsibleModule gets), its attributes say how 
 check mode, its examples are tasks that call it, and `ansible-doc` renders it without an error.
 
 Nothing here runs a module or imports ops: the docs are read from the source (ast), and a module
-file is imported only to read its ARGUMENT_SPEC, with its module_utils (playbooks/module_utils)
+file is imported only to read its ARGUMENT_SPEC, with its module_utils (the role's module_utils/)
 loaded from the repository.
 """
 
@@ -27,8 +27,9 @@ import yaml
 
 from tests.helpers import REPO
 
-LIBRARY = REPO / "playbooks" / "library"
-MODULE_UTILS = REPO / "playbooks" / "module_utils"
+ROLE = REPO / "playbooks" / "roles" / "ddops_chain"
+LIBRARY = ROLE / "library"
+MODULE_UTILS = ROLE / "module_utils"
 MODULES = sorted(path.stem for path in LIBRARY.glob("*.py") if not path.name.startswith("_"))
 DOC_STRINGS = ("DOCUMENTATION", "EXAMPLES", "RETURN")
 # What a module's option may say in DOCUMENTATION (ansible-test's validate-modules schema).

@@ -1,4 +1,4 @@
-"""Shared by the ddops modules (playbooks/library/): where the managed host's files live.
+"""Shared by the ddops modules (the ddops_chain role's library/): where the managed host's files live.
 
 A simulated Proxmox host (ops/sim) is a directory: `ddops_sysroot` names it, or the host's
 `ddops_target` does (`sim:PATH`, `ssh://host?sysroot=PATH`), the same variable the CLI reads.

@@ -158,7 +158,7 @@ attributes:
       - A Proxmox VE host, or a simulated one (a directory, on any POSIX machine).
 notes:
   - The module runs on the managed host under an interpreter that has ddops installed (C(ansible_python_interpreter)).
-  - It needs the C(ddops_host) module utility from C(playbooks/module_utils), beside this library.
+  - It needs the C(ddops_host) module utility of the C(ddops_chain) role (its C(module_utils/), beside its C(library/)).
   - Give the inputs once with C(module_defaults), as the C(ddops_chain) role does, and only O(check) per task.
 seealso:
   - module: ansible.legacy.ddops_boot_files
