@@ -13,16 +13,24 @@ An unprivileged CT (`unprivileged: 1`) runs in a user namespace, ids 0..65535 ma
 Proxmox host has it: `root:100000:65536`); its rootfs is owned by the mapped ids from its
 creation, as `pct create` extracts a template. Without the range the CT runs privileged and the
 sim's log says so. devN nodes are made in the CT's passthrough directory (mode, mapped owner)
-and bind-mounted onto its /dev, as Proxmox's start hook does. The host directories bound into
-an unprivileged CT are first bound, by the host's root, onto the CT's own `binds/` directory in
-a mount namespace of the CT's own (`unshare`), since the CT's root may not walk the paths that
-lead to them (a Python under /root); those mounts live and die with the CT.
+and bind-mounted onto its /dev, as Proxmox's start hook does.
+
+The root of an unprivileged CT may not walk the paths that lead to its lxcpath (a sim root
+under a 0700 temporary directory) nor to the host directories bound into it (a Python under
+/root), and LXC requires it to. So such a CT's lxcpath, as LXC is told it, is
+/run/ddops-sim/<key> (0755 all the way): `lxc-start` runs in a mount namespace of its own
+(`unshare`) where the host's root binds the real lxcpath there and each host directory onto the
+CT's binds/<i>; the mounts live and die with the CT. On the host that path holds only a copy of
+the CT's config, so lxc-attach, lxc-info and lxc-stop, named with it, find the container.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import shlex
+import shutil
 import stat
 import subprocess
 from collections.abc import Sequence
@@ -38,6 +46,7 @@ DEFAULT_DEVICE_RULES = [
 HOST_RO_BINDS = ("/usr", "/lib", "/lib64", "/etc/alternatives")
 ID_MAP_BASE, ID_MAP_SIZE = 100000, 65536  # Proxmox's map for unprivileged CTs
 ROOTFS_BASE_FILE = "rootfs.idbase"  # the host id the CT's rootfs root is owned by
+REACHABLE_DIR = Path("/run/ddops-sim")  # unprivileged CTs' directories, bound here (see above)
 
 
 def subordinate_ids_for_root() -> bool:
@@ -73,8 +82,17 @@ class LxcContainers:
         return self.lxcpath / str(vmid) / "rootfs"
 
     def _lxc(self, tool: str, vmid: int, *args: str) -> subprocess.CompletedProcess:
-        argv = [tool, "-P", str(self.lxcpath), "-n", str(vmid), *args]
+        argv = [tool, "-P", str(self.lxc_path(vmid)), "-n", str(vmid), *args]
         return subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+
+    def lxc_path(self, vmid: int) -> Path:
+        """The lxcpath LXC knows the CT by: the real one, or for an unprivileged CT the one its
+        mapped root can reach (see the module's docstring)."""
+        return self.reachable() if self.id_base(vmid) else self.lxcpath
+
+    def reachable(self) -> Path:
+        key = hashlib.sha1(str(self.lxcpath).encode()).hexdigest()[:16]
+        return REACHABLE_DIR / key
 
     def _check(self, proc: subprocess.CompletedProcess, what: str) -> None:
         if proc.returncode != 0:
@@ -129,8 +147,12 @@ class LxcContainers:
             log(self.root, f"CT {vmid}: not applied by the sim: {ignored}")
         (ct_dir / "config").write_text(config)
         log_file = str(ct_dir / "lxc.log")
-        argv = ["lxc-start", "-P", str(self.lxcpath), "-n", str(vmid), "-o", log_file, "-l", "WARN"]
+        argv = ["lxc-start", "-P", str(self.lxc_path(vmid)), "-n", str(vmid)]
+        argv += ["-o", log_file, "-l", "WARN"]
         if self.id_base(vmid):
+            known = self.reachable() / str(vmid)
+            known.mkdir(mode=0o755, parents=True, exist_ok=True)
+            (known / "config").write_text(config)  # for the tools run on the host
             argv = self._with_staged_binds(vmid, argv)
         proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         self._check(proc, "lxc-start")
@@ -152,7 +174,7 @@ class LxcContainers:
         return [
             "lxc-attach",
             "-P",
-            str(self.lxcpath),
+            str(self.lxc_path(vmid)),
             "-n",
             str(vmid),
             env_mode,
@@ -180,25 +202,34 @@ class LxcContainers:
         return proc.stdout
 
     def destroy(self, vmid: int) -> None:
+        if self.id_base(vmid):
+            shutil.rmtree(self.reachable() / str(vmid), ignore_errors=True)
+            with contextlib.suppress(OSError):  # others of this host may still be there
+                self.reachable().rmdir()
         if (self.lxcpath / str(vmid)).exists():
-            self._check(self._lxc("lxc-destroy", vmid), "lxc-destroy")
+            argv = ["lxc-destroy", "-P", str(self.lxcpath), "-n", str(vmid)]
+            proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+            self._check(proc, "lxc-destroy")
 
     def host_binds(self) -> list[str]:
         """The host directories bound read-only into every CT."""
         return [*HOST_RO_BINDS, *self.state.extra_binds]
 
-    def staged_bind(self, vmid: int, index: int) -> Path:
-        return self.lxcpath / str(vmid) / "binds" / str(index)
+    def ct_dir_for_lxc(self, vmid: int) -> Path:
+        """The CT's directory as LXC sees it."""
+        return self.lxc_path(vmid) / str(vmid)
 
     def _with_staged_binds(self, vmid: int, argv: list[str]) -> list[str]:
-        """`argv` (lxc-start) run in a mount namespace of its own where each host bind is first
-        bound onto the CT's binds/<i> by the host's root: the CT's mapped root can reach those."""
-        mounts = []
+        """`argv` (lxc-start) run in a mount namespace of its own where the host's root binds
+        the real lxcpath onto the reachable one and each host directory onto binds/<i> there."""
+        reach = self.reachable()
+        REACHABLE_DIR.chmod(0o755)
+        mounts = [f"mount --bind {shlex.quote(str(self.lxcpath))} {shlex.quote(str(reach))}"]
         for i, source in enumerate(self.host_binds()):
             if os.path.isdir(source):
-                stage = self.staged_bind(vmid, i)
-                stage.mkdir(parents=True, exist_ok=True)
-                mounts.append(f"mount --bind {shlex.quote(source)} {shlex.quote(str(stage))}")
+                (self.lxcpath / str(vmid) / "binds" / str(i)).mkdir(parents=True, exist_ok=True)
+                target = reach / str(vmid) / "binds" / str(i)
+                mounts.append(f"mount --bind {shlex.quote(source)} {shlex.quote(str(target))}")
         script = " && ".join([*mounts, 'exec "$@"'])
         return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *argv]
 
@@ -221,13 +252,13 @@ class LxcContainers:
     def render_config(self, vmid: int, plan: StartPlan, cgroup_v1: bool) -> str:
         """The LXC config for `plan`; device rules spelt for this machine's cgroup version."""
         rule_prefix = "lxc.cgroup.devices" if cgroup_v1 else "lxc.cgroup2.devices"
-        base = self.id_base(vmid)
+        base, ct_dir = self.id_base(vmid), self.ct_dir_for_lxc(vmid)
         # sysfs cannot be mounted in a user namespace that shares the host's network namespace
         auto = "cgroup:mixed proc:rw" if base else "cgroup:mixed proc:mixed sys:ro"
         lines = [
             f"# Rendered by the ddops sim's pct start from /etc/pve/lxc/{vmid}.conf",
             f"lxc.uts.name = {plan.hostname}",
-            f"lxc.rootfs.path = dir:{self.rootfs(vmid)}",
+            f"lxc.rootfs.path = dir:{ct_dir / 'rootfs'}",
             "lxc.net.0.type = none",
             "lxc.apparmor.profile = unconfined",
             "lxc.signal.halt = SIGUSR2",  # busybox init: poweroff
@@ -243,13 +274,13 @@ class LxcContainers:
         if not plan.has_shm_mount:
             lines.append(f"lxc.mount.entry = shm {SHM_TARGET} tmpfs defaults,create=dir 0 0")
         lines += [
-            f"lxc.mount.entry = {self.staged_bind(vmid, i) if base else p} {p.lstrip('/')} "
+            f"lxc.mount.entry = {ct_dir / 'binds' / str(i) if base else p} {p.lstrip('/')} "
             "none ro,bind,optional,create=dir 0 0"
             for i, p in enumerate(self.host_binds())
         ]
         lines += [f"lxc.mount.entry = {entry}" for entry in plan.mounts]
         lines += [
-            f"lxc.mount.entry = {self.passthrough(vmid) / 'dev' / dev.name} dev/{dev.name} "
+            f"lxc.mount.entry = {ct_dir / 'passthrough' / 'dev' / dev.name} dev/{dev.name} "
             "none bind,create=file 0 0"
             for dev in plan.devices
         ]
