@@ -3,7 +3,7 @@
 The agent half:
 
 - the agent, run INSIDE the container by the engine's Python (which has huggingface_hub):
-      python -m ops.agents.staging stage --repo ORG/NAME --revision REV --name NAME [--endpoint URL] --json
+      python -m ops.agents.staging stage --repo ORG/NAME --revision REV --name NAME [--endpoint URL] [--refresh] --json
       python -m ops.agents.staging check --name NAME [--hashes] --json
   `stage` makes sure the persistent cache holds the snapshot (downloading only what is missing or
   damaged, resumable), then copies it into /dev/shm, hashing while copying: a file lands in
@@ -11,9 +11,12 @@ The agent half:
   and verified against the hub's own file list. A mismatch is fetched again from the hub; if it
   still does not match, or the hub cannot be reached, staging fails naming the file, and the
   copy is left unstaged (the stamp goes before the first file is replaced). An intact cache
-  means zero bytes from the hub. The stamp (.ddops-staged.json) records each staged file's
-  size, sha256 and mtime: `check` compares size and mtime (cheap), `check --hashes` the sha256
-  too. The HF token is HF_TOKEN in its environment, carried into the CT on stdin by ct_exec,
+  means zero bytes from the hub. Revisions are exact: the first download records the commit
+  the revision (a branch, e.g. main) resolved to, and every later stage and every repair of the
+  cache fetches that commit, never what the branch points at by then; only `--refresh`
+  (provision's) asks the hub again and moves to the branch's new commit. The stamp
+  (.ddops-staged.json) records the commit and each staged file's size, sha256 and mtime: `check`
+  compares size and mtime (cheap), `check --hashes` the sha256 too, and reports the commit. The HF token is HF_TOKEN in its environment, carried into the CT on stdin by ct_exec,
   never on a command line. Every hub failure is one DdopsError naming the repo.
 - the controller's half is ops/chain/stage_model.py (`stage_model`, `check_staged`): it runs
   this agent through `pct exec` over a Transport and turns its JSON into a report.
@@ -171,11 +174,18 @@ def _download(
     endpoint: str | None,
     token: str | None,
     force: list[str] | None = None,
+    revision: str | None = None,
 ) -> Path:
-    """snapshot_download (only missing files travel); `force` re-fetches damaged files."""
+    """snapshot_download of `revision` (a commit; default the ref's own revision): only missing
+    files travel; `force` re-fetches damaged files."""
     from huggingface_hub import hf_hub_download, snapshot_download
 
-    where = {"revision": ref.revision, "cache_dir": cache, "endpoint": endpoint, "token": token}
+    where = {
+        "revision": revision or ref.revision,
+        "cache_dir": cache,
+        "endpoint": endpoint,
+        "token": token,
+    }
     with hub_errors(ref):
         for path in force or []:
             hf_hub_download(ref.repo, path, force_download=True, **where)
@@ -253,17 +263,24 @@ def stage_local(
     cache: Path,
     shm_root: Path,
     log=print,
+    refresh: bool = False,
 ) -> StageReport:
-    """The agent's work: cache -> /dev/shm, downloading and repairing only what is needed."""
+    """The agent's work: cache -> /dev/shm, downloading and repairing only what is needed, at
+    the commit recorded when the revision was first resolved (`refresh`: resolve it again)."""
     report = StageReport(ref.name, changed=False)
     manifest_file = _manifest_path(cache, ref)
     manifest = Manifest.load(manifest_file)
-    if manifest is None or not _snapshot_dir(cache, ref, manifest.commit).is_dir():
-        log(f"downloading {ref.repo}@{ref.revision} into the cache")
-        snapshot = _download(ref, cache, endpoint, token)
-        manifest = _verified_manifest(ref, snapshot, endpoint, token)
-        manifest.save(manifest_file)
-        report.downloaded_files = [f.path for f in manifest.files]
+    missing = manifest is None or not _snapshot_dir(cache, ref, manifest.commit).is_dir()
+    if refresh or missing:
+        pinned = None if refresh or manifest is None else manifest.commit
+        log(f"downloading {ref.repo}@{pinned or ref.revision} into the cache")
+        snapshot = _download(ref, cache, endpoint, token, revision=pinned)
+        moved = manifest is None or snapshot.name != manifest.commit
+        if moved:
+            manifest = _verified_manifest(ref, snapshot, endpoint, token)
+            manifest.save(manifest_file)
+        if moved or missing:
+            report.downloaded_files = [f.path for f in manifest.files]
     snapshot = _snapshot_dir(cache, ref, manifest.commit)
     dest = shm_root / ref.name
     dest.mkdir(parents=True, exist_ok=True)
@@ -280,7 +297,7 @@ def stage_local(
         if not _copy_verified(snapshot / entry.path, target, entry):
             log(f"cache copy of {entry.path} is damaged: downloading it again")
             try:
-                _download(ref, cache, endpoint, token, force=[entry.path])
+                _download(ref, cache, endpoint, token, [entry.path], revision=manifest.commit)
             except DdopsError as exc:
                 raise DdopsError(
                     exc.obj,
@@ -333,6 +350,12 @@ def _remove_extras(dest: Path, wanted: set[str]) -> None:
             p.unlink()
 
 
+def staged_commit(name: str, shm_root: Path) -> str | None:
+    """The commit /dev/shm/models/<name> was staged from (None: not staged)."""
+    stamp = Manifest.load(shm_root / name / STAMP)
+    return stamp.commit if stamp else None
+
+
 def check_local(name: str, shm_root: Path, hashes: bool = False) -> list[str]:
     """Problems with /dev/shm/models/<name> (empty list: complete): each file against the stamp,
     by size and mtime (a stat each), or also by sha256 with `hashes` (reads every byte)."""
@@ -367,6 +390,9 @@ def agent_main(argv: list[str] | None = None) -> int:
     stage.add_argument(
         "--token-stdin", action="store_true", help="read the HF token from the first stdin line"
     )
+    stage.add_argument(
+        "--refresh", action="store_true", help="resolve the revision again (a branch may move)"
+    )
     check = sub.add_parser("check")
     check.add_argument("--name", required=True)
     check.add_argument("--hashes", action="store_true")
@@ -377,7 +403,9 @@ def agent_main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "check":
             problems = check_local(args.name, Path(args.shm), args.hashes)
-            print(json.dumps({"name": args.name, "complete": not problems, "problems": problems}))
+            commit = staged_commit(args.name, Path(args.shm))
+            report = {"name": args.name, "complete": not problems, "problems": problems}
+            print(json.dumps({**report, "commit": commit}))
             return 0
         token = os.environ.get("HF_TOKEN") or None
         ref = ModelRef(args.repo, args.revision, args.name)
@@ -388,6 +416,7 @@ def agent_main(argv: list[str] | None = None) -> int:
             cache=Path(args.cache),
             shm_root=Path(args.shm),
             log=lambda msg: print(msg, file=sys.stderr, flush=True),
+            refresh=args.refresh,
         )
         print(json.dumps(asdict(report)))
         return 0

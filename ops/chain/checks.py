@@ -28,7 +28,7 @@ from ops.chain import deploy
 from ops.chain import install as host_install
 from ops.chain import setup as host_setup
 from ops.chain.report import Outcome
-from ops.chain.stage_model import check_staged, stage_model
+from ops.chain.stage_model import branch_commit, check_staged, stage_model
 from ops.diffs import unified_diff
 from ops.errors import DdopsError
 from ops.host.gpu import (
@@ -451,16 +451,27 @@ def model_dir(ref: ModelRef) -> str:
 
 
 def probe_model(c: ChainContext) -> Finding:
-    problems = [
-        f"{model_dir(ref)}: {problem}"
-        for ref in c.models
-        for problem in check_staged(
+    staged = {
+        ref: check_staged(
             c.t, c.vmid, ref.name, python=c.engine.python, hashes=c.policy.verify_hashes
         )
-    ]
+        for ref in c.models
+    }
+    problems = [f"{model_dir(ref)}: {p}" for ref, s in staged.items() for p in s.problems]
     if problems:
         return _bad(f"{c.name}: {'; '.join(problems)}")
-    return _ok(f"{c.name}: {', '.join(model_dir(ref) for ref in c.models)} complete")
+    complete = f"{c.name}: {', '.join(model_dir(ref) for ref in c.models)} complete"
+    moved = [
+        f"{ref.repo} {ref.revision} is at {now[:12]}, {ref.name} was staged from "
+        f"{(s.commit or '?')[:12]}"
+        for ref, s in staged.items()
+        if (now := branch_commit(ref, c.model.hub_endpoint, c.hf_token)) and now != s.commit
+    ]
+    if moved and c.policy.provision:  # provision brings the inventory's revision
+        return _bad(f"{c.name}: {'; '.join(moved)}")
+    if moved:  # health and recover keep what was staged: an upgrade is the operator's call
+        return _ok(f"{complete}; upgrade available: {'; '.join(moved)} (`ddops provision`)")
+    return _ok(complete)
 
 
 def stage_models(c: ChainContext, dry_run: bool) -> Outcome:
@@ -475,9 +486,12 @@ def stage_models(c: ChainContext, dry_run: bool) -> Outcome:
             python=c.engine.python,
             endpoint=c.model.hub_endpoint,
             token=c.hf_token,
+            refresh=c.policy.provision,
         )
         source = f"{len(report.downloaded_files) + len(report.repaired_cache_files)} file(s) from the hub"
-        done.append(f"{ref.name}: {len(report.copied_files)} file(s) copied, {source}")
+        done.append(
+            f"{ref.name}@{report.commit[:12]}: {len(report.copied_files)} file(s) copied, {source}"
+        )
     return Outcome(True, "staged " + "; ".join(done))
 
 

@@ -2,7 +2,9 @@
 through `pct exec` over a Transport, and turn its JSON into a report.
 
     report = stage_model(t, 200, ref, python="/opt/ddops/venv/bin/python", endpoint=url)
-    problems = check_staged(t, 200, "target", python=..., hashes=False)   # [] when intact
+    staged = check_staged(t, 200, "target", python=..., hashes=False)
+    staged.problems, staged.commit                     # [] when intact; the commit staged
+    branch_commit(ref, endpoint, token)                # what the ref's branch points at now
 
 The HF token travels on stdin (ct_exec's env), never on a command line.
 """
@@ -10,8 +12,10 @@ The HF token travels on stdin (ct_exec's env), never on a command line.
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 
-from ops.agents.staging import CACHE_DIR, SHM_MODELS, StageReport
+from ops.agents.staging import CACHE_DIR, SHM_MODELS, StageReport, hub_errors
 from ops.errors import DdopsError
 from ops.host.pve import ct_exec
 from ops.site.inventory import ModelRef
@@ -43,8 +47,10 @@ def stage_model(
     token: str | None = None,
     cache: str = CACHE_DIR,
     shm: str = SHM_MODELS,
+    refresh: bool = False,
 ) -> StageReport:
-    """Stage one model into the CT's /dev/shm through `pct exec` (token on stdin, never argv)."""
+    """Stage one model into the CT's /dev/shm through `pct exec` (token on stdin, never argv),
+    at the commit staging recorded; `refresh` (provision) moves to the branch's commit now."""
     args = [
         "stage",
         "--repo",
@@ -60,13 +66,45 @@ def stage_model(
     ]
     if endpoint:
         args += ["--endpoint", endpoint]
+    if refresh:
+        args.append("--refresh")
     payload = _run_agent(t, vmid, python, args, env={"HF_TOKEN": token} if token else None)
     return StageReport(**payload)
 
 
+@dataclass(frozen=True)
+class Staged:
+    """The staged copy in a CT: its problems ([] when complete) and the commit it came from."""
+
+    problems: list[str]
+    commit: str | None
+
+
 def check_staged(
     t, vmid: int, name: str, *, python: str, shm: str = SHM_MODELS, hashes: bool = False
-) -> list[str]:
-    """Problems with the staged copy in the CT (empty: complete)."""
+) -> Staged:
+    """The staged copy in the CT, checked."""
     args = ["check", "--name", name, "--shm", shm] + (["--hashes"] if hashes else [])
-    return _run_agent(t, vmid, python, args, timeout=600)["problems"]
+    payload = _run_agent(t, vmid, python, args, timeout=600)
+    return Staged(payload["problems"], payload.get("commit"))
+
+
+COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def branch_commit(ref: ModelRef, endpoint: str | None, token: str | None) -> str | None:
+    """The commit the ref's revision points at on the hub now (it is the commit itself when the
+    revision is one); None when the hub cannot tell."""
+    if COMMIT.fullmatch(ref.revision):
+        return ref.revision
+    from huggingface_hub import HfApi
+
+    try:
+        with hub_errors(ref):
+            return (
+                HfApi(endpoint=endpoint, token=token)
+                .model_info(ref.repo, revision=ref.revision)
+                .sha
+            )
+    except DdopsError:
+        return None

@@ -9,8 +9,11 @@ client against it in tests and in `ddops demo`:
     GET  /{repo}/resolve/{rev}/{path}                 the bytes (Range supported, for resumes)
 
 Errors carry the hub's `X-Error-Code` (RepoNotFound, RevisionNotFound, EntryNotFound), so the
-client raises its own typed errors. A repo is a directory ROOT/<org>/<name>; its one commit is
-a hash of its files, and it answers to "main" and to that sha. `bytes_served` counts file bytes
+client raises its own typed errors. A repo is a directory ROOT/<org>/<name>; its commit is a
+hash of its files, and it answers to "main" and to that sha. Like a real hub it keeps its
+history: each commit it has served (its file list, and each file's bytes by sha256) is kept in
+ROOT/.ddops-hub/, so after the directory changes ("main" moved) the older commit is still
+served by its sha. `bytes_served` counts file bytes
 sent, so tests can assert "zero bytes downloaded". With `token`, requests without
 `Authorization: Bearer <token>` get 401 (the hub's answer for a private repo).
 
@@ -38,6 +41,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+HISTORY_DIR = ".ddops-hub"
 _API = re.compile(
     r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/]+)|/tree/(?P<tree>[^/]+)(?P<sub>/.*)?)?$"
 )
@@ -75,27 +79,53 @@ def _digest_file(repo_dir: Path, path: Path) -> HubFile:
 
 
 class Repo:
-    """One model directory at its single commit."""
+    """One model directory at one commit: its files, and where their bytes are kept."""
 
-    def __init__(self, repo_id: str, directory: Path, stamp: int) -> None:
+    def __init__(
+        self, repo_id: str, files: dict[str, HubFile], blobs: Path, stamp: int = 0
+    ) -> None:
         self.repo_id = repo_id
-        self.directory = directory
-        self.stamp = stamp  # newest mtime when read: a change means a new commit
-        files = sorted(
-            p for p in directory.rglob("*") if p.is_file() and not p.name.startswith(".")
-        )
-        self.files = {f.path: f for f in (_digest_file(directory, p) for p in files)}
+        self.files = files
+        self.blobs = blobs  # the bytes of each file, by sha256
+        self.stamp = stamp  # the directory's newest mtime when read: a change is a new commit
         listing = "".join(f"{f.path}\x00{f.sha256}\n" for f in self.files.values())
         self.sha = hashlib.sha1(listing.encode()).hexdigest()
-
-    def check_revision(self, rev: str) -> None:
-        if rev not in ("main", self.sha):
-            raise HubError(404, "RevisionNotFound", f"Invalid rev id: {rev}")
 
     def file(self, path: str) -> HubFile:
         if path not in self.files:
             raise HubError(404, "EntryNotFound", f"{path} does not exist in {self.repo_id}")
         return self.files[path]
+
+    def read(self, f: HubFile) -> bytes:
+        return (self.blobs / f.sha256).read_bytes()
+
+
+def _read_repo(repo_id: str, directory: Path, history: Path, stamp: int) -> Repo:
+    """The directory as a commit, its files' bytes and its file list kept in `history`."""
+    found = sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith("."))
+    files = {f.path: f for f in (_digest_file(directory, p) for p in found)}
+    blobs = history / "blobs"
+    blobs.mkdir(parents=True, exist_ok=True)
+    for f in files.values():
+        if not (blobs / f.sha256).is_file():
+            tmp = blobs / f".{f.sha256}.tmp"
+            tmp.write_bytes((directory / f.path).read_bytes())
+            os.replace(tmp, blobs / f.sha256)
+    repo = Repo(repo_id, files, blobs, stamp)
+    listing = history / "commits" / repo_id / f"{repo.sha}.json"
+    listing.parent.mkdir(parents=True, exist_ok=True)
+    listing.write_text(json.dumps([[f.path, f.size, f.sha256, f.git_oid] for f in files.values()]))
+    return repo
+
+
+def _kept_repo(repo_id: str, sha: str, history: Path) -> Repo | None:
+    """A commit served before, from `history`."""
+    try:
+        listing = json.loads((history / "commits" / repo_id / f"{sha}.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    files = {path: HubFile(path, size, sha256, oid) for path, size, sha256, oid in listing}
+    return Repo(repo_id, files, history / "blobs")
 
 
 class LocalHub:
@@ -142,8 +172,9 @@ class LocalHub:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def repo(self, repo_id: str) -> Repo:
-        """The repo as its files are now (re-read when they change, like a new push)."""
+    def repo(self, repo_id: str, rev: str = "main") -> Repo:
+        """The repo at `rev`: "main" is its files as they are now (re-read when they change,
+        like a new push); a sha is any commit served before."""
         directory = self.root / repo_id
         if not directory.is_dir() or ".." in repo_id.split("/"):
             raise HubError(404, "RepoNotFound", f"Repository not found: {repo_id}")
@@ -151,8 +182,16 @@ class LocalHub:
             cached = self._repos.get(repo_id)
             stamp = max((p.stat().st_mtime_ns for p in directory.rglob("*")), default=0)
             if cached is None or cached.stamp != stamp:
-                cached = self._repos[repo_id] = Repo(repo_id, directory, stamp)
-            return cached
+                cached = self._repos[repo_id] = _read_repo(repo_id, directory, self.history, stamp)
+            if rev in ("main", cached.sha):
+                return cached
+            if (kept := _kept_repo(repo_id, rev, self.history)) is not None:
+                return kept
+        raise HubError(404, "RevisionNotFound", f"Invalid rev id: {rev}")
+
+    @property
+    def history(self) -> Path:
+        return self.root / HISTORY_DIR
 
     def authorised(self, header: str | None) -> bool:
         if self.token is None:
@@ -202,9 +241,7 @@ def _handler_for(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
             hub.count(self.command, path, 0)
 
         def _api(self, m: re.Match, recursive: bool) -> None:
-            repo = hub.repo(m["repo"])
-            rev = m["rev"] or m["tree"] or "main"
-            repo.check_revision(rev)
+            repo = hub.repo(m["repo"], m["rev"] or m["tree"] or "main")
             if m["tree"] is None:
                 siblings = [{"rfilename": p} for p in repo.files]
                 self._json(
@@ -223,10 +260,9 @@ def _handler_for(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
             self._json(entries)
 
         def _resolve(self, m: re.Match, send_body: bool) -> None:
-            repo = hub.repo(m["repo"])
-            repo.check_revision(m["rev"])
+            repo = hub.repo(m["repo"], m["rev"])
             f = repo.file(m["path"])
-            data = (repo.directory / f.path).read_bytes()
+            data = repo.read(f)
             start, status = _range_start(self.headers.get("Range")), 200
             if start:
                 data, status = data[start:], 206

@@ -47,10 +47,10 @@ def assert_least_privilege(host) -> None:
 
 
 def not_ok(document: dict) -> list[str]:
-    """`key: status: evidence` of each check that did not pass, for the assertion's message."""
+    """`key: status: evidence -> action` of each check that did not pass, for the message."""
     checks = [c for ct in document["cts"] for c in ct["checks"]]
     return [
-        f"{c['key']}: {c['status']}: {c['evidence']}"
+        f"{c['key']}: {c['status']}: {c['evidence']} -> {c['action']}"
         for c in checks
         if c["status"] not in ("ok", "unchanged", "changed")
     ]

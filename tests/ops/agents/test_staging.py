@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.agents.staging import check_local, stage_local
+from ops.agents.staging import check_local, stage_local, staged_commit
 from ops.errors import DdopsError
 from ops.sim.hub import LocalHub
 from ops.site.inventory import ModelRef
@@ -239,3 +239,60 @@ def test_the_hub_going_down_between_download_and_its_file_list_is_one_error(
         DdopsError, match=r"^model ddops/tiny: hub error \(ConnectionRefusedError\)"
     ):
         stage(hub, tmp_path)
+
+
+# -- exact revisions: the commit a branch resolved to is the one staged, repaired, reported --------
+
+
+def move_main(hub) -> dict[str, str]:
+    """Push a new commit to the hub's main (new weights); the old commit's digests."""
+    before = digests(hub.root / "ddops/tiny")
+    (hub.root / "ddops/tiny/model.safetensors").write_bytes(os.urandom(200_000))
+    return before
+
+
+def damage_cached_weights(tmp_path) -> None:
+    snapshots = tmp_path / "cache/models--ddops--tiny/snapshots"
+    next(snapshots.rglob("model.safetensors")).resolve().write_bytes(b"x" * 200_000)
+
+
+def test_a_repair_fetches_the_staged_commit_after_main_moved(hub, tmp_path):
+    """The finding: the repair fetched `main` (other bytes by then) and failed its sha256."""
+    first = stage(hub, tmp_path)
+    staged = digests(tmp_path / "shm/tiny")
+    assert move_main(hub) == staged
+    shutil.rmtree(tmp_path / "shm")
+    damage_cached_weights(tmp_path)
+    report = stage(hub, tmp_path)
+    assert report.repaired_cache_files == ["model.safetensors"]
+    assert report.commit == first.commit  # not main's new commit
+    assert digests(tmp_path / "shm/tiny") == staged
+    assert staged_commit("tiny", tmp_path / "shm") == first.commit
+
+
+def test_a_lost_cache_snapshot_is_fetched_at_the_staged_commit(hub, tmp_path):
+    first = stage(hub, tmp_path)
+    staged = digests(tmp_path / "shm/tiny")
+    move_main(hub)
+    shutil.rmtree(tmp_path / "shm")
+    shutil.rmtree(tmp_path / "cache/models--ddops--tiny/snapshots")
+    report = stage(hub, tmp_path)
+    assert report.commit == first.commit and digests(tmp_path / "shm/tiny") == staged
+
+
+def test_refresh_moves_to_the_branchs_new_commit(hub, tmp_path):
+    first = stage(hub, tmp_path)
+    move_main(hub)
+    assert stage(hub, tmp_path).commit == first.commit  # without refresh: what was staged
+    report = stage_local(
+        REF,
+        endpoint=hub.url,
+        token=None,
+        cache=tmp_path / "cache",
+        shm_root=tmp_path / "shm",
+        log=lambda m: None,
+        refresh=True,
+    )
+    assert report.commit != first.commit and report.downloaded_files
+    assert digests(tmp_path / "shm/tiny") == digests(hub.root / "ddops/tiny")
+    assert staged_commit("tiny", tmp_path / "shm") == report.commit
