@@ -596,16 +596,20 @@ def probe_host_ddops(c: ChainContext) -> Finding:
 
 
 def install_host_ddops(c: ChainContext, dry_run: bool) -> Outcome:
+    site_text = _host_site_text(c)
+    path = host_install.HOST_SITE
+    current = c.t.read_text(path) if c.t.exists(path) else ""
+    diff = unified_diff(current, site_text, path) if current != site_text else ""
     done = [
         step
         for step in (
             host_install.install_host_ddops(c.t, dry_run),
-            host_install.write_host_site(c.t, _host_site_text(c), dry_run),
+            host_install.write_host_site(c.t, site_text, dry_run),
             host_install.store_hf_token(c.t, c.hf_token, dry_run) if _stores_token(c) else None,
         )
         if step
     ]
-    return Outcome(bool(done), "; ".join(done) or "in step")
+    return Outcome(bool(done), "; ".join(done) or "in step", diff)
 
 
 # -- the chain -------------------------------------------------------------------------------

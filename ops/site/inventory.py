@@ -25,7 +25,7 @@ import ipaddress
 import json
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -262,6 +262,11 @@ def _build(cls: type, data: Any, where: str):
     if not isinstance(data, dict):
         raise InputError(where, f"expected a mapping, got {type(data).__name__}")
     _no_unknown_keys(data, {f.name for f in fields(cls)}, where)
+    required = [
+        f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+    ]
+    if missing := [name for name in required if name not in data]:
+        raise InputError(where, f"{', '.join(missing)} is required")
     try:
         return cls(**data)
     except DdopsError as exc:

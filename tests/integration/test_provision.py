@@ -110,6 +110,10 @@ def test_dry_run_from_nothing_plans_and_changes_nothing(site):
     assert "+Before=pve-guests.service" in boot["diff"]
     assert "/usr/local/bin/ddops -i /etc/ddops/site.yml recover --ct 200 --at-boot" in boot["diff"]
     assert check_of(document, "ct-exists")["action"].startswith("would run `pct create 200 ")
+    assert "--unprivileged 1 --features nesting=1`" in check_of(document, "ct-exists")["action"]
+    site_diff = check_of(document, "host-ddops")["diff"]  # issue 32: the site file's diff too
+    assert site_diff.startswith("--- /etc/ddops/site.yml\n+++ /etc/ddops/site.yml (planned)\n")
+    assert any(x.startswith("+") and "ddops_target: sim:" in x for x in site_diff.splitlines())
     assert host_hashes(site.root) == before
     assert site.hub.bytes_served == 0
 

@@ -80,6 +80,15 @@ SUBSTITUTIONS = [
     ("rootfs-no-size", '"local-lvm:8"', '"local-lvm"'),
     ("device-style", "device_style: auto", "device_style: DevN"),
     ("container-unknown-key", "cores: 2", "corez: 2"),
+    # issue 32: a model without its repo was a traceback (ModelRef.__init__() missing 'repo')
+    (
+        "model-without-repo",
+        "target: {repo: ddops/demo-target, revision: main}",
+        "target: {revision: main}",
+    ),
+    ("draft-without-repo", "draft: {repo: ddops/demo-draft}", "draft: {name: draft}"),
+    ("privileged-string", "device_style: auto", "device_style: auto, privileged: 'yes'"),
+    ("gpu-gid-zero", "device_style: auto", "device_style: auto, gpu_gid: 0"),
     ("port-bool", "port: 8000", "port: true"),
     ("port-float", "port: 8000", "port: 8000.5"),
     ("port-zero", "port: 8000", "port: 0"),
