@@ -46,7 +46,7 @@ def environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=False,
         keep_trailing_newline=True,
-        autoescape=False,
+        autoescape=False,  # nosec B701 - systemd units and CT configs: HTML escaping corrupts them
     )
 
 

@@ -41,7 +41,7 @@ from ops.errors import DdopsError
 from ops.site.inventory import ModelRef
 
 CACHE_DIR = "/var/cache/ddops/hf"
-SHM_MODELS = "/dev/shm/models"
+SHM_MODELS = "/dev/shm/models"  # nosec B108 - the CT's own tmpfs, the staging target by design
 STAMP = ".ddops-staged.json"
 CHUNK = 8 << 20
 
@@ -180,16 +180,12 @@ def _download(
     files travel; `force` re-fetches damaged files."""
     from huggingface_hub import hf_hub_download, snapshot_download
 
-    where = {
-        "revision": revision or ref.revision,
-        "cache_dir": cache,
-        "endpoint": endpoint,
-        "token": token,
-    }
+    pinned = revision or ref.revision
+    where = {"cache_dir": cache, "endpoint": endpoint, "token": token}
     with hub_errors(ref):
         for path in force or []:
-            hf_hub_download(ref.repo, path, force_download=True, **where)
-        return Path(snapshot_download(ref.repo, **where))
+            hf_hub_download(ref.repo, path, revision=pinned, force_download=True, **where)
+        return Path(snapshot_download(ref.repo, revision=pinned, **where))
 
 
 def _verified_manifest(

@@ -47,7 +47,8 @@ ENGINE_USER = "ddops-engine"
 NO_KEY_TEXT = "# No API key: `ddops provision --no-api-key` removed it; the engine asks for none.\n"
 SUPERVISED_UNIT = "/etc/ddops/ddops-engine.service"
 SYSTEMD_UNIT_NAME = "ddops-engine.service"
-PUSH_DIR = "/var/lib/ddops/push"  # host-side copies of files pushed into CTs (never secrets)
+PUSH_DIR = "/var/lib/ddops/push"
+CT_WHEEL_DIR = "/var/lib/ddops/wheels"  # in the CT: root's, not a world-writable /tmp  # host-side copies of files pushed into CTs (never secrets)
 ENGINE_HOST = "127.0.0.1"
 LOG_LINES = 20
 POLL_S = 1.0
@@ -167,7 +168,7 @@ def _push_wheel(t: Transport, vmid: int | str) -> str | None:
     with built_wheel() as wheel:
         if wheel is None:
             return None
-        dest = f"/tmp/{wheel.name}"
+        dest = f"{CT_WHEEL_DIR}/{wheel.name}"
         _push(t, vmid, wheel.read_bytes(), dest)
     return f"{dest}[engine]"
 

@@ -30,7 +30,7 @@ from ops.site.inventory import EngineSpec, HostSpec, ModelSpec, Site, site_docum
 HOST_DDOPS = "/usr/local/bin/ddops"
 HOST_SITE = "/etc/ddops/site.yml"
 HOST_VENV = "/opt/ddops/venv"
-HF_TOKEN_FILE = "/etc/ddops/hf-token.env"  # only with `provision --store-hf-token` (root, 0600)
+HF_TOKEN_FILE = "/etc/ddops/hf-token.env"  # nosec B105 - a path; only with `provision --store-hf-token` (root, 0600)
 WHEEL_DIR = "/var/lib/ddops/wheels"
 PIP_TIMEOUT_S = 1800.0
 SITE_HEADER = (

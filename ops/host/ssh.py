@@ -274,7 +274,7 @@ class SSHTransport(Transport):
         remote_argv, stdin = env_via_stdin(argv, env, input) if env else (argv, input)
         channel = self._session()
         try:
-            channel.exec_command(self.remote_command(remote_argv))
+            channel.exec_command(self.remote_command(remote_argv))  # nosec B601 - shlex.join'ed argv
             if stdin:
                 channel.sendall(stdin.encode())
             channel.shutdown_write()
@@ -301,7 +301,7 @@ class SSHTransport(Transport):
         argv = ["sh", "-c", _FLOCK_SCRIPT, "ddops-flock", real, f"{timeout:g}"]
         channel = self._session()
         try:
-            channel.exec_command(self.remote_command(argv))
+            channel.exec_command(self.remote_command(argv))  # nosec B601 - shlex.join'ed argv
             said = _collect_line(channel, timeout + self.connect_timeout, self._watch(channel))
             if said != b"locked\n":
                 if channel.exit_status_ready() and channel.recv_exit_status() == 1:

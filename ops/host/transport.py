@@ -70,11 +70,11 @@ class LockTimeout(DdopsError):
 LOCK_POLL_S = 0.2  # flock(2) has no timeout of its own: try, sleep, try again
 
 
-# A constant script: export the NAME=VALUE lines read from stdin up to an empty line, then exec
-# "$@" with the rest of stdin. `read` consumes a pipe byte by byte, so the command gets exactly
-# the bytes after the empty line. Used where env must cross a process boundary (SSH, `pct exec`)
-# without its values ever appearing on a command line.
-ENV_FROM_STDIN_SCRIPT = 'while IFS= read -r kv && [ -n "$kv" ]; do export "$kv"; done; exec "$@"'
+# A constant script: export the NAME=VALUE lines read from stdin up to an empty line (the line
+# itself is what `export` takes), then exec "$@" with the rest of stdin. `read` consumes a pipe
+# byte by byte, so the command gets exactly the bytes after the empty line. Used where env must
+# cross a process boundary (SSH, `pct exec`) without its values ever appearing on a command line.
+ENV_FROM_STDIN_SCRIPT = 'while IFS= read -r kv && [ -n "$kv" ]; do export "${kv?}"; done; exec "$@"'
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 

@@ -72,7 +72,7 @@ class HubError(Exception):
 
 def _digest_file(repo_dir: Path, path: Path) -> HubFile:
     data = path.read_bytes()
-    git_oid = hashlib.sha1(b"blob %d\x00" % len(data) + data).hexdigest()
+    git_oid = hashlib.sha1(b"blob %d\x00" % len(data) + data, usedforsecurity=False).hexdigest()
     return HubFile(
         path.relative_to(repo_dir).as_posix(), len(data), hashlib.sha256(data).hexdigest(), git_oid
     )
@@ -89,7 +89,7 @@ class Repo:
         self.blobs = blobs  # the bytes of each file, by sha256
         self.stamp = stamp  # the directory's newest mtime when read: a change is a new commit
         listing = "".join(f"{f.path}\x00{f.sha256}\n" for f in self.files.values())
-        self.sha = hashlib.sha1(listing.encode()).hexdigest()
+        self.sha = hashlib.sha1(listing.encode(), usedforsecurity=False).hexdigest()
 
     def file(self, path: str) -> HubFile:
         if path not in self.files:

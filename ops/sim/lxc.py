@@ -91,7 +91,7 @@ class LxcContainers:
         return self.reachable() if self.id_base(vmid) else self.lxcpath
 
     def reachable(self) -> Path:
-        key = hashlib.sha1(str(self.lxcpath).encode()).hexdigest()[:16]
+        key = hashlib.sha1(str(self.lxcpath).encode(), usedforsecurity=False).hexdigest()[:16]
         return REACHABLE_DIR / key
 
     def _check(self, proc: subprocess.CompletedProcess, what: str) -> None:

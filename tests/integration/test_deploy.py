@@ -678,7 +678,7 @@ def test_a_real_host_gets_a_venv_and_this_ddops_wheel_with_the_engine_extra():
     assert outcome == deploy.Outcome(
         True, f"installed ddops[engine] {deploy.ddops_version()} into /opt/ddops/venv"
     )
-    wheel = f"/tmp/ddops-{deploy.ddops_version()}-py3-none-any.whl"
+    wheel = f"/var/lib/ddops/wheels/ddops-{deploy.ddops_version()}-py3-none-any.whl"
     assert t.ct_files[wheel][:2] == b"PK"  # a zip: the wheel built from this tree
     assert ["python3", "-m", "venv", "/opt/ddops/venv"] in t.ct_commands
     pip = [REAL_ENGINE.python, "-m", "pip", "install", "--upgrade", f"{wheel}[engine]"]
