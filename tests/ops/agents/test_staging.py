@@ -40,7 +40,7 @@ def digests(path: Path) -> dict[str, str]:
     }
 
 
-def stage(hub, tmp_path):
+def stage(hub, tmp_path, refresh: bool = False):
     return stage_local(
         REF,
         endpoint=hub.url,
@@ -48,6 +48,7 @@ def stage(hub, tmp_path):
         cache=tmp_path / "cache",
         shm_root=tmp_path / "shm",
         log=lambda m: None,
+        refresh=refresh,
     )
 
 
@@ -284,15 +285,7 @@ def test_refresh_moves_to_the_branchs_new_commit(hub, tmp_path):
     first = stage(hub, tmp_path)
     move_main(hub)
     assert stage(hub, tmp_path).commit == first.commit  # without refresh: what was staged
-    report = stage_local(
-        REF,
-        endpoint=hub.url,
-        token=None,
-        cache=tmp_path / "cache",
-        shm_root=tmp_path / "shm",
-        log=lambda m: None,
-        refresh=True,
-    )
+    report = stage(hub, tmp_path, refresh=True)
     assert report.commit != first.commit and report.downloaded_files
     assert digests(tmp_path / "shm/tiny") == digests(hub.root / "ddops/tiny")
     assert staged_commit("tiny", tmp_path / "shm") == report.commit
