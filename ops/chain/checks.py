@@ -702,7 +702,7 @@ CHAIN: tuple[Check, ...] = (
     # Last, so that a stale host-side ddops never keeps recover from repairing the CT.
     Check(
         "host-ddops",
-        "ddops and its site file on the host",
+        "host's own ddops and its site file",
         probe_host_ddops,
         install_host_ddops,
         ("host",),

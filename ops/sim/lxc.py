@@ -15,13 +15,14 @@ creation, as `pct create` extracts a template. Without the range the CT runs pri
 sim's log says so. devN nodes are made in the CT's passthrough directory (mode, mapped owner)
 and bind-mounted onto its /dev, as Proxmox's start hook does.
 
-The root of an unprivileged CT may not walk the paths that lead to its lxcpath (a sim root
-under a 0700 temporary directory) nor to the host directories bound into it (a Python under
-/root), and LXC requires it to. So such a CT's lxcpath, as LXC is told it, is
-/run/ddops-sim/<key> (0755 all the way): `lxc-start` runs in a mount namespace of its own
-(`unshare`) where the host's root binds the real lxcpath there and each host directory onto the
-CT's binds/<i>; the mounts live and die with the CT. On the host that path holds only a copy of
-the CT's config, so lxc-attach, lxc-info and lxc-stop, named with it, find the container.
+The root of an unprivileged CT may not walk the paths that lead to the sim root (a 0700
+temporary directory) nor to the host directories bound into it (a Python under /root), and LXC
+requires it to reach its lxcpath, rootfs and mount sources. So for such a CT the sim root is
+seen at /run/ddops-sim/<key> (0755 all the way): `lxc-start` runs in a mount namespace of its
+own (`unshare`) where the host's root binds the sim root there and each host directory onto the
+CT's binds/<i>; the mounts live and die with the CT, and the config names paths below that
+place. On the host it holds only a copy of the CT's config, so lxc-attach, lxc-info and
+lxc-stop, given that lxcpath, find the container.
 """
 
 from __future__ import annotations
@@ -88,11 +89,17 @@ class LxcContainers:
     def lxc_path(self, vmid: int) -> Path:
         """The lxcpath LXC knows the CT by: the real one, or for an unprivileged CT the one its
         mapped root can reach (see the module's docstring)."""
-        return self.reachable() if self.id_base(vmid) else self.lxcpath
+        return self.reachable() / LXC_PATH if self.id_base(vmid) else self.lxcpath
 
     def reachable(self) -> Path:
-        key = hashlib.sha1(str(self.lxcpath).encode(), usedforsecurity=False).hexdigest()[:16]
+        """Where an unprivileged CT sees the sim root."""
+        key = hashlib.sha1(str(self.root).encode(), usedforsecurity=False).hexdigest()[:16]
         return REACHABLE_DIR / key
+
+    def seen(self, vmid: int, path: str) -> str:
+        """A host path as the CT's start sees it: below the reachable sim root when unprivileged."""
+        below = Path(path).is_relative_to(self.root) and self.id_base(vmid)
+        return str(self.reachable() / Path(path).relative_to(self.root)) if below else path
 
     def _check(self, proc: subprocess.CompletedProcess, what: str) -> None:
         if proc.returncode != 0:
@@ -150,7 +157,7 @@ class LxcContainers:
         argv = ["lxc-start", "-P", str(self.lxc_path(vmid)), "-n", str(vmid)]
         argv += ["-o", log_file, "-l", "WARN"]
         if self.id_base(vmid):
-            known = self.reachable() / str(vmid)
+            known = self.lxc_path(vmid) / str(vmid)
             known.mkdir(mode=0o755, parents=True, exist_ok=True)
             (known / "config").write_text(config)  # for the tools run on the host
             argv = self._with_staged_binds(vmid, argv)
@@ -203,9 +210,12 @@ class LxcContainers:
 
     def destroy(self, vmid: int) -> None:
         if self.id_base(vmid):
-            shutil.rmtree(self.reachable() / str(vmid), ignore_errors=True)
+            shutil.rmtree(self.lxc_path(vmid) / str(vmid), ignore_errors=True)
             with contextlib.suppress(OSError):  # others of this host may still be there
-                self.reachable().rmdir()
+                for empty in (self.lxc_path(vmid), *self.lxc_path(vmid).parents):
+                    if empty == REACHABLE_DIR:
+                        break
+                    empty.rmdir()
         if (self.lxcpath / str(vmid)).exists():
             argv = ["lxc-destroy", "-P", str(self.lxcpath), "-n", str(vmid)]
             proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
@@ -224,11 +234,11 @@ class LxcContainers:
         the real lxcpath onto the reachable one and each host directory onto binds/<i> there."""
         reach = self.reachable()
         REACHABLE_DIR.chmod(0o755)
-        mounts = [f"mount --bind {shlex.quote(str(self.lxcpath))} {shlex.quote(str(reach))}"]
+        mounts = [f"mount --bind {shlex.quote(str(self.root))} {shlex.quote(str(reach))}"]
         for i, source in enumerate(self.host_binds()):
             if os.path.isdir(source):
                 (self.lxcpath / str(vmid) / "binds" / str(i)).mkdir(parents=True, exist_ok=True)
-                target = reach / str(vmid) / "binds" / str(i)
+                target = self.lxc_path(vmid) / str(vmid) / "binds" / str(i)
                 mounts.append(f"mount --bind {shlex.quote(source)} {shlex.quote(str(target))}")
         script = " && ".join([*mounts, 'exec "$@"'])
         return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *argv]
@@ -278,7 +288,10 @@ class LxcContainers:
             "none ro,bind,optional,create=dir 0 0"
             for i, p in enumerate(self.host_binds())
         ]
-        lines += [f"lxc.mount.entry = {entry}" for entry in plan.mounts]
+        lines += [
+            f"lxc.mount.entry = {self.seen(vmid, entry.split()[0])} {entry.split(maxsplit=1)[1]}"
+            for entry in plan.mounts
+        ]
         lines += [
             f"lxc.mount.entry = {ct_dir / 'passthrough' / 'dev' / dev.name} dev/{dev.name} "
             "none bind,create=file 0 0"

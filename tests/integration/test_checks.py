@@ -94,7 +94,10 @@ def test_stale_raw_rule_after_reboot_is_named_then_rewritten_and_cuda_works(runn
     )
 
     plan = checks.write_ct_config(c, True)
-    assert plan.detail == "would write /etc/pve/lxc/200.conf; restart the CT to apply it"
+    assert plan.detail == (
+        "would write /etc/pve/lxc/200.conf, removing stale grant(s) "
+        "`lxc.cgroup2.devices.allow: c 511:* rwm`; restart the CT to apply it"
+    )
     assert "-lxc.cgroup2.devices.allow: c 511:* rwm" in plan.diff
     assert "+lxc.cgroup2.devices.allow: c 509:* rwm" in plan.diff
     assert running_ct.read_text("/etc/pve/lxc/200.conf") == config_before
