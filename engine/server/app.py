@@ -55,6 +55,7 @@ from engine.server.chat import build_chat_prompt
 from engine.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.server.schemas import ApiError, ChatTemplateInputs, TokenizeRequest, parse_body
 from engine.server.state import LoadedEngine, ServerConfig, ServerState
+from engine.server.structured import grammar_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,6 @@ def load_engine(
 
     from engine.cache_pool import CachePool
     from engine.decode import generate
-    from engine.grammar import tokenizer_from_json
     from engine.models import load_drafter
     from engine.parallel import open_target
     from engine.tokenizer import load_tokenizer
@@ -112,7 +112,7 @@ def load_engine(
         max_model_len=limit,
         vocab_size=vocab,
         has_drafter=drafter is not None,
-        grammar_tokenizer=tokenizer_from_json(tokenizer.to_json(), vocab, tokenizer.eos_token_ids),
+        grammar_tokenizer=grammar_tokenizer(tokenizer, vocab),
         prefix_caching=pool is not None and pool.prefix_cache is not None,
     )
 

@@ -24,15 +24,18 @@ writes it. Schemas llguidance cannot compile are refused with a 400 naming the f
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 import llguidance
 
-from engine.grammar import COMPACT, Constraint
+from engine.grammar import COMPACT, Constraint, tokenizer_from_json
 from engine.server.chat import ChatPrompt
 from engine.server.schemas import ApiError, ResponseFormat
 from engine.server.tools import CALL_CLOSE, CALL_OPEN, Schemas, ToolCallFormat
+
+log = logging.getLogger(__name__)
 
 ANY_OBJECT = {"type": "object"}
 
@@ -79,9 +82,25 @@ def tool_constraint(prompt: ChatPrompt, tokenizer, answer: dict | None = None) -
     return _compiled("tools", lambda t: Constraint.from_lark(t, lark), tokenizer)
 
 
+def grammar_tokenizer(tokenizer: Any, vocab: int) -> llguidance.LLTokenizer | None:
+    """llguidance's view of the served tokenizer, or None (logged) when it cannot read it (a
+    tokenizer.json without a decoder, as tests' word-level ones): the server still serves,
+    and a request that needs a grammar is a 400 saying why."""
+    try:
+        return tokenizer_from_json(tokenizer.to_json(), vocab, tokenizer.eos_token_ids)
+    except ValueError as exc:
+        log.warning("structured output off: llguidance cannot read the tokenizer: %s", exc)
+        return None
+
+
 def _compiled(param: str, build, tokenizer) -> Constraint:
     if tokenizer is None:
-        raise ApiError(400, f"{param}: this server has no grammar for its tokenizer", param=param)
+        raise ApiError(
+            400,
+            f"{param}: structured output is off: the grammar engine cannot read this model's "
+            "tokenizer (see the server log)",
+            param=param,
+        )
     try:
         return build(tokenizer)
     except ValueError as exc:

@@ -158,3 +158,19 @@ def test_response_formats_compile_or_are_refused_by_name(grammar_tokenizer):
     with pytest.raises(ApiError, match="response_format: grammar rejected") as refused:
         response_constraint(bad, grammar_tokenizer)
     assert refused.value.status == 400 and refused.value.param == "response_format"
+
+
+def test_a_tokenizer_the_grammar_engine_cannot_read_turns_structured_output_off(tmp_path, caplog):
+    """A tokenizer.json without a decoder (the tests' word-level ones) loads, with structured
+    output off: the server still serves, a request that needs a grammar is a 400 saying why."""
+    from engine.server.structured import grammar_tokenizer
+    from engine.tokenizer import load_tokenizer
+    from tests.helpers.tiny_qwen3 import save_tiny_tokenizer
+
+    save_tiny_tokenizer(tmp_path, 96)
+    with caplog.at_level("WARNING", logger="engine.server.structured"):
+        assert grammar_tokenizer(load_tokenizer(tmp_path), 96) is None
+    assert "structured output off" in caplog.text
+    with pytest.raises(ApiError, match="structured output is off") as refused:
+        response_constraint(ResponseFormat(type="json_object"), None)
+    assert refused.value.status == 400
