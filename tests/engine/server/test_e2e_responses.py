@@ -1,7 +1,8 @@
 """The Responses API against the real `python -m engine serve` over the demo pair: the answer
 matches OpenAI's schema whole and streamed, its prompt is chat's for the same conversation, the
-output is the same for ar and ddtree (speculation is lossless), and the openai-agents SDK's
-default `Agent` with a function tool and an `output_type` runs to its typed answer.
+output is the same for ar and ddtree (speculation is lossless), a repeated conversation's usage
+counts the prefix it read from the cache, and the openai-agents SDK's default `Agent` with a
+function tool and an `output_type` runs to its typed answer.
 
 Marked slow: one server process (torch import, the demo pair's load and warm-up).
 """
@@ -44,6 +45,16 @@ def test_the_answer_matches_the_spec_and_its_prompt_is_chats(server_process):
     tokenized = httpx.post(server_process.url + "/tokenize", json=chat, timeout=60).json()
     assert body["usage"]["input_tokens"] == tokenized["count"]
     assert body["usage"]["output_tokens"] <= 24
+
+
+def test_a_repeated_conversation_reads_its_prefix_from_the_cache(server_process):
+    def usage() -> dict:
+        answer = httpx.post(server_process.url + "/v1/responses", json=ASK, timeout=120)
+        return answer.json()["usage"]
+
+    first, second = usage(), usage()
+    assert second["input_tokens"] == first["input_tokens"]
+    assert 0 < second["input_tokens_details"]["cached_tokens"] <= second["input_tokens"]
 
 
 def produced(item) -> tuple[str, str]:
