@@ -138,7 +138,8 @@ def test_from_nothing_to_healthy_then_a_second_run_changes_nothing(private_site)
 
     config = site.t.read_text("/etc/pve/lxc/200.conf")
     for index, node in enumerate(["nvidia0", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"]):
-        assert f"dev{index}: /dev/{node}\n" in config  # PVE 8.2: Proxmox grants the majors at start
+        assert f"dev{index}: /dev/{node},gid=44\n" in config  # PVE 8.2: majors granted at start
+    assert "unprivileged: 1\n" in config and "features: nesting=1\n" in config
     assert "size=1g" in config
     assert site.shm_digests("target") == site.hub_digests(TARGET_REPO)
     assert site.shm_digests("draft") == site.hub_digests(DRAFT_REPO)
