@@ -7,7 +7,7 @@
 With a chat template (the demo pair): an agent's conversation rendered by the model's template, a
 system prompt and tools, then turns that alternate a user request and a tool result (held-out
 standard-library source, engine/data/corpus.py), each answer fed back as the assistant's
-message, until the history reaches --history tokens. Without one (a random checkpoint, such as
+message, until a user turn's prompt reaches --history tokens. Without one (a random checkpoint, such as
 tests/helpers/qwen36_checkpoint.py's): token ids, a first prompt of --history tokens, then
 --turns turns of the answer and --turn-tokens new ones.
 
@@ -42,7 +42,7 @@ READ_FILE = {
         "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
     },
 }
-TOOL_RESULT_CHARS = 2400
+TOOL_RESULT_CHARS = 2800  # ~950 demo tokens: the last short turn follows ~3.5k of history
 
 
 @dataclass
@@ -74,7 +74,7 @@ def chat_turns(tokenizer, history: int) -> Iterator[tuple[list[int], tuple[int, 
             ids, tokenizer.encode(tokenizer.render_chat(messages, False, tools=tools))
         )
         answer = yield ids, (messages_end,)
-        if len(ids) >= history:
+        if len(ids) >= history and messages[-1]["role"] == "user":  # ends on a short turn
             return
         messages.append({"role": "assistant", "content": answer})
         if turn % 2 == 0:
