@@ -4,6 +4,7 @@
     before = watch.reading(); ...measure...; after = watch.reading()
     between(before, after)  # {"busy_cpu": 0.94, "others_cpu": 0.43, "own_cpu": 0.51, "load_1m": 3.2}
     summary([before, ..., after], disturbed=1)   # the run's figures and a warning when busy
+    gate = QuietGate(watch); response, load = gate.measure(lambda: send_request())
 
 `ddops bench` and `python -m engine bench` both record it (issue 31): a figure measured while
 other processes took the cores is noisier, and the report says so. The CPU figures come from
@@ -12,6 +13,12 @@ other processes took the cores is noisier, and the report says so. The CPU figur
 time, each a share of all cores over the interval (without `own_cpu_s`, only the busy share). GPUs (where `nvidia-smi` answers): SM and
 memory clocks against the SM maximum, temperature, utilization, and the processes on them (the
 engine is one). Reading never fails a bench: what cannot be read is left out.
+
+`QuietGate` measures each request in one of the machine's quiet moments: a request during which
+other processes took the cores is sent again once they have let go. Contention only ever slows
+a measurement, and a burst that lands on one method's request and not another's would decide a
+speedup; the tau bound catches that only when the baseline is the one slowed. A machine that is
+never quiet is measured as it is, and the warning says so.
 """
 
 from __future__ import annotations
@@ -23,9 +30,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 USER_HZ = 100  # the unit of /proc/stat's times on every Linux the engine runs on
 BUSY_OTHERS_SHARE = 0.25  # other processes above a quarter of all cores: a busy machine
+QUIET_SHARE = 0.10  # other processes above a tenth of all cores during a request disturbed it
+QUIET_WINDOW_S = 0.2  # a stretch this long below QUIET_SHARE is a quiet moment
+QUIET_WAIT_S = 3.0  # the longest wait for a quiet moment before sending again
+QUIET_TRIES = 4  # a disturbed request is sent this many times at most
+QUIET_PATIENCE = 3  # requests in a row measured busy: the machine is never quiet, stop waiting
 GPU_QUERY = (
     "index",
     "clocks.sm",
@@ -130,9 +145,11 @@ class MachineWatch:
     run: Run | None = None
     own_cpu_s: Callable[[], float | None] = lambda: None
     clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep  # on `clock`: a scripted clock advances
     _gpu_missing: bool = field(default=False, repr=False)
 
-    def reading(self) -> Reading:
+    def reading(self, gpus: bool = True) -> Reading:
+        """A look at the machine; `gpus=False` skips nvidia-smi (the quiet gate's many looks)."""
         values: dict = {"at": self.clock(), "own_cpu_s": self.own_cpu_s()}
         if self.read_text is not None:
             with contextlib.suppress(OSError, ValueError, IndexError):
@@ -140,7 +157,7 @@ class MachineWatch:
                 values.update(busy_jiffies=busy, total_jiffies=total, cpus=cpus)
             with contextlib.suppress(OSError, ValueError):
                 values["load"] = parse_loadavg(self.read_text("/proc/loadavg"))
-        if self.run is not None and not self._gpu_missing:
+        if gpus and self.run is not None and not self._gpu_missing:
             values.update(self._gpu_values())
         return Reading(**values)
 
@@ -178,6 +195,68 @@ def between(before: Reading, after: Reading) -> dict:
     return figures
 
 
+def others_share(load: dict) -> float | None:
+    """Other processes' share of all cores in a `between` interval: the busy share when the
+    bench's and engine's own CPU is unknown."""
+    others = load.get("others_cpu")
+    return others if others is not None else load.get("busy_cpu")
+
+
+@dataclass
+class QuietGate:
+    """Requests measured in the machine's quiet moments (see the module docstring).
+
+    A request during which other processes took more than `share` of all cores was disturbed:
+    it is sent again, `tries` times in all, the last one kept. After a disturbed request the
+    next send first waits (at most `wait_s`) for a `window_s` stretch below `share`, so that a
+    burst has passed; after a quiet one nothing waits. `measure(send, retry=False)` sends once:
+    for a request whose repeat would measure something else (a turn that fills the prefix
+    cache). After `patience` requests in a row measured busy the machine is taken to be never
+    quiet: no more waiting or re-sending until a request measures quiet again. Without /proc (a
+    remote URL) nothing is known and nothing waits: every request counts as quiet.
+    """
+
+    watch: MachineWatch
+    share: float = QUIET_SHARE
+    window_s: float = QUIET_WINDOW_S
+    wait_s: float = QUIET_WAIT_S
+    tries: int = QUIET_TRIES
+    patience: int = QUIET_PATIENCE
+    busy_in_a_row: int = 0
+    busy_requests: int = 0  # requests kept although measured busy
+    last_quiet: bool = True
+
+    @property
+    def never_quiet(self) -> bool:
+        return self.busy_in_a_row >= self.patience
+
+    def measure(self, send: Callable[[], T], retry: bool = True) -> tuple[T, dict]:
+        """send()'s result and the machine during it: {"others_cpu", "tries", "quiet"}."""
+        allowed, tries = (self.tries if retry else 1), 0
+        while True:
+            tries += 1
+            if not self.last_quiet and not self.never_quiet:
+                self._wait_for_quiet()
+            before = self.watch.reading(gpus=False)
+            result = send()
+            others = others_share(between(before, self.watch.reading(gpus=False)))
+            quiet = self.last_quiet = others is None or others <= self.share
+            if quiet or self.never_quiet or tries == allowed:
+                break
+        self.busy_in_a_row = 0 if quiet else self.busy_in_a_row + 1
+        self.busy_requests += not quiet
+        return result, {"others_cpu": others, "tries": tries, "quiet": quiet}
+
+    def _wait_for_quiet(self) -> None:
+        deadline = self.watch.clock() + self.wait_s
+        while True:
+            before = self.watch.reading(gpus=False)
+            self.watch.sleep(self.window_s)
+            others = others_share(between(before, self.watch.reading(gpus=False)))
+            if others is None or others <= self.share or self.watch.clock() >= deadline:
+                return
+
+
 def _gpu_summary(readings: Sequence[Reading]) -> list[dict]:
     by_index: dict[int, list[dict]] = {}
     for reading in readings:
@@ -200,9 +279,10 @@ def _gpu_summary(readings: Sequence[Reading]) -> list[dict]:
     return summary
 
 
-def summary(readings: Sequence[Reading], disturbed: int = 0) -> dict:
+def summary(readings: Sequence[Reading], disturbed: int = 0, busy_requests: int = 0) -> dict:
     """The run's machine state from its readings (first to last) and, when the machine was
-    busy or a measurement disturbed, a warning in words."""
+    busy or a measurement disturbed, a warning in words. `busy_requests`: requests kept although
+    other processes took the cores during them (QuietGate)."""
     if not readings:
         return {"warning": None}
     first, last = readings[0], readings[-1]
@@ -214,6 +294,7 @@ def summary(readings: Sequence[Reading], disturbed: int = 0) -> dict:
         "gpus": _gpu_summary(readings),
         "gpu_processes": list(last.gpu_processes) if last.gpu_processes is not None else None,
         "disturbed_repeats": disturbed,
+        "busy_requests": busy_requests,
     }
     document["warning"] = busy_warning(document)
     return document
@@ -231,6 +312,11 @@ def busy_warning(state: dict) -> str | None:
     processes = state.get("gpu_processes")
     if processes and len(processes) > 1:
         reasons.append(f"{len(processes)} processes on the GPU")
+    if state.get("busy_requests"):
+        reasons.append(
+            f"{state['busy_requests']} requests measured while other processes took the cores "
+            f"(each sent up to {QUIET_TRIES} times)"
+        )
     if state.get("disturbed_repeats"):
         reasons.append(
             f"{state['disturbed_repeats']} repeats disturbed (speedup above tau), redone"

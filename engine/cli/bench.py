@@ -12,7 +12,9 @@ each repeat, so a change in machine load hits them alike; each method first deco
 warm-up. A prompt gets at least --repeats repeats, more (up to --max-repeats) while its share of
 --time-budget seconds lasts. A speedup is the ratio of a method's decode to ar's decode of the
 same prompt in the same repeat; a repeat where one exceeds its tau (+ slack) was disturbed by
-something else: it is redone and left out. Decoding is greedy, so the tokens never change.
+something else: it is redone and left out. Each decode runs in a quiet moment of the machine
+and is run again when other processes took the cores during it (engine.machine_state.QuietGate).
+Decoding is greedy, so the tokens never change.
 
 Prints a table (tau = tokens committed per round, bonus included; decode tokens/s and speedup
 over ar as medians with their 95% intervals over the prompts' repeats; what a round costs), the
@@ -30,6 +32,7 @@ import argparse
 import json
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from engine.bench_stats import (
@@ -41,7 +44,7 @@ from engine.bench_stats import (
     rotated,
     verdict,
 )
-from engine.machine_state import MachineWatch, local_read, local_run, summary
+from engine.machine_state import MachineWatch, QuietGate, local_read, local_run, summary
 
 WARMUP_TOKENS = 16
 ROUND_STAGES = ("draft", "tree", "verify", "commit")
@@ -291,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
         decode(method, prompts[0], WARMUP_TOKENS)
     watch = MachineWatch(local_read, local_run if args.device != "cpu" else None, time.process_time)
     readings = [watch.reading()]
+    gate = QuietGate(watch)  # each decode in a quiet moment, sent again when disturbed
     tallies = {method: Tally() for method in methods}
     rates: dict[Method, Rates] = {method: {} for method in methods}
     disturbed = turn = 0
@@ -303,7 +307,9 @@ def run(args: argparse.Namespace) -> int:
             started = time.monotonic()
             order = rotated(methods, turn)
             turn += 1
-            results = {m: decode(m, prompt, args.max_new_tokens) for m in order}
+            results = {
+                m: gate.measure(partial(decode, m, prompt, args.max_new_tokens))[0] for m in order
+            }
             suspects = disturbed_in(results, methods[0])
             schedule.record(time.monotonic() - started, disturbed=bool(suspects))
             if suspects:
@@ -323,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
         )
     close_target(target)
     rows = summarise(tallies, rates)
-    machine = summary(readings, disturbed)
+    machine = summary(readings, disturbed, gate.busy_requests)
     decision = run_verdict(rows)
     print(format_table(rows))
     print(decision["text"])

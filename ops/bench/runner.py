@@ -12,8 +12,11 @@ ar's same repeat exceeds its tau marks the repeat disturbed: its samples are kep
 another repeat runs instead (figures.disturbed_methods). How many repeats: at least
 `config.repeats` clean ones, then more while the group's share of `config.time_budget_s` lasts
 (engine.bench_stats.RepeatSchedule). The machine is read before and after each repeat
-(engine.machine_state): each sample carries the share of CPU other processes took during its
-repeat, and the manifest gets the run's machine summary with a warning when it was busy.
+(engine.machine_state), and each request is measured in a quiet moment (QuietGate): a request
+during which other processes took the cores is sent again once they let go (a cache-on agentic
+turn excepted: sent again it would find itself cached). Each sample carries the share of CPU
+other processes took during it, and the manifest gets the run's machine summary with a warning
+when it was busy.
 
 The agentic scenario runs one session per method and repeat (its own conversation, so no session
 reuses another's prefix cache); each turn is sent with the prefix cache on (decoded to the
@@ -32,13 +35,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from engine.bench_stats import RepeatSchedule, rotated
-from engine.machine_state import MachineWatch, between, summary
+from engine.machine_state import MachineWatch, QuietGate, between, summary
 from ops.bench.client import EngineClient, Sample
 from ops.bench.figures import CACHE_OFF, disturbed_methods, repeat_figures, summarize
 from ops.bench.matrix import BenchConfig, Cell, Group, Method
@@ -119,13 +122,14 @@ def run_bench(
     done = len(config.cells()) - sum(len(g.cells) for g in pending)  # a group is redone whole
     progress.start(len(config.cells()), done)
     readings = [watch.reading()]
+    gate = QuietGate(watch)
     disturbed = 0
     try:
         for index, group in enumerate(pending):
             spent = readings[-1].at - readings[0].at
             share = max(0.0, config.time_budget_s - spent) / (len(pending) - index)
             progress.cell_started(group.cells[0])
-            cells = measure_group(config, client, group, store.record_sample, watch, share)
+            cells = measure_group(config, client, group, store.record_sample, gate, share)
             readings.append(watch.reading())
             for cell in group.cells:
                 store.write_cell(cell.key, cells[cell.key])
@@ -136,7 +140,7 @@ def run_bench(
         raise
     finally:
         progress.stop()
-    machine = summary(readings, disturbed)
+    machine = summary(readings, disturbed, gate.busy_requests)
     store.finish(machine=machine)
     return RunResult(store.run_dir, store.cells(), store.resumed, machine)
 
@@ -156,28 +160,29 @@ def measure_group(
     client: EngineClient,
     group: Group,
     record: Record,
-    watch: MachineWatch,
+    gate: QuietGate,
     share_s: float,
 ) -> dict[str, dict]:
-    """Warm up each method, then measure the group in interleaved repeats; each cell's data."""
+    """Warm up each method, then measure the group in interleaved repeats, each request in a
+    quiet moment of the machine (`gate`); each cell's data."""
     methods = [cell.method for cell in group.cells]
     keys = {cell.method: cell.key for cell in group.cells}
     samples: dict[Method, list[dict]] = {method: [] for method in methods}
     max_repeats = config.max_repeats if config.time_budget_s else config.repeats
     schedule = RepeatSchedule(config.repeats, max_repeats, share_s)
     try:
-        scenario = SCENARIO_RUNS[group.scenario](config, client, group.length)
+        scenario = SCENARIO_RUNS[group.scenario](config, client, gate, group.length)
         for method in methods:
             for _ in range(config.warmup):
                 _request(config, client, method, decode_prompt(), min(group.length, WARMUP_TOKENS))
         while schedule.more():
             repeat = schedule.attempts
-            before = watch.reading()
+            before = gate.watch.reading()
             taken: Taken = {method: [] for method in methods}
             for method, sample, where in scenario.run_repeat(repeat, rotated(methods, repeat)):
                 taken[method].append((sample, where))
                 record(keys[method], {"repeat": repeat, **where, **sample.to_json()})
-            after = watch.reading()
+            after = gate.watch.reading()
             suspects = _disturbed(taken)
             _keep(taken, repeat, bool(suspects), between(before, after), samples)
             schedule.record(after.at - before.at, disturbed=bool(suspects))
@@ -203,7 +208,10 @@ def _keep(
     for method, pairs in taken.items():
         for sample, where in pairs:
             entry = {"repeat": repeat, **where, **sample.to_json()}
-            entry |= {"disturbed": disturbed, "others_cpu": load.get("others_cpu")}
+            entry["disturbed"] = disturbed
+            entry.setdefault(
+                "others_cpu", load.get("others_cpu")
+            )  # the request's, else the repeat's
             samples[method].append(entry)
 
 
@@ -247,6 +255,11 @@ def _request(
     )
 
 
+def _quiet_request(gate: QuietGate, *request, retry: bool = True) -> tuple[Any, dict]:
+    """`_request(*request)` in a quiet moment: its response and the machine during it."""
+    return gate.measure(lambda: _request(*request), retry=retry)
+
+
 def _too_long(prompt_tokens: int, max_tokens: int, limit: int, what: str = "the prompt") -> str:
     return (
         f"{what} has {prompt_tokens} tokens; with max_tokens {max_tokens} that is "
@@ -258,45 +271,53 @@ def _too_long(prompt_tokens: int, max_tokens: int, limit: int, what: str = "the 
 class _OnePrompt:
     """decode and long: every method decodes the same prompt once a repeat, cache off."""
 
-    def __init__(self, config: BenchConfig, client: EngineClient, length: int, prompt: str) -> None:
-        self.config, self.client, self.length, self.prompt = config, client, length, prompt
+    def __init__(
+        self, config: BenchConfig, client: EngineClient, gate: QuietGate, length: int, prompt: str
+    ) -> None:
+        self.config, self.client, self.gate = config, client, gate
+        self.length, self.prompt = length, prompt
         self.extra: dict = {}
 
     def run_repeat(self, repeat: int, order: Sequence[Method]) -> Measured:
         for method in order:
-            yield (
-                method,
-                _request(self.config, self.client, method, self.prompt, self.length).sample,
-                {},
-            )
+            request = (self.config, self.client, method, self.prompt, self.length)
+            response, machine = _quiet_request(self.gate, *request)
+            yield method, response.sample, machine
 
     def notes(self) -> dict:
         return self.extra
 
 
-def _decode_run(config: BenchConfig, client: EngineClient, length: int) -> _OnePrompt:
+def _decode_run(
+    config: BenchConfig, client: EngineClient, gate: QuietGate, length: int
+) -> _OnePrompt:
     limit, tokens = client.max_model_len(), client.count_tokens(decode_prompt())
     if tokens + length > limit:
         raise Skipped(_too_long(tokens, length, limit))
-    return _OnePrompt(config, client, length, decode_prompt())
+    return _OnePrompt(config, client, gate, length, decode_prompt())
 
 
-def _long_run(config: BenchConfig, client: EngineClient, length: int) -> _OnePrompt:
+def _long_run(
+    config: BenchConfig, client: EngineClient, gate: QuietGate, length: int
+) -> _OnePrompt:
     limit = client.max_model_len()
     fitted = long_prompt(client.count_tokens, max_model_len=limit, max_tokens=length)
     if fitted.skipped:
         raise Skipped(fitted.skipped)
-    run = _OnePrompt(config, client, length, fitted.prompt)
+    run = _OnePrompt(config, client, gate, length, fitted.prompt)
     run.extra = {"prompt": {"tokens": fitted.tokens, "max_tokens": length, "max_model_len": limit}}
     return run
 
 
 class _AgenticRun:
     """One session per method and repeat; each turn with the prefix cache on, then re-sent with
-    it off for its time to first token. Turns interleave the methods (rotated each repeat)."""
+    it off for its time to first token. Turns interleave the methods (rotated each repeat). A
+    cache-on turn is sent once (sent again it would find itself cached), in a quiet moment."""
 
-    def __init__(self, config: BenchConfig, client: EngineClient, length: int) -> None:
-        self.config, self.client, self.length = config, client, length
+    def __init__(
+        self, config: BenchConfig, client: EngineClient, gate: QuietGate, length: int
+    ) -> None:
+        self.config, self.client, self.gate, self.length = config, client, gate, length
         self.limit = client.max_model_len()
         self.final_context = 0
         probe = self._transcript("probe")
@@ -318,11 +339,12 @@ class _AgenticRun:
                 if fitted.tokens + self.length > self.limit:
                     what = f"turn {turn}'s transcript"
                     raise Skipped(_too_long(fitted.tokens, self.length, self.limit, what))
-                on = _request(self.config, self.client, method, fitted.prompt, self.length, True)
-                off = _request(self.config, self.client, method, fitted.prompt, 1, False)
+                request = (self.config, self.client, method, fitted.prompt)
+                on, on_machine = _quiet_request(self.gate, *request, self.length, True, retry=False)
+                off, off_machine = _quiet_request(self.gate, *request, 1, False)
                 answers[method] = on.text
-                yield method, on.sample, {"turn": turn}
-                yield method, off.sample, {"turn": turn, "cache": CACHE_OFF}
+                yield method, on.sample, {"turn": turn, **on_machine}
+                yield method, off.sample, {"turn": turn, "cache": CACHE_OFF, **off_machine}
                 context = fitted.tokens + on.sample.completion_tokens
                 self.final_context = max(self.final_context, context)
 

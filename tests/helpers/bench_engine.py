@@ -143,26 +143,49 @@ class BenchEngine:
         )
 
 
+class Bursts:
+    """Other processes taking `share` of all cores for the first `busy_s` of every `period_s`
+    (on the scripted clock), idle the rest: `others_s(t)` is their CPU time up to `t` (in
+    all-cores seconds), `busy_at(t)` whether a burst runs at `t`."""
+
+    def __init__(self, period_s: float, busy_s: float, share: float = 1.0) -> None:
+        self.period_s, self.busy_s, self.share = period_s, busy_s, share
+
+    def busy_at(self, t: float) -> bool:
+        return t % self.period_s < self.busy_s
+
+    def others_s(self, t: float) -> float:
+        periods, into = divmod(t, self.period_s)
+        return self.share * (periods * self.busy_s + min(into, self.busy_s))
+
+
 class ScriptedMachine:
     """The /proc of a machine running the engine while other processes take `others` of all its
-    `cpus` cores, on the engine's clock: `MachineWatch(machine.read, None, machine.own_cpu_s,
-    clock)` reads it."""
+    `cpus` cores (a share, or `Bursts`), on the engine's clock: `watch()` reads it."""
 
-    def __init__(self, engine: BenchEngine, cpus: int = 2, others: float = 0.25) -> None:
+    def __init__(self, engine: BenchEngine, cpus: int = 2, others: float | Bursts = 0.25) -> None:
         self.engine, self.cpus, self.others = engine, cpus, others
+
+    def _others_jiffies(self, now: float) -> float:
+        if isinstance(self.others, Bursts):
+            return self.others.others_s(now) * 100 * self.cpus
+        return self.others * now * 100 * self.cpus
 
     def read(self, path: str) -> str:
         total = round(self.engine.clock.now * 100 * self.cpus)
-        busy = round(self.engine.cpu_s * 100 + self.others * total)
+        busy = round(self.engine.cpu_s * 100 + self._others_jiffies(self.engine.clock.now))
         if path == "/proc/stat":
             lines = [f"cpu  {busy} 0 0 {total - busy} 0 0 0 0 0 0"]
             return "\n".join(lines + [f"cpu{i} 0 0 0 0" for i in range(self.cpus)]) + "\n"
         if path == "/proc/loadavg":
-            return f"{1 + self.others * self.cpus:.2f} 1.00 1.00 2/300 4242\n"
+            share = self.others.share if isinstance(self.others, Bursts) else self.others
+            return f"{1 + share * self.cpus:.2f} 1.00 1.00 2/300 4242\n"
         raise FileNotFoundError(path)
 
     def own_cpu_s(self) -> float:
         return self.engine.cpu_s
 
     def watch(self) -> MachineWatch:
-        return MachineWatch(self.read, None, self.own_cpu_s, self.engine.clock)
+        return MachineWatch(
+            self.read, None, self.own_cpu_s, self.engine.clock, self.engine.clock.advance
+        )
