@@ -300,6 +300,10 @@ def summary(readings: Sequence[Reading], disturbed: int = 0, busy_requests: int 
     return document
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def busy_warning(state: dict) -> str | None:
     """Why the run's figures are noisier than a quiet machine's, or None."""
     reasons = []
@@ -314,12 +318,12 @@ def busy_warning(state: dict) -> str | None:
         reasons.append(f"{len(processes)} processes on the GPU")
     if state.get("busy_requests"):
         reasons.append(
-            f"{state['busy_requests']} requests measured while other processes took the cores "
+            f"{_count(state['busy_requests'], 'request')} measured while other processes took the cores "
             f"(each sent up to {QUIET_TRIES} times)"
         )
     if state.get("disturbed_repeats"):
         reasons.append(
-            f"{state['disturbed_repeats']} repeats disturbed (speedup above tau), redone"
+            f"{_count(state['disturbed_repeats'], 'repeat')} disturbed (speedup above tau), redone"
         )
     if not reasons:
         return None

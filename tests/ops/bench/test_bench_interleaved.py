@@ -132,7 +132,7 @@ def test_a_repeat_whose_speedup_beats_tau_is_marked_disturbed_redone_and_left_ou
     for row in rows.values():
         assert row["speedup_high"] <= row["tau"] * (1 + TAU_SLACK)
     assert rows["ddtree:15"]["speedup"] == pytest.approx(2.0)
-    assert "1 repeats disturbed (speedup above tau), redone" in result.machine["warning"]
+    assert "1 repeat disturbed (speedup above tau), redone" in result.machine["warning"]
 
 
 def test_the_time_budget_buys_repeats_beyond_the_minimum(tmp_path):
