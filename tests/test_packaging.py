@@ -24,6 +24,17 @@ def test_every_package_is_listed_in_pyproject():
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
 
 
+def test_every_tracked_symlink_points_inside_the_repository():
+    """A link committed by mistake (a worktree's .venv, say) dangles in a clean clone and breaks
+    whatever creates that path there."""
+    listed = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "-s"], capture_output=True, text=True, check=True
+    ).stdout
+    links = [line.split("\t", 1)[1] for line in listed.splitlines() if line.startswith("120000 ")]
+    outside = [link for link in links if not (ROOT / link).resolve().is_relative_to(ROOT.resolve())]
+    assert not outside, f"tracked links leaving the repository: {outside}"
+
+
 def test_templates_and_playbooks_resolve_to_the_shipped_directories():
     assert templates_dir().resolve() == (ROOT / "templates").resolve()
     assert playbooks_dir().resolve() == (ROOT / "playbooks").resolve()
