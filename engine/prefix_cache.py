@@ -301,7 +301,7 @@ class PrefixCache:
                 snapshot.draft_tail = self._allocate(
                     draft_cache, node.end, capture.position, protect
                 )
-        if existing is not None:
+        if existing is not None and node.snapshots.get(tail) is existing:  # still there
             self._evict(existing, protect)
         node.snapshots[tail] = snapshot
         self._lru[id(snapshot)] = snapshot

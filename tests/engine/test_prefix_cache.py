@@ -275,3 +275,22 @@ def test_the_cache_keeps_the_output_but_its_last_token_when_a_stop_ends_a_path(p
     result = generate(target, oracle, prompt, cfg, pool=pool)
     assert result.output_ids == expected[: at + 1] and result.acceptance_lengths[0] == at
     assert pool.cache.length == len(prompt) + len(result.output_ids) - 1
+
+
+def test_a_drafted_snapshot_replaces_one_evicted_to_make_room_for_it():
+    """An ar turn's snapshot (no drafter K/V) is replaced by a ddtree turn's at the same
+    position; under a tight budget the replacement's own tail evicts the old one first."""
+    from engine.models.common import KVCache
+
+    def kv(length):  # 8 bytes a slot (K and V of one float32)
+        cache = KVCache(1, 16, 1, 1, torch.float32, "cpu")
+        cache.length = length
+        return cache
+
+    cache = PrefixCache(80, recurrent=False, block_tokens=4)
+    tokens = [1, 2, 3, 4, 5, 6]
+    cache.store(tokens, kv(6), None, [])  # a block (32 bytes), a 2-token tail (16)
+    cache.store(tokens, kv(6), kv(6), [])  # + the block's draft (32): the old tail must go
+    assert cache.used_bytes == 80
+    hit = cache.lookup([*tokens, 7], drafted=False)
+    assert hit.position == 6 and hit.snapshot.target_tail is not None
