@@ -174,13 +174,22 @@ class _Passes:
     """Static passes, one per kind, kept in the pool so they outlive a request. A pass reads a
     window of cache slots: with `graphs` one as wide as needed or wider is reused (its graph
     was captured once; the kernels read the device-side length), else the pass is rebuilt for
-    exactly the window needed (the CPU's attention costs the whole window)."""
+    exactly the window needed (the CPU's attention costs the whole window). A kind is a name
+    ("verify", "draft") and its shape (a request's budget): with `graphs` at most HELD_SHAPES
+    shapes of a name are kept, the oldest dropped, so requests of many budgets do not pile up
+    captured graphs (each holds its activations' memory)."""
+
+    HELD_SHAPES = 3
 
     def __init__(self, passes: dict[tuple, tuple[int, _Pass]], graphs: bool) -> None:
         self._passes, self._graphs = passes, graphs
 
     def get(self, kind: tuple, keys: int, build: Callable[[int], _Pass]) -> _Pass:
         held = self._passes.get(kind)
+        if held is None and self._graphs:
+            shapes = [other for other in self._passes if other[0] == kind[0]]
+            for other in shapes[: len(shapes) - self.HELD_SHAPES + 1]:
+                del self._passes[other]
         if held is None or held[0] < keys or (held[0] != keys and not self._graphs):
             held = self._passes[kind] = (keys, build(keys))
         return held[1]
