@@ -358,14 +358,18 @@ class PrefixCache:
             self._prune(above, protect)
 
     def _drop(self, unit: _Block | _Snapshot) -> None:
-        if isinstance(unit, _Snapshot):
-            del unit.node.snapshots[unit.tail]
-        else:
-            for below in [*unit.children.values(), *unit.snapshots.values()]:
-                self._drop(below)
-            del unit.parent.children[unit.tokens]
-        self.used_bytes -= unit.nbytes
-        del self._lru[id(unit)]
+        """Unlink `unit` and everything below it (a loop: a 262k-token path is 1024 blocks deep,
+        past Python's recursion limit)."""
+        below = [unit]
+        while below:
+            unit = below.pop()
+            if isinstance(unit, _Snapshot):
+                del unit.node.snapshots[unit.tail]
+            else:
+                below += [*unit.children.values(), *unit.snapshots.values()]
+                del unit.parent.children[unit.tokens]
+            self.used_bytes -= unit.nbytes
+            del self._lru[id(unit)]
 
     def _prune(self, node: _Block, protect: set[int]) -> None:
         """Drop `node` and its ancestors while they lead to no snapshot (hybrid targets)."""

@@ -310,3 +310,19 @@ def test_a_drafted_snapshot_replaces_one_evicted_to_make_room_for_it():
     assert cache.used_bytes == 80
     hit = cache.lookup([*tokens, 7], drafted=False)
     assert hit.position == 6 and hit.snapshot.target_tail is not None
+
+
+def test_a_path_deeper_than_the_recursion_limit_is_cleared():
+    """Qwen3.6's 262144-token context is 1024 blocks deep: clearing drops it without recursion."""
+    import sys
+
+    from engine.models.common import KVCache
+
+    depth = sys.getrecursionlimit() + 100
+    kv = KVCache(1, depth, 1, 1, torch.float32, "cpu")
+    kv.length = depth
+    cache = PrefixCache(1 << 20, recurrent=False, block_tokens=1)
+    cache.store(list(range(depth)), kv, None, [])
+    assert cache.lookup([*range(depth), 0], drafted=False).position == depth
+    cache.clear()
+    assert cache.used_bytes == 0 and cache.lookup(list(range(depth)), drafted=False).position == 0
