@@ -367,7 +367,7 @@ class Plan:
         tails = 2 * BLOCK_TOKENS * self.cached_bytes_per_token
         logits = self.vocab * (8 if self.dtype == "float64" else 4)
         kv = tokens * self.cached_bytes_per_token
-        return kv + (snapshots * self.snapshot_bytes if self.snapshot_bytes else 0) + tails + logits
+        return kv + snapshots * self.snapshot_bytes + tails + logits
 
     def conversations_held(self, tokens: int = CONVERSATION_TOKENS, chunk_snapshots=False) -> int:
         return self.prefix_cache_bytes // self.conversation_bytes(tokens, chunk_snapshots)
