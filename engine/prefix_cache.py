@@ -22,8 +22,10 @@ allocated as they are stored; the least recently used go first. A hit touches it
 its path; a store touches what it stored, its chunk-boundary snapshots oldest, so under pressure
 those go before the snapshots a next turn resumes from, and a block goes before its ancestors
 (evicting a block evicts what hangs below it). On a hybrid target a block that no snapshot needs
-any more is dropped with the last one. `clear()` frees everything (a request that runs out of
-memory gets it back, engine/cache_pool.py).
+any more is dropped with the last one. Captures not stored yet (a running prefill's) go only
+when nothing stored is left to evict, the earliest first: a long prefill's chunk snapshots never
+crowd out its own blocks or the snapshot at its end. `clear()` frees everything (a request that
+runs out of memory gets it back, engine/cache_pool.py).
 
     cache = PrefixCache(budget_bytes=8 << 30, recurrent=True)  # a hybrid target
     hit = cache.lookup(prompt_ids, drafted=True)
@@ -153,6 +155,7 @@ class PrefixCache:
         self.used_bytes = 0
         self._root = _Block((), None, 0)
         self._lru: OrderedDict[int, _Block | _Snapshot] = OrderedDict()  # oldest first
+        self._pending: OrderedDict[int, Capture] = OrderedDict()  # counted, not stored yet
 
     # -- reuse ---------------------------------------------------------------------------
 
@@ -215,12 +218,13 @@ class PrefixCache:
         states = cache.read_states() if self.recurrent else None
         capture = Capture(position, states, None if logits is None else logits.clone())
         self.used_bytes += capture.nbytes
+        self._pending[id(capture)] = capture
         return capture
 
     def release(self, captures: Iterable[Capture | None]) -> None:
         """Give back captures that will not be stored (a failed generation's)."""
         for capture in captures:
-            if capture is not None:
+            if capture is not None and self._pending.pop(id(capture), None) is not None:
                 self.used_bytes -= capture.nbytes
 
     def store(self, tokens: Sequence[int], cache, draft_cache, captures: list[Capture]) -> None:
@@ -235,6 +239,8 @@ class PrefixCache:
         protect = {id(block) for block in path}
         stored = []
         for capture in reversed(ordered):  # the most useful first: the end, the prompt's end..
+            if id(capture) not in self._pending:  # dropped to make room
+                continue
             snapshot = self._store_snapshot(capture, tokens, path, cache, draft_cache, protect)
             if snapshot is not None:
                 stored.append(snapshot)
@@ -275,6 +281,7 @@ class PrefixCache:
         protect: set[int],
     ) -> _Snapshot | None:
         """Link `capture` below its block with its tail's K/V; None when it cannot be kept."""
+        protect = protect | {id(capture)}
         depth = capture.position // self.block_tokens
         if depth > len(path):  # its blocks did not fit
             self.release([capture])
@@ -290,6 +297,7 @@ class PrefixCache:
             self.release([capture])
             return existing
         if capture.states is None and not tail and capture.logits is None:
+            self.release([capture])
             return None  # a dense target resumes at a block boundary without one
         snapshot = _Snapshot(node, tail, capture)
         if tail:
@@ -303,6 +311,7 @@ class PrefixCache:
                 )
         if existing is not None and node.snapshots.get(tail) is existing:  # still there
             self._evict(existing, protect)
+        del self._pending[id(capture)]  # its bytes are the snapshot's from here
         node.snapshots[tail] = snapshot
         self._lru[id(snapshot)] = snapshot
         return snapshot
@@ -344,10 +353,21 @@ class PrefixCache:
             return False
         while self.used_bytes + nbytes > self.budget_bytes:
             victim = next((u for key, u in self._lru.items() if key not in protect), None)
-            if victim is None:
+            if victim is not None:
+                self._evict(victim, protect)
+            elif not self._drop_pending(protect):
                 return False
-            self._evict(victim, protect)
         return True
+
+    def _drop_pending(self, protect: set[int]) -> bool:
+        """Give up the earliest capture not stored yet (and not in `protect`) that holds bytes;
+        False when there is none. Its sequence's store() then skips it."""
+        for key, capture in self._pending.items():
+            if key not in protect and capture.nbytes:
+                self.release([capture])
+                capture.states = capture.logits = None  # its memory goes now, not at the store
+                return True
+        return False
 
     def _evict(self, unit: _Block | _Snapshot, protect: set[int]) -> None:
         """Drop `unit` (a block: with everything below it); on a hybrid target also the blocks

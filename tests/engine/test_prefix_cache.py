@@ -326,3 +326,23 @@ def test_a_path_deeper_than_the_recursion_limit_is_cleared():
     assert cache.lookup([*range(depth), 0], drafted=False).position == depth
     cache.clear()
     assert cache.used_bytes == 0 and cache.lookup(list(range(depth)), drafted=False).position == 0
+
+
+def test_a_long_prefill_s_chunk_snapshots_give_way_to_its_blocks_and_its_end(pair):
+    """A budget that holds a turn's blocks and the snapshots at its ends but not one at every
+    chunk: the earliest chunk snapshots go, and the next turn resumes where this one ended."""
+    target, drafter = pair
+    cfg = config("ddtree", 6, 0.0)
+    roomy = server_pool(pair)
+    if not hasattr(roomy.cache, "recurrent"):
+        pytest.skip("a dense target's chunk ends hold no state")
+    first = generate(target, drafter, OTHER, cfg, pool=roomy)  # 90 tokens: 11 chunk ends
+    states = sum(s.conv.nbytes + s.recurrent.nbytes for s in roomy.cache.recurrent)
+    pool = server_pool(pair, budget_bytes=roomy.prefix_cache.used_bytes - 6 * states)
+    assert generate(target, drafter, OTHER, cfg, pool=pool).output_ids == first.output_ids
+    history = OTHER + first.output_ids
+    again = generate(target, drafter, history + USER_3, cfg, pool=pool)
+    assert again.cached_tokens == len(history) - 1
+    assert pool.prefix_cache.used_bytes <= pool.prefix_cache.budget_bytes
+    shorter = generate(target, drafter, OTHER[:20] + USER_3, cfg, pool=pool)
+    assert shorter.cached_tokens == 0  # the earliest chunk snapshots (8, 16) were the ones to go
