@@ -45,9 +45,10 @@ class Constraint:
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
         self.tokenizer, self.grammar = tokenizer, grammar
-        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
-        if error:
-            raise ValueError(f"grammar rejected: {error}")
+        # Compiled once: each sequence's matcher is a copy of this start state.
+        self._start = llguidance.LLMatcher(tokenizer, grammar)
+        if self._start.is_error():
+            raise ValueError(f"grammar rejected: {self._start.get_error()}")
         self.vocab = tokenizer.vocab_size
         self.words = (self.vocab + 31) // 32  # int32 words of one bitmask
         self.stop_token_ids = tuple(tokenizer.eos_tokens)
@@ -64,7 +65,7 @@ class Constraint:
         return cls(tokenizer, llguidance.LLMatcher.grammar_from_lark(lark))
 
     def matcher(self) -> Matcher:
-        return Matcher(self, llguidance.LLMatcher(self.tokenizer, self.grammar))
+        return Matcher(self, self._start.deep_copy())
 
 
 class Matcher:
