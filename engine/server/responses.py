@@ -160,12 +160,11 @@ class _Answer:
 
     def _usage(self, done: Done) -> dict:
         usage = gen.usage(self.generation, done.result)
-        details = usage.get("prompt_tokens_details", {})
         return {
             "input_tokens": usage["prompt_tokens"],
             "input_tokens_details": {
-                "cached_tokens": details.get("cached_tokens", 0),
-                "cache_write_tokens": details.get("cache_write_tokens", 0),
+                "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                "cache_write_tokens": 0,  # the spec's field; the prefix cache's writes go uncounted
             },
             "output_tokens": usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens(done.result)},

@@ -57,6 +57,12 @@ def test_cached_tokens_are_in_the_usage_streamed_or_not(caching):
     answer = httpx.post(url + "/v1/chat/completions", json=chat, timeout=WAIT_S).json()
     prompt_tokens = answer["usage"]["prompt_tokens"]
     assert answer["usage"]["prompt_tokens_details"] == {"cached_tokens": prompt_tokens // 2}
+    responses = httpx.post(url + "/v1/responses", json={"input": "hello"}, timeout=WAIT_S)
+    usage = responses.json()["usage"]
+    assert usage["input_tokens_details"] == {
+        "cached_tokens": usage["input_tokens"] // 2,
+        "cache_write_tokens": 0,
+    }
 
 
 def test_cache_prompt_false_reaches_the_engine_and_must_be_a_boolean(caching):
