@@ -142,7 +142,7 @@ class _Answer:
             "text": {"format": text_format},
             "reasoning": {"effort": None, "summary": None},
             "temperature": chat.temperature,
-            "top_p": extra.get("top_p", 1.0),
+            "top_p": chat.top_p,
             "max_output_tokens": body.max_output_tokens,
             "metadata": extra.get("metadata") or {},
             "previous_response_id": None,

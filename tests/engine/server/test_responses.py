@@ -321,6 +321,15 @@ def test_an_unknown_model_is_a_404_and_store_is_accepted(agent):
     assert post(url, input="hi", store=True, include=[], truncation="disabled").status_code == 200
 
 
+def test_the_response_echoes_the_sampling_the_generation_used(agent):
+    engine, url, _ = agent
+    body = post(url, input="hi", temperature=0.5, top_p=0.75).json()
+    assert (body["temperature"], body["top_p"]) == (0.5, 0.75)
+    assert engine.configs[-1].sampling.top_p == 0.75
+    defaults = post(url, input="hi", temperature=None, top_p=None).json()
+    assert (defaults["temperature"], defaults["top_p"]) == (1.0, 1.0)  # null means the default
+
+
 # -- the Agents SDK ----------------------------------------------------------------------------
 
 
