@@ -264,7 +264,7 @@ def test_tool_choice_and_text_format_take_chats_path():
 
 def test_text_format_is_answered_as_chat_answers_response_format(agent):
     """Structured output is chat's own (constrained decoding): the same answer either way."""
-    _, url, _ = agent
+    engine, url, _ = agent
     fmt = {"type": "json_object"}
     chat = httpx.post(
         url + "/v1/chat/completions",
@@ -275,6 +275,10 @@ def test_text_format_is_answered_as_chat_answers_response_format(agent):
     assert responses.status_code == chat.status_code
     if chat.status_code == 400:
         assert responses.json()["error"]["param"] == "text.format"
+    else:  # the same grammar reached the engine either way
+        chat_cfg, responses_cfg = engine.configs[-2:]
+        assert chat_cfg.constraint is not None
+        assert responses_cfg.constraint.grammar == chat_cfg.constraint.grammar
 
 
 def test_every_request_field_of_the_spec_is_read_or_forwarded_to_chat():
