@@ -11,7 +11,7 @@ load that comes or goes lands on all of them alike. After a repeat, a method who
 ar's same repeat exceeds its tau marks the repeat disturbed: its samples are kept, marked, and
 another repeat runs instead (figures.disturbed_methods). How many repeats: at least
 `config.repeats` clean ones, then more while the group's share of `config.time_budget_s` lasts
-(engine.bench_stats.RepeatSchedule). The machine is read before and after each repeat
+(engine.bench_stats.RepeatSchedule). The machine is read before and after each group
 (engine.machine_state), and each request is measured in a quiet moment (QuietGate): a request
 during which other processes took the cores is sent again once they let go (a cache-on agentic
 turn excepted: sent again it would find itself cached). Each sample carries the share of CPU
@@ -25,9 +25,10 @@ time to first token). The decode and long scenarios send their prompts with the 
 every request prefills its whole prompt as before.
 
 Every measured request is appended to its cell's partial file as it finishes; a group's cells
-(samples marked with their repeat's verdict) are written atomically at its end. Groups already stored are skipped (a resumed run measures the
-rest). A failure or Ctrl-C marks the run crashed (partial files moved aside) before it
-propagates; kill -9 leaves a stale run that the next RunStore.open quarantines.
+(samples marked with their repeat's verdict) are written atomically at its end. Groups already
+stored are skipped (a resumed run measures the rest). A failure or Ctrl-C marks the run crashed
+(partial files moved aside) before it propagates; kill -9 leaves a stale run that the next
+RunStore.open quarantines.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from engine.bench_stats import RepeatSchedule, rotated
-from engine.machine_state import MachineWatch, QuietGate, between, summary
+from engine.machine_state import MachineWatch, QuietGate, summary
 from ops.bench.client import EngineClient, Sample
 from ops.bench.figures import CACHE_OFF, disturbed_methods, repeat_figures, summarize
 from ops.bench.matrix import BenchConfig, Cell, Group, Method
@@ -147,7 +148,7 @@ def run_bench(
 
 # -- one group -------------------------------------------------------------------------------------
 Record = Callable[[str, dict], None]  # (cell key, sample) -> kept in the cell's partial file
-Taken = dict[Method, list[tuple[Sample, dict]]]  # a repeat's samples per method, with where
+Taken = dict[Method, list[dict]]  # a repeat's stored samples per method (with where)
 Measured = Iterator[tuple[Method, Sample, dict]]  # each request of a repeat as it finishes
 
 
@@ -176,43 +177,30 @@ def measure_group(
             for _ in range(config.warmup):
                 _request(config, client, method, decode_prompt(), min(group.length, WARMUP_TOKENS))
         while schedule.more():
-            repeat = schedule.attempts
-            before = gate.watch.reading()
+            repeat, started = schedule.attempts, gate.watch.clock()
             taken: Taken = {method: [] for method in methods}
             for method, sample, where in scenario.run_repeat(repeat, rotated(methods, repeat)):
-                taken[method].append((sample, where))
-                record(keys[method], {"repeat": repeat, **where, **sample.to_json()})
-            after = gate.watch.reading()
-            suspects = _disturbed(taken)
-            _keep(taken, repeat, bool(suspects), between(before, after), samples)
-            schedule.record(after.at - before.at, disturbed=bool(suspects))
+                entry = {"repeat": repeat, **where, **sample.to_json()}  # others_cpu: the gate's
+                record(keys[method], entry)
+                taken[method].append(entry)
+            disturbed = _disturbed(taken, repeat)
+            for method, entries in taken.items():  # kept, marked with the repeat's verdict
+                samples[method] += [{**entry, "disturbed": disturbed} for entry in entries]
+            schedule.record(gate.watch.clock() - started, disturbed=disturbed)
     except Skipped as why:
         return {cell.key: _cell_data(cell, [], {"skipped": str(why)}) for cell in group.cells}
     notes = {**scenario.notes(), "disturbed_repeats": schedule.disturbed}
     return {cell.key: _cell_data(cell, samples[cell.method], notes) for cell in group.cells}
 
 
-def _disturbed(taken: Taken) -> dict[str, float]:
+def _disturbed(taken: Taken, repeat: int) -> bool:
+    """Whether a method's speedup over ar in this repeat exceeds its tau."""
     figures = {
-        method.label: repeat_figures(s.to_json() | where for s, where in pairs)[0]
-        for method, pairs in taken.items()
-        if pairs
+        method.label: repeat_figures(entries)[repeat]
+        for method, entries in taken.items()
+        if entries
     }
-    return disturbed_methods(figures)
-
-
-def _keep(
-    taken: Taken, repeat: int, disturbed: bool, load: dict, samples: dict[Method, list[dict]]
-) -> None:
-    """A finished repeat's samples, marked with its verdict and the machine's load."""
-    for method, pairs in taken.items():
-        for sample, where in pairs:
-            entry = {"repeat": repeat, **where, **sample.to_json()}
-            entry["disturbed"] = disturbed
-            entry.setdefault(
-                "others_cpu", load.get("others_cpu")
-            )  # the request's, else the repeat's
-            samples[method].append(entry)
+    return bool(disturbed_methods(figures))
 
 
 def cell_json(cell: Cell) -> dict:
