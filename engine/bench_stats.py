@@ -5,6 +5,7 @@
     spread = median_interval(ratios)                 # Spread(median, low, high, n)
     spread.text("x")                                 # "1.31x (1.24-1.38)"
     exceeds_tau(ratio, tau)                          # above tau (+ slack): a disturbed measurement
+    beyond_tau(rates, taus, "ar")                    # a repeat's methods above their tau
     verdict({"linear": s1, "ddtree:15": s2})         # a winner only when its interval clears
 
 Why these rules (issue 31): load that comes and goes during a run must land on every method
@@ -105,6 +106,18 @@ def paired_ratios(values: Mapping[K, float | None], base: Mapping[K, float | Non
 def exceeds_tau(speedup: float | None, tau: float | None, slack: float = TAU_SLACK) -> bool:
     """A speedup over ar that a method committing `tau` tokens a round cannot reach."""
     return speedup is not None and bool(tau) and speedup > tau * (1 + slack)
+
+
+def beyond_tau(
+    rates: Mapping[K, float | None], taus: Mapping[K, float | None], baseline: K
+) -> dict[K, float]:
+    """The methods of one repeat whose speedup over the baseline's rate in that repeat exceeds
+    their tau (`exceeds_tau`): {method: speedup}; empty when the baseline has no rate."""
+    base = rates.get(baseline)
+    if not base:
+        return {}
+    speedups = {m: rate / base for m, rate in rates.items() if m != baseline and rate}
+    return {m: speedup for m, speedup in speedups.items() if exceeds_tau(speedup, taus.get(m))}
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from pathlib import Path
 from engine.bench_stats import (
     RepeatSchedule,
     Spread,
-    exceeds_tau,
+    beyond_tau,
     median_interval,
     paired_ratios,
     rotated,
@@ -250,15 +250,12 @@ def format_table(rows: list[dict]) -> str:
 
 def disturbed_in(results: dict[Method, object], ar: Method) -> list[str]:
     """The methods of one repeat whose speedup over the same repeat's ar exceeds their tau."""
-    base = results[ar].decode_tokens_per_s
-    found = []
-    for method, result in results.items():
-        lengths = result.acceptance_lengths
-        tau = sum(lengths) / len(lengths) if lengths else None
-        speedup = result.decode_tokens_per_s / base if base else None
-        if method != ar and exceeds_tau(speedup, tau):
-            found.append(method.label)
-    return found
+    rates = {method: result.decode_tokens_per_s for method, result in results.items()}
+    taus = {
+        method: sum(lengths) / len(lengths) if (lengths := result.acceptance_lengths) else None
+        for method, result in results.items()
+    }
+    return [method.label for method in beyond_tau(rates, taus, ar)]
 
 
 def run(args: argparse.Namespace) -> int:

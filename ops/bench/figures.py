@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from engine.bench_stats import (
     Spread,
-    exceeds_tau,
+    beyond_tau,
     median_interval,
     paired_ratios,
     verdict,
@@ -91,15 +91,9 @@ def repeat_figures(samples: Iterable[dict]) -> dict[int, RepeatFigure]:
 def disturbed_methods(by_method: dict[str, RepeatFigure]) -> dict[str, float]:
     """The methods of one repeat whose speedup over ar's same repeat exceeds their tau:
     {method: speedup}. Empty without an ar measurement."""
-    base = by_method.get(BASELINE)
-    if base is None or not base.rate:
-        return {}
-    found = {}
-    for method, figure in by_method.items():
-        speedup = figure.rate / base.rate if figure.rate else None
-        if method != BASELINE and exceeds_tau(speedup, figure.tau):
-            found[method] = speedup
-    return found
+    rates = {method: figure.rate for method, figure in by_method.items()}
+    taus = {method: figure.tau for method, figure in by_method.items()}
+    return beyond_tau(rates, taus, BASELINE)
 
 
 # -- rows ------------------------------------------------------------------------------------------

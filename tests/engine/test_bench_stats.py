@@ -15,6 +15,7 @@ from engine.bench_stats import (
     MIN_REPEATS_FOR_VERDICT,
     RepeatSchedule,
     Spread,
+    beyond_tau,
     exceeds_tau,
     median_interval,
     paired_ratios,
@@ -74,6 +75,15 @@ def test_a_speedup_above_tau_with_slack_is_disturbed():
     assert not exceeds_tau(3.3, 3.02)  # within 10% of tau: timing jitter
     assert exceeds_tau(43.5, 3.02)  # the incident of issue 31
     assert not exceeds_tau(None, 3.0) and not exceeds_tau(5.0, None) and not exceeds_tau(5.0, 0.0)
+
+
+def test_a_repeats_methods_beyond_their_tau_are_named_with_their_speedup():
+    """Both benches' check of one repeat: each method's rate over the baseline's, against tau."""
+    rates = {"ar": 10.0, "linear": 20.0, "ddtree:15": 45.0, "ddtree:8": None}
+    taus = {"ar": 1.0, "linear": 2.0, "ddtree:15": 3.0, "ddtree:8": 2.0}
+    assert beyond_tau(rates, taus, "ar") == {"ddtree:15": 4.5}  # linear's 2.0x is within tau
+    assert beyond_tau({**rates, "ar": None}, taus, "ar") == {}  # no baseline: nothing to pair
+    assert beyond_tau({**rates, "ar": 1.0}, {}, "ar") == {}  # no tau: nothing to bound
 
 
 def three(a: float, b: float, c: float) -> Spread:
