@@ -4,6 +4,8 @@
     ratios = paired_ratios(rates, rates_of_ar)       # same repeat (and prompt) -> one ratio each
     spread = median_interval(ratios)                 # Spread(median, low, high, n)
     spread.text("x")                                 # "1.31x (1.24-1.38)"
+    row |= spread_fields("speedup", spread)          # speedup, speedup_low, speedup_high
+    spread_in(row, "speedup", n)                     # ... and back
     exceeds_tau(ratio, tau)                          # above tau (+ slack): a disturbed measurement
     beyond_tau(rates, taus, "ar")                    # a repeat's methods above their tau
     verdict({"linear": s1, "ddtree:15": s2})         # a winner only when its interval clears
@@ -62,6 +64,22 @@ class Spread:
     @classmethod
     def from_json(cls, data: dict | None) -> Spread | None:
         return cls(**data) if data else None
+
+
+def spread_fields(name: str, spread: Spread | None, digits: int | None = None) -> dict:
+    """`spread` as a flat row's fields NAME (the median), NAME_low and NAME_high, each None
+    without one; rounded to `digits` when given."""
+    values = (spread.median, spread.low, spread.high) if spread else (None, None, None)
+    if spread and digits is not None:
+        values = tuple(round(v, digits) for v in values)
+    return dict(zip((name, f"{name}_low", f"{name}_high"), values, strict=True))
+
+
+def spread_in(row: Mapping, name: str, n: int) -> Spread | None:
+    """The Spread of a flat row's fields (`spread_fields`) over `n` values; None without one."""
+    if row.get(name) is None:
+        return None
+    return Spread(row[name], row[f"{name}_low"], row[f"{name}_high"], n)
 
 
 def rotated(items: Sequence[T], repeat: int) -> list[T]:

@@ -37,11 +37,12 @@ from pathlib import Path
 
 from engine.bench_stats import (
     RepeatSchedule,
-    Spread,
     beyond_tau,
     median_interval,
     paired_ratios,
     rotated,
+    spread_fields,
+    spread_in,
     verdict,
 )
 from engine.machine_state import MachineWatch, QuietGate, local_read, local_run, summary
@@ -187,8 +188,8 @@ def summarise(tallies: dict[Method, Tally], rates: dict[Method, Rates]) -> list[
                 "method": method.name,
                 "budget": method.budget,
                 "tau": round(tally.tau, 3),
-                **_spread_fields("decode_tokens_per_s", speed, 2),
-                **_spread_fields("speedup", speedup, 3),
+                **spread_fields("decode_tokens_per_s", speed, 2),
+                **spread_fields("speedup", speedup, 3),
                 "repeats": speed.n if speed else 0,
                 "cost": _ratio(tally.round_ms, ar.round_ms),
                 "round_ms": round(tally.round_ms, 3),
@@ -200,29 +201,13 @@ def summarise(tallies: dict[Method, Tally], rates: dict[Method, Rates]) -> list[
     return rows
 
 
-def _spread_fields(name: str, spread: Spread | None, digits: int) -> dict:
-    if spread is None:
-        return {name: None, f"{name}_low": None, f"{name}_high": None}
-    return {
-        name: round(spread.median, digits),
-        f"{name}_low": round(spread.low, digits),
-        f"{name}_high": round(spread.high, digits),
-    }
-
-
-def row_spread(row: dict, name: str) -> Spread | None:
-    if row[name] is None:
-        return None
-    return Spread(row[name], row[f"{name}_low"], row[f"{name}_high"], row["repeats"])
-
-
 def label_of(row: dict) -> str:
     return f"{row['method']} {row['budget']}" if row["budget"] is not None else row["method"]
 
 
 def run_verdict(rows: list[dict]) -> dict:
     """The verdict over the rows' speedups (the first row is ar)."""
-    return verdict({label_of(r): row_spread(r, "speedup") for r in rows}).to_json()
+    return verdict({label_of(r): spread_in(r, "speedup", r["repeats"]) for r in rows}).to_json()
 
 
 def _ratio(value: float, base: float) -> float | None:
@@ -236,7 +221,7 @@ def format_table(rows: list[dict]) -> str:
         + "".join(f"{h:>11}" for h in header[4:])
     ]
     for row in rows:
-        spread = row_spread(row, "speedup")
+        spread = spread_in(row, "speedup", row["repeats"])
         speedup = spread.text("x") if spread else "-"
         cost = f"{row['cost']:.2f}" if row["cost"] is not None else "-"
         rate = row["decode_tokens_per_s"]

@@ -23,6 +23,8 @@ from engine.bench_stats import (
     beyond_tau,
     median_interval,
     paired_ratios,
+    spread_fields,
+    spread_in,
     verdict,
 )
 from ops.bench.client import Sample
@@ -135,12 +137,6 @@ def summarize(samples: Sequence[Sample]) -> dict:
     }
 
 
-def _put(row: dict, name: str, spread: Spread | None) -> None:
-    row[name] = spread.median if spread else None
-    row[f"{name}_low"] = spread.low if spread else None
-    row[f"{name}_high"] = spread.high if spread else None
-
-
 def _clean(cell: dict) -> list[dict]:
     return [s for s in cell.get("samples") or [] if not s.get("disturbed")]
 
@@ -156,8 +152,8 @@ def _sample_figures(cell: dict) -> dict:
     reasoning = [s.reasoning_tokens for s in samples if s.reasoning_tokens is not None]
     shares = [s["others_cpu"] for s in clean if s.get("others_cpu") is not None]
     row = summarize(samples)
-    _put(row, "decode_tok_s", median_interval(rates))
-    _put(row, "ttft_s", median_interval(s.ttft_s for s in samples))
+    row |= spread_fields("decode_tok_s", median_interval(rates))
+    row |= spread_fields("ttft_s", median_interval(s.ttft_s for s in samples))
     row |= {
         "reasoning_tokens": sum(reasoning),
         "answer_tokens": tokens - sum(reasoning),
@@ -173,7 +169,7 @@ def _stored_figures(cell: dict) -> dict:
     row = {name: metrics.get(name) for name in POINT_FIGURES}
     for name in ("decode_tok_s", "ttft_s"):
         value = metrics.get(name)
-        _put(row, name, Spread(value, value, value, 1) if value is not None else None)
+        row |= spread_fields(name, Spread(value, value, value, 1) if value is not None else None)
     row["repeats"] = metrics.get("requests")
     return row
 
@@ -205,11 +201,11 @@ def _speedups(row: dict, cell: dict, ar_cell: dict | None) -> None:
         ratios = paired_ratios(
             {r: f.rate for r, f in mine.items()}, {r: f.rate for r, f in base.items()}
         )
-        _put(row, "speedup", median_interval(ratios))
+        row |= spread_fields("speedup", median_interval(ratios))
     else:
         base_rate = (ar_cell.get("metrics") or {}).get("decode_tok_s")
         ratio = row["decode_tok_s"] / base_rate if base_rate else None
-        _put(row, "speedup", Spread(ratio, ratio, ratio, 1) if ratio else None)
+        row |= spread_fields("speedup", Spread(ratio, ratio, ratio, 1) if ratio else None)
 
 
 def rows_from_cells(cells: list[dict]) -> list[dict]:
@@ -229,9 +225,7 @@ def rows_from_cells(cells: list[dict]) -> list[dict]:
 
 def spread_of(row: dict, name: str) -> Spread | None:
     """The row's figure `name` as a Spread (n: the row's clean repeats)."""
-    if row.get(name) is None:
-        return None
-    return Spread(row[name], row[f"{name}_low"], row[f"{name}_high"], row.get("repeats") or 1)
+    return spread_in(row, name, row.get("repeats") or 1)
 
 
 def columns(rows: list[dict]) -> list[tuple[str, int]]:

@@ -20,6 +20,8 @@ from engine.bench_stats import (
     median_interval,
     paired_ratios,
     rotated,
+    spread_fields,
+    spread_in,
     verdict,
 )
 from engine.machine_state import (
@@ -63,6 +65,15 @@ def test_a_spread_prints_its_interval_and_one_value_prints_alone():
     assert median_interval([]) is None
     spread = Spread(1.3, 1.2, 1.4, 5)
     assert Spread.from_json(spread.to_json()) == spread
+
+
+def test_a_spread_flattens_into_a_rows_fields_and_back():
+    spread = Spread(1.3141, 1.2049, 1.4, 5)
+    row = spread_fields("speedup", spread, digits=2)
+    assert row == {"speedup": 1.31, "speedup_low": 1.2, "speedup_high": 1.4}
+    assert spread_in(spread_fields("speedup", spread), "speedup", 5) == spread
+    assert spread_fields("ttft_s", None) == dict.fromkeys(("ttft_s", "ttft_s_low", "ttft_s_high"))
+    assert spread_in(spread_fields("ttft_s", None), "ttft_s", 5) is None
 
 
 def test_ratios_pair_only_what_both_measured():
