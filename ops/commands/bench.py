@@ -31,7 +31,7 @@ import click
 from engine.machine_state import MachineWatch
 from ops.bench.client import EngineClient
 from ops.bench.endpoint import Endpoint, site_endpoint, url_endpoint
-from ops.bench.figures import verdicts
+from ops.bench.figures import rows_from_cells, verdicts
 from ops.bench.matrix import (
     DEFAULT_MAX_REPEATS,
     DEFAULT_METHODS,
@@ -44,7 +44,6 @@ from ops.bench.matrix import (
     parse_scenarios,
 )
 from ops.bench.report import (
-    load_rows,
     markdown_report,
     render_report,
     summary_table,
@@ -164,8 +163,8 @@ def bench_command(ctx: click.Context, vmid, url, out, no_recover, via, **matrix)
 def report_command(ctx: click.Context, run_dir: str) -> None:
     """Re-render the report (markdown, CSV, JSON, plots) of a stored run."""
     files = render_report(Path(run_dir))
-    rows = load_rows(Path(run_dir))
-    machine = RunStore.load(Path(run_dir)).manifest.get("machine")
+    store = RunStore.load(Path(run_dir))
+    rows, machine = rows_from_cells(store.cells()), store.manifest.get("machine")
     if ctx.obj.json:
         document = {"run_dir": run_dir, "files": _paths(files), "rows": rows}
         document |= {"verdicts": verdicts(rows), "machine": machine}
@@ -218,8 +217,8 @@ def _paths(files) -> dict:
 
 
 def _print_outcome(as_json: bool, endpoint: Endpoint, run_dir: Path, resumed: bool, files) -> None:
-    rows = load_rows(run_dir)
-    manifest = RunStore.load(run_dir).manifest
+    store = RunStore.load(run_dir)
+    rows, manifest = rows_from_cells(store.cells()), store.manifest
     machine = manifest.get("machine") or {}
     if as_json:
         document = {
