@@ -10,9 +10,10 @@
 other processes took the cores is noisier, and the report says so. The CPU figures come from
 /proc/stat (jiffies in USER_HZ, 100 on Linux) and /proc/loadavg, read where the engine runs;
 "own" is the CPU time of the bench and the engine (`own_cpu_s`), "others" the rest of the busy
-time, each a share of all cores over the interval (without `own_cpu_s`, only the busy share). GPUs (where `nvidia-smi` answers): SM and
-memory clocks against the SM maximum, temperature, utilization, and the processes on them (the
-engine is one). Reading never fails a bench: what cannot be read is left out.
+time, each a share of all cores over the interval (without `own_cpu_s`, only the busy share).
+GPUs (where `nvidia-smi` answers): SM and memory clocks against the SM maximum, temperature,
+utilization, and the processes on them (the engine is one). Reading never fails a bench: what
+cannot be read is left out.
 
 `QuietGate` measures each request in one of the machine's quiet moments: a request during which
 other processes took the cores is sent again once they have let go. Contention only ever slows
@@ -148,16 +149,18 @@ class MachineWatch:
     sleep: Callable[[float], None] = time.sleep  # on `clock`: a scripted clock advances
     _gpu_missing: bool = field(default=False, repr=False)
 
-    def reading(self, gpus: bool = True) -> Reading:
-        """A look at the machine; `gpus=False` skips nvidia-smi (the quiet gate's many looks)."""
+    def reading(self, full: bool = True) -> Reading:
+        """A look at the machine; `full=False` reads the CPU times only, not the load average
+        nor nvidia-smi (the quiet gate's many looks: over SSH each read is a command)."""
         values: dict = {"at": self.clock(), "own_cpu_s": self.own_cpu_s()}
         if self.read_text is not None:
             with contextlib.suppress(OSError, ValueError, IndexError):
                 busy, total, cpus = parse_proc_stat(self.read_text("/proc/stat"))
                 values.update(busy_jiffies=busy, total_jiffies=total, cpus=cpus)
-            with contextlib.suppress(OSError, ValueError):
-                values["load"] = parse_loadavg(self.read_text("/proc/loadavg"))
-        if gpus and self.run is not None and not self._gpu_missing:
+            if full:
+                with contextlib.suppress(OSError, ValueError):
+                    values["load"] = parse_loadavg(self.read_text("/proc/loadavg"))
+        if full and self.run is not None and not self._gpu_missing:
             values.update(self._gpu_values())
         return Reading(**values)
 
@@ -237,9 +240,9 @@ class QuietGate:
             tries += 1
             if not self.last_quiet and not self.never_quiet:
                 self._wait_for_quiet()
-            before = self.watch.reading(gpus=False)
+            before = self.watch.reading(full=False)
             result = send()
-            others = others_share(between(before, self.watch.reading(gpus=False)))
+            others = others_share(between(before, self.watch.reading(full=False)))
             quiet = self.last_quiet = others is None or others <= self.share
             if quiet or self.never_quiet or tries == allowed:
                 break
@@ -250,9 +253,9 @@ class QuietGate:
     def _wait_for_quiet(self) -> None:
         deadline = self.watch.clock() + self.wait_s
         while True:
-            before = self.watch.reading(gpus=False)
+            before = self.watch.reading(full=False)
             self.watch.sleep(self.window_s)
-            others = others_share(between(before, self.watch.reading(gpus=False)))
+            others = others_share(between(before, self.watch.reading(full=False)))
             if others is None or others <= self.share or self.watch.clock() >= deadline:
                 return
 

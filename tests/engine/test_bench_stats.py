@@ -26,6 +26,7 @@ from engine.bench_stats import (
 )
 from engine.machine_state import (
     MachineWatch,
+    QuietGate,
     Reading,
     between,
     busy_warning,
@@ -215,6 +216,24 @@ def test_a_watch_reads_through_its_readers_and_survives_what_it_cannot_read():
 
     blind = MachineWatch(lambda path: (_ for _ in ()).throw(OSError(path)), missing)
     assert blind.reading().busy_jiffies is None and blind.reading().gpus == ()
+
+
+def test_the_quiet_gate_looks_at_the_cpu_times_only():
+    """Two looks a request (over SSH each read is a command): /proc/stat, not the load average
+    nor nvidia-smi, which only the run's readings take."""
+    read, ran = [], []
+
+    def read_text(path):
+        read.append(path)
+        return {"/proc/stat": PROC_STAT, "/proc/loadavg": "2.5 1 1 1/1 1\n"}[path]
+
+    def run(argv):
+        ran.append(argv)
+        return ""
+
+    gate = QuietGate(MachineWatch(read_text, run, lambda: 1.0, clock=lambda: 5.0))
+    assert gate.measure(lambda: "sent") == ("sent", {"others_cpu": None, "tries": 1, "quiet": True})
+    assert read == ["/proc/stat", "/proc/stat"] and ran == []
 
 
 def test_the_summary_warns_when_others_took_the_cpu_or_a_repeat_was_disturbed():
