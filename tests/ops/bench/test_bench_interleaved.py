@@ -12,17 +12,22 @@ from __future__ import annotations
 import csv
 import io
 import json
+import time
 
+import httpx
 import pytest
 from click.testing import CliRunner
 
 from engine.bench_stats import TAU_SLACK
-from engine.machine_state import QUIET_PATIENCE, QUIET_TRIES
+from engine.machine_state import QUIET_PATIENCE, QUIET_TRIES, local_read
+from ops.bench.client import EngineClient
+from ops.bench.endpoint import Endpoint
 from ops.bench.figures import rows_from_cells, verdicts
 from ops.bench.matrix import AgenticShape, BenchConfig, parse_methods
 from ops.bench.report import render_report
 from ops.bench.runner import NullProgress, run_bench
 from ops.cli import cli
+from ops.commands.bench import _watch
 from ops.results import RunStore
 from tests.helpers import DATA
 from tests.helpers.bench_engine import (
@@ -198,6 +203,29 @@ def test_a_busy_machine_is_recorded_and_warned_about(tmp_path):
     assert manifest["machine"] == json.loads(json.dumps(result.machine))
     every = [s["others_cpu"] for c in result.cells for s in c["samples"]]
     assert every and all(share == pytest.approx(0.6, abs=0.03) for share in every)  # jiffies
+
+
+def test_own_cpu_is_the_engines_from_its_metrics_and_the_benchs_when_it_runs_there():
+    """`ddops bench`'s watch: the engine's process_cpu_seconds_total, plus this process's CPU
+    time when the engine runs on this machine; unknown when /metrics does not say."""
+    engine = BenchEngine(step_s=STEPS, tau=TAUS)
+    engine.cpu_s = 2.5
+    with engine.client() as client:
+        assert client.engine_cpu_seconds() == 2.5
+        remote = _watch(Endpoint("http://engine", "engine"), client)
+        assert remote.own_cpu_s() == 2.5 and remote.reading().busy_jiffies is None
+        here = _watch(Endpoint("http://engine", "engine", read_text=local_read), client)
+        before = time.process_time()
+        assert here.own_cpu_s() >= 2.5 + before > 2.5
+    silent = httpx.Client(
+        base_url="http://engine", transport=httpx.MockTransport(lambda r: httpx.Response(404))
+    )
+    with EngineClient("http://engine", http=silent) as client:
+        assert client.engine_cpu_seconds() is None
+        assert (
+            _watch(Endpoint("http://engine", "engine", read_text=local_read), client).own_cpu_s()
+            is None
+        )
 
 
 def test_reasoning_and_answer_tokens_are_counted_apart(tmp_path):
