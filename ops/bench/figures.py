@@ -268,7 +268,7 @@ def turn_figures(cell: dict) -> list[dict] | None:
             "turn": turn,
             "prompt_tokens": max((s["prompt_tokens"] for s in on), default=None),
         }
-        figures["cached_tokens"] = median_interval(cached).median if cached else None
+        figures["cached_tokens"] = statistics.median(cached) if cached else None
         for name, entries in (("ttft_on_s", on), ("ttft_off_s", off)):
             spread = median_interval(s["ttft_s"] for s in entries)
             figures[name] = spread.to_json() if spread else None
