@@ -90,11 +90,12 @@ def check_staged(
 
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
+BRANCH_TIMEOUT_S = 10.0  # health and recover ask on every run: a stalled hub must not hold them
 
 
 def branch_commit(ref: ModelRef, endpoint: str | None, token: str | None) -> str | None:
     """The commit the ref's revision points at on the hub now (it is the commit itself when the
-    revision is one); None when the hub cannot tell."""
+    revision is one); None when the hub cannot tell (within BRANCH_TIMEOUT_S)."""
     if COMMIT.fullmatch(ref.revision):
         return ref.revision
     from huggingface_hub import HfApi
@@ -103,7 +104,7 @@ def branch_commit(ref: ModelRef, endpoint: str | None, token: str | None) -> str
         with hub_errors(ref):
             return (
                 HfApi(endpoint=endpoint, token=token)
-                .model_info(ref.repo, revision=ref.revision)
+                .model_info(ref.repo, revision=ref.revision, timeout=BRANCH_TIMEOUT_S)
                 .sha
             )
     except DdopsError:
