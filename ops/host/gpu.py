@@ -93,18 +93,20 @@ def read_major_history(t: Transport) -> dict[int, str]:
     return parse_major_history(t.read_text(MAJOR_HISTORY)) if t.exists(MAJOR_HISTORY) else {}
 
 
+def _unrecorded(history: dict[int, str], char_majors: dict[str, int]) -> dict[int, str]:
+    return {m: name for m, name in nvidia_char_majors(char_majors).items() if m not in history}
+
+
 def unrecorded_majors(t: Transport, char_majors: dict[str, int]) -> dict[int, str]:
     """Today's NVIDIA majors the history does not name yet."""
-    history = read_major_history(t)
-    return {m: name for m, name in nvidia_char_majors(char_majors).items() if m not in history}
+    return _unrecorded(read_major_history(t), char_majors)
 
 
 def record_majors(t: Transport, char_majors: dict[str, int]) -> dict[int, str]:
     """Add today's NVIDIA majors to the history (written atomically, the old one backed up);
     the majors added."""
     history = read_major_history(t)
-    new = {m: name for m, name in nvidia_char_majors(char_majors).items() if m not in history}
-    if new:
+    if new := _unrecorded(history, char_majors):
         merged = sorted({**history, **new}.items())
         t.write_file(MAJOR_HISTORY, _HISTORY_HEADER + "".join(f"{m} {n}\n" for m, n in merged))
     return new
