@@ -218,6 +218,7 @@ def test_majors_are_recorded_once_and_kept_across_moves(tmp_path):
         511: "nvidia-uvm",
     }
     assert record_majors(t, before) == {}  # nothing new: the file is not rewritten
+    assert not (tmp_path / "var/lib/ddops/backups").exists()  # (a rewrite backs the old one up)
     after = {**before, "nvidia-uvm": 509, "nvidia-caps": 508}
     assert record_majors(t, after) == {508: "nvidia-caps", 509: "nvidia-uvm"}
     assert set(read_major_history(t)) == {195, 508, 509, 510, 511}
