@@ -142,7 +142,7 @@ class LocalHub:
         self.root = Path(root)
         self.token = token
         self.stats_file = stats_file
-        self.bytes_served = _served_before(stats_file)
+        self.bytes_served = served_before(stats_file)
         self.requests: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         self._repos: dict[str, Repo] = {}
@@ -301,7 +301,8 @@ def _handler_for(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def _served_before(stats_file: Path | None) -> int:
+def served_before(stats_file: Path | None) -> int:
+    """The byte count a hub kept in `stats_file` (0 without one)."""
     try:
         return int(json.loads(stats_file.read_text())["bytes_served"]) if stats_file else 0
     except (FileNotFoundError, KeyError, ValueError):

@@ -15,7 +15,6 @@ model pair); a reboot of the host restarts it when it ran before.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -25,6 +24,7 @@ import time
 from pathlib import Path
 
 from ops.errors import DdopsError
+from ops.sim.hub import served_before
 from ops.sim.state import load_state, log, save_state
 
 HUB_DIR = "var/lib/ddops-sim/hub"
@@ -121,10 +121,7 @@ def stop_hub(root: Path) -> bool:
 
 def bytes_served(root: Path) -> int:
     """File bytes the hub has served over the host's life (0 when it never did)."""
-    try:
-        return int(json.loads((root / STATS_FILE).read_text())["bytes_served"])
-    except (FileNotFoundError, KeyError, ValueError):
-        return 0
+    return served_before(root / STATS_FILE)
 
 
 def _answers(port: int) -> bool:

@@ -72,3 +72,17 @@ def test_token_is_required_when_set(hub_root, tmp_path):
             "ddops/tiny", endpoint=hub.url, cache_dir=tmp_path / "b", token="hf_secret"
         )
         assert hub.bytes_served > 0
+
+
+def test_the_byte_count_is_kept_in_the_stats_file_across_restarts(hub_root, tmp_path):
+    from ops.sim.hub import served_before
+
+    stats = tmp_path / "hub.json"
+    assert served_before(stats) == 0  # no file yet
+    with LocalHub(hub_root, stats_file=stats) as hub:
+        snapshot_download("ddops/tiny", endpoint=hub.url, cache_dir=tmp_path / "cache")
+        served = hub.bytes_served
+    assert served > 0
+    assert served_before(stats) == served
+    with LocalHub(hub_root, stats_file=stats) as again:  # carried on, not started from zero
+        assert again.bytes_served == served
