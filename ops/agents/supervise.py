@@ -252,11 +252,12 @@ class Supervisor:
         except KeyError:
             raise ValueError(f"User={self.command.user}: no such user") from None
         group = self.command.group
-        if group is None:
-            gid = account.pw_gid
-        else:
-            gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
-        return account.pw_uid, gid
+        if group is None or group.isdigit():
+            return account.pw_uid, int(group) if group else account.pw_gid
+        try:
+            return account.pw_uid, grp.getgrnam(group).gr_gid
+        except KeyError:
+            raise ValueError(f"Group={group}: no such group") from None
 
     def drop_privileges(self) -> None:
         """In the engine's process before it execs: no capabilities left to gain back, the
