@@ -199,7 +199,7 @@ class ContainerSpec:
     net0: str = "name=eth0,bridge=vmbr0,ip=dhcp"
     device_style: str = "auto"  # auto (devN on PVE >= 8.1) | devN | raw
     privileged: bool = False  # a new CT is unprivileged unless the inventory asks
-    gpu_gid: int = 44  # the group owning the GPU nodes in the CT (Debian's video); the engine's
+    gpu_gid: int = 44  # the GPU nodes' group in the CT (Debian's video): the engine's group
 
     def __post_init__(self) -> None:
         if type(self.vmid) is not int or self.vmid not in VMID_RANGE:
