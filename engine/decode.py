@@ -176,8 +176,8 @@ class _Passes:
     was captured once; the kernels read the device-side length), else the pass is rebuilt for
     exactly the window needed (the CPU's attention costs the whole window). A kind is a name
     ("verify", "draft") and its shape (a request's budget): with `graphs` at most HELD_SHAPES
-    shapes of a name are kept, the oldest dropped, so requests of many budgets do not pile up
-    captured graphs (each holds its activations' memory)."""
+    shapes of a name are kept, the least recently used dropped, so requests of many budgets do
+    not pile up captured graphs (each holds its activations' memory)."""
 
     HELD_SHAPES = 3
 
@@ -185,8 +185,10 @@ class _Passes:
         self._passes, self._graphs = passes, graphs
 
     def get(self, kind: tuple, keys: int, build: Callable[[int], _Pass]) -> _Pass:
-        held = self._passes.get(kind)
-        if held is None and self._graphs:
+        held = self._passes.pop(kind, None)  # put back last: the order is their last use
+        if held is not None:
+            self._passes[kind] = held
+        elif self._graphs:
             shapes = [other for other in self._passes if other[0] == kind[0]]
             for other in shapes[: len(shapes) - self.HELD_SHAPES + 1]:
                 del self._passes[other]

@@ -212,19 +212,20 @@ def test_the_pool_allocates_its_caches_and_passes_once(pair):
 
 
 def test_a_pool_keeps_few_captured_pass_shapes_whatever_the_budgets_asked():
-    """Requests of many budgets: the graph passes of the last HELD_SHAPES of each name stay."""
+    """Requests of many budgets: the graph passes of the HELD_SHAPES most recently used shapes of
+    each name stay."""
     from engine.decode import _Passes
 
     pool, built = {}, []
     passes = _Passes(pool, graphs=True)
-    for width in (16, 5, 8, 33, 16, 16):
+    for width in (16, 5, 8, 16, 33, 16):
         for name in ("verify", "draft"):
             passes.get((name, width), 64, lambda keys: built.append(keys) or object())
     assert list(pool) == [("verify", 8), ("draft", 8), ("verify", 33), ("draft", 33)] + [
         ("verify", 16),
         ("draft", 16),
     ]
-    assert len(built) == 10  # 16 built again once dropped, then reused
+    assert len(built) == 8  # 33 dropped 5, not 16 (used since): each shape built once
 
 
 def test_a_failed_generation_gives_its_captures_back(pair):
