@@ -3,6 +3,7 @@
     order = rotated(methods, repeat)                 # each repeat starts with the next method
     ratios = paired_ratios(rates, rates_of_ar)       # same repeat (and prompt) -> one ratio each
     spread = median_interval(ratios)                 # Spread(median, low, high, n)
+    interval_name(spread.n)                          # "95% interval", "75% interval (min-max)"
     spread.text("x")                                 # "1.31x (1.24-1.38)"
     row |= spread_fields("speedup", spread)          # speedup, speedup_low, speedup_high
     spread_in(row, "speedup", n)                     # ... and back
@@ -15,7 +16,8 @@ alike, so methods run interleaved and rotated, and a speedup is the ratio of two
 taken back to back (same repeat, same prompt), never of two cells measured minutes apart.
 The interval is the distribution-free confidence interval of the median from order statistics:
 with n values the k-th smallest and k-th largest, k the largest index whose binomial tail stays
-within (1 - CONFIDENCE) / 2; below 9 values that is the min-max range. A speculative round
+within (1 - CONFIDENCE) / 2; below 9 values that is the min-max range, which holds the median
+CONFIDENCE of the time only from 6 values on (at 3, 75%): `interval_name` says which it is. A speculative round
 commits tau tokens on average and costs at least one target step, so a speedup above tau (with
 TAU_SLACK for the timing's own jitter) is not a result: the ar measurement it was paired with
 was slowed by something else. `RepeatSchedule` decides how many repeats a measurement gets:
@@ -110,6 +112,23 @@ def median_interval(values: Iterable[float], confidence: float = CONFIDENCE) -> 
         return None
     k = _order_index(len(ordered), confidence)
     return Spread(statistics.median(ordered), ordered[k - 1], ordered[-k], len(ordered))
+
+
+def interval_coverage(n: int, confidence: float = CONFIDENCE) -> float:
+    """How often the interval of `n` values holds the true median: 1 - 2 P(B(n, 1/2) < k)."""
+    k = _order_index(n, confidence)
+    return 1 - 2 * sum(math.comb(n, j) for j in range(k)) / 2**n
+
+
+def interval_name(n: int, confidence: float = CONFIDENCE) -> str:
+    """What the interval of `n` values is, for a label: "95% interval" when it covers that,
+    else what it is, e.g. "75% interval (min-max)" at 3 values."""
+    coverage = interval_coverage(n, confidence)
+    if n < 2:
+        return "no interval (1 value)"
+    if coverage >= confidence:
+        return f"{confidence:.0%} interval"
+    return f"{math.floor(coverage * 100)}% interval (min-max)"
 
 
 def paired_ratios(values: Mapping[K, float | None], base: Mapping[K, float | None]) -> list[float]:

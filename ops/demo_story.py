@@ -31,6 +31,7 @@ from pathlib import Path
 
 import yaml
 
+from engine.bench_stats import interval_name
 from ops.bench.figures import spread_of
 from ops.errors import DdopsError
 from ops.sim.hubservice import DEMO_MODEL_DIR, DEMO_REPOS, bytes_served, ensure_hub, free_port
@@ -271,9 +272,10 @@ def bench_story(result: DemoResult) -> list[str]:
     if not measured:
         return []
     repeats = max(r.get("repeats") or 0 for r in measured)
+    interval = interval_name(min(r.get("repeats") or 1 for r in measured))
     lines = ["", f"Bench on the demo pair ({BENCH_LENGTHS} new tokens, CPU, {repeats} interleaved "
-             "repeats; median and 95% interval):", ""]  # fmt: skip
-    lines.append(f"  {'method':<11} {'tau':>5} {'tok/s':>8}   vs ar")
+             "repeats):", ""]  # fmt: skip
+    lines.append(f"  {'method':<11} {'tau':>5} {'tok/s':>8}   vs ar (median and {interval})")
     for r in measured:
         spread = spread_of(r, "speedup")
         tau = f"{r['tau']:.2f}" if r.get("tau") else "-"

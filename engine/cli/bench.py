@@ -17,7 +17,7 @@ and is run again when other processes took the cores during it (engine.machine_s
 Decoding is greedy, so the tokens never change.
 
 Prints a table (tau = tokens committed per round, bonus included; decode tokens/s and speedup
-over ar as medians with their 95% intervals over the prompts' repeats; what a round costs), the
+over ar as medians with their intervals over the prompts' repeats; what a round costs), the
 verdict (a winner only when its interval clears the others'), what the machine was doing (load,
 other processes' CPU share, the GPU's clocks) and, as the last stdout line, one JSON document
 with the same figures.

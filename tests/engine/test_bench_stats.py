@@ -17,6 +17,8 @@ from engine.bench_stats import (
     Spread,
     beyond_tau,
     exceeds_tau,
+    interval_coverage,
+    interval_name,
     median_interval,
     paired_ratios,
     rotated,
@@ -58,6 +60,22 @@ def test_the_median_interval_uses_the_binomial_order_statistics(n, k):
     assert spread.median == (n + 1) / 2
     coverage = 1 - 2 * sum(math.comb(n, j) for j in range(k)) / 2**n
     assert coverage >= 0.95 or k == 1
+
+
+@pytest.mark.parametrize(
+    ("n", "coverage", "name"),
+    [
+        (1, 0.0, "no interval (1 value)"),
+        (3, 0.75, "75% interval (min-max)"),
+        (5, 0.9375, "93% interval (min-max)"),
+        (6, 0.96875, "95% interval"),
+        (9, 1 - 2 * 10 / 512, "95% interval"),
+    ],
+)
+def test_an_interval_is_named_by_what_it_covers(n, coverage, name):
+    """Below 6 values the min-max holds the median less than 95% of the time: labels say so."""
+    assert interval_coverage(n) == pytest.approx(coverage)
+    assert interval_name(n) == name
 
 
 def test_a_spread_prints_its_interval_and_one_value_prints_alone():
