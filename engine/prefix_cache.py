@@ -37,7 +37,7 @@ runs out of memory gets it back, engine/cache_pool.py).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +51,21 @@ def common_prefix(ids: Sequence[int], others: Sequence[int]) -> int:
         if one != other:
             return index
     return min(len(ids), len(others))
+
+
+def messages_end(
+    prompt_ids: Sequence[int], text: str, history: str, encode: Callable[[str], list[int]]
+) -> int:
+    """Where a chat prompt's messages end among its ids (`text` rendered with the generation
+    prompt, `history` without): the prompt less the generation prompt's own ids when they end
+    it (a special token starts it, so tokens do not cross the seam), else the common prefix of
+    the prompt and the history's ids. Encoding only the tail saves a second encoding of the
+    whole conversation on every request (~190 ms at 100k tokens)."""
+    if text.startswith(history):
+        tail = encode(text[len(history) :])
+        if list(prompt_ids[len(prompt_ids) - len(tail) :]) == tail:
+            return len(prompt_ids) - len(tail)
+    return common_prefix(prompt_ids, encode(history))
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:

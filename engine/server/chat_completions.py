@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine.grammar import Constraint
-from engine.prefix_cache import common_prefix
+from engine.prefix_cache import messages_end
 from engine.server.chat import ChatOutput, ChatPrompt, build_chat_prompt
 from engine.server.choices import ChoicesShape, serve_choices
 from engine.server.generation import check_prompt_ids
@@ -61,5 +61,5 @@ def chat_prompt(
     constraint = chat_constraint(chat, body.response_format, engine.grammar_tokenizer)
     checkpoints = ()
     if chat.history is not None:  # where the messages end: a next turn resumes there
-        checkpoints = (common_prefix(prompt_ids, engine.tokenizer.encode(chat.history)),)
+        checkpoints = (messages_end(prompt_ids, chat.text, chat.history, engine.tokenizer.encode),)
     return prompt_ids, chat, constraint, checkpoints

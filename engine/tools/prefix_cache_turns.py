@@ -63,17 +63,16 @@ class Turn:
 def chat_turns(tokenizer, history: int) -> Iterator[tuple[list[int], tuple[int, ...]]]:
     """(prompt ids, checkpoints) per turn of an agent conversation; `send` the answer's text back."""
     from engine.data.corpus import read_texts, stdlib_files
-    from engine.prefix_cache import common_prefix
+    from engine.prefix_cache import messages_end
 
     sources = [text[:TOOL_RESULT_CHARS] for text in read_texts(stdlib_files()[1])]
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tidy tree.py."}]
     tools, turn = [READ_FILE], 0
     while True:
-        ids = tokenizer.encode(tokenizer.render_chat(messages, True, tools=tools))
-        messages_end = common_prefix(
-            ids, tokenizer.encode(tokenizer.render_chat(messages, False, tools=tools))
-        )
-        answer = yield ids, (messages_end,)
+        text = tokenizer.render_chat(messages, True, tools=tools)
+        ids = tokenizer.encode(text)
+        history = tokenizer.render_chat(messages, False, tools=tools)
+        answer = yield ids, (messages_end(ids, text, history, tokenizer.encode),)
         if len(ids) >= history and messages[-1]["role"] == "user":  # ends on a short turn
             return
         messages.append({"role": "assistant", "content": answer})

@@ -347,3 +347,23 @@ def test_a_long_prefill_s_chunk_snapshots_give_way_to_its_blocks_and_its_end(pai
     assert pool.prefix_cache.used_bytes <= pool.prefix_cache.budget_bytes
     shorter = generate(target, drafter, OTHER[:20] + USER_3, cfg, pool=pool)
     assert shorter.cached_tokens == 0  # the earliest chunk snapshots (8, 16) were the ones to go
+
+
+def test_a_chat_s_messages_end_is_found_from_its_generation_prompt_s_ids_alone():
+    """The tail (the generation prompt) is encoded, not the whole history again; a tail whose
+    ids merge across the seam falls back to the history's own ids."""
+    from engine.prefix_cache import messages_end
+
+    encoded = []
+
+    def encode(text):  # one id a character, but "ab" is one token
+        encoded.append(text)
+        return [0 if text[i : i + 2] == "ab" else ord(c) for i, c in enumerate(text)
+                if not (i and text[i - 1 : i + 1] == "ab")]  # fmt: skip
+
+    text, history = "sys user<|im_start|>assistant", "sys user"
+    assert messages_end(encode(text), text, history, encode) == len(history)
+    assert encoded == [text, "<|im_start|>assistant"]
+    seam = "xya"
+    assert messages_end(encode(seam + "b!"), seam + "b!", seam, encode) == 2
+    assert messages_end(encode(history), history, history, encode) == len(history)
