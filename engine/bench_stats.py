@@ -84,6 +84,11 @@ def spread_in(row: Mapping, name: str, n: int) -> Spread | None:
     return Spread(row[name], row[f"{name}_low"], row[f"{name}_high"], n)
 
 
+def counted(n: int, noun: str) -> str:
+    """`1 repeat`, `3 repeats`: a count and its noun, agreeing."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def rotated(items: Sequence[T], repeat: int) -> list[T]:
     """`items` starting at position `repeat` (mod its length): repeat 0 in the given order,
     repeat 1 from the second item on, ... so no method always runs first or last."""
@@ -191,7 +196,7 @@ def verdict(speedups: Mapping[str, Spread | None], baseline: str = "ar") -> Verd
     listed = ", ".join(f"{m} {spreads[m].text('x')}" for m in leaders)
     why = "intervals overlap"
     if few < MIN_REPEATS_FOR_VERDICT:
-        why = f"only {few} clean repeat{'s' if few != 1 else ''}"
+        why = f"only {counted(few, 'clean repeat')}"
     return Verdict(None, leaders, f"no clear winner at this noise ({why}): leaders {listed}")
 
 

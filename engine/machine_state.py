@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from engine.bench_stats import counted
+
 T = TypeVar("T")
 
 USER_HZ = 100  # the unit of /proc/stat's times on every Linux the engine runs on
@@ -303,10 +305,6 @@ def summary(readings: Sequence[Reading], disturbed: int = 0, busy_requests: int 
     return document
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
 def busy_warning(state: dict) -> str | None:
     """Why the run's figures are noisier than a quiet machine's, or None."""
     reasons = []
@@ -321,12 +319,12 @@ def busy_warning(state: dict) -> str | None:
         reasons.append(f"{len(processes)} processes on the GPU")
     if state.get("busy_requests"):
         reasons.append(
-            f"{_count(state['busy_requests'], 'request')} measured while other processes took the cores "
+            f"{counted(state['busy_requests'], 'request')} measured while other processes took the cores "
             f"(each sent up to {QUIET_TRIES} times)"
         )
     if state.get("disturbed_repeats"):
         reasons.append(
-            f"{_count(state['disturbed_repeats'], 'repeat')} disturbed (speedup above tau), redone"
+            f"{counted(state['disturbed_repeats'], 'repeat')} disturbed (speedup above tau), redone"
         )
     if not reasons:
         return None

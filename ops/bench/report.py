@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.bench_stats import Spread, interval_name
+from engine.bench_stats import Spread, counted, interval_name
 from ops.bench.figures import (
     POINT_FIGURES,
     SPREAD_FIGURES,
@@ -209,7 +209,8 @@ def machine_lines(machine: dict | None) -> list[str]:
     if machine.get("gpu_processes") is not None:
         names = ", ".join(f"{p['name']} ({p['pid']})" for p in machine["gpu_processes"]) or "none"
         lines.append(f"- processes on the GPUs: {names}")
-    lines.append(f"- {machine.get('disturbed_repeats', 0)} repeats disturbed (speedup above tau)")
+    disturbed = counted(machine.get("disturbed_repeats", 0), "repeat")
+    lines.append(f"- {disturbed} disturbed (speedup above tau)")
     if machine.get("warning"):
         lines.append(f"- WARNING: {machine['warning']}")
     return lines

@@ -16,6 +16,7 @@ from engine.bench_stats import (
     RepeatSchedule,
     Spread,
     beyond_tau,
+    counted,
     exceeds_tau,
     interval_coverage,
     interval_name,
@@ -274,3 +275,7 @@ def test_the_summary_warns_when_others_took_the_cpu_or_a_repeat_was_disturbed():
     gpu = busy_warning({"gpu_processes": [{"pid": 1}, {"pid": 2}]})
     assert gpu == "the machine was busy: 2 processes on the GPU (figures are noisier)"
     assert summary([]) == {"warning": None}
+
+
+def test_a_count_s_noun_agrees_with_it():
+    assert [counted(n, "repeat") for n in (0, 1, 2)] == ["0 repeats", "1 repeat", "2 repeats"]
