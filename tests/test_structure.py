@@ -1,6 +1,6 @@
 """The project's shape: no import cycle, ops/ in layers (each importing only the ones below it) and
 no cycle among engine/'s folders, the engine's runtime apart from its tools, no module sharing a
-name with a package beside or above it, and the README's layout matching the tree.
+name with a package beside or above it, and the READMEs' layouts matching the tree.
 
 Imports are read from the source (every `import` and `from ... import`, at any depth of a file),
 so an import inside a function counts as much as one at the top.
@@ -214,10 +214,10 @@ def test_no_module_shares_a_name_with_a_package_beside_or_above_it():
     assert not clashes
 
 
-def readme_layout_paths() -> list[str]:
-    """The paths of README's Layout block: a line at column 0 names a top folder, an indented
+def readme_layout_paths(readme: str = "README.md") -> list[str]:
+    """The paths of a README's Layout block: a line at column 0 names a top folder, an indented
     one a path inside the last top folder."""
-    text = (REPO / "README.md").read_text()
+    text = (REPO / readme).read_text()
     section = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
     block = section.split("```", 2)[1]
     paths, top = [], ""
@@ -230,8 +230,9 @@ def readme_layout_paths() -> list[str]:
     return paths
 
 
-def test_every_path_in_the_readme_layout_exists():
-    paths = readme_layout_paths()
+@pytest.mark.parametrize("readme", ["README.md", "ops/README.md", "engine/README.md"])
+def test_every_path_in_a_readme_layout_exists(readme):
+    paths = readme_layout_paths(readme)
     assert len(paths) > 20
     missing = [p for p in paths if not (REPO / p).exists()]
     assert not missing
