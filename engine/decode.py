@@ -18,6 +18,10 @@ request's sampling settings and grammar at its own path (engine/sampling.py: pen
 along the path, warps; engine/grammar.py: the tree holds grammar-valid tokens only, each verify
 index is masked with its node's grammar state, computed on the host while the verify runs).
 
+With `logprobs` asked, each choice's logprob (and alternatives) is computed beside it on the
+device and read back in the same read (engine/sampling.py's `choose_scored`); the prompt's
+(`prompt_logprobs`) are scored chunk by chunk inside the prefill's `extend` (no prefix reuse).
+
 The tree is shrunk so a round never writes past the KV cache and never outputs more than
 `max_new_tokens`.
 
@@ -50,7 +54,17 @@ from engine.grammar import Constraint, Guide, mask_logits
 from engine.methods import METHODS
 from engine.models.common import key_window
 from engine.models.dflash import DraftInputs
-from engine.sampling import NO_SAMPLING, Penalties, Sampling, choose, make_generator
+from engine.sampling import (
+    MAX_TOP_LOGPROBS,
+    NO_SAMPLING,
+    Penalties,
+    PromptScores,
+    Sampling,
+    TokenLogprob,
+    choose_scored,
+    make_generator,
+    read_scored,
+)
 from engine.tree import (
     DraftTree,
     build_tree,
@@ -84,6 +98,8 @@ class GenerationConfig:
     constraint: Constraint | None = None  # a grammar the output follows (engine/grammar.py)
     cache_prompt: bool = True  # with a pool's prefix cache: reuse and extend it
     checkpoints: tuple[int, ...] = ()  # prompt positions a prefill chunk ends at (snapshots)
+    logprobs: int | None = None  # each output token's logprob and this many alternatives
+    prompt_logprobs: int | None = None  # the prompt's too (prefilled whole: no prefix reuse)
 
 
 @dataclass
@@ -97,6 +113,8 @@ class GenerationResult:
     rounds: list[dict] | None  # with trace: {"tree": {"tokens", "parents"}, "accepted"}
     round_seconds: list[dict[str, float]] | None = None  # with trace: each round's stage seconds
     cached_tokens: int = 0  # prompt tokens the prefix cache held (not prefilled)
+    logprobs: list[TokenLogprob] | None = None  # with cfg.logprobs: one per output token
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with cfg.prompt_logprobs
 
 
 class _StageClock:
@@ -203,8 +221,10 @@ class _Output:
 
     cfg: GenerationConfig
     on_tokens: Callable[[list[int]], None] | None
+    on_logprobs: Callable[[list[TokenLogprob]], None] | None = None  # called before on_tokens
     ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # with cfg.logprobs: the output's
 
     @property
     def remaining(self) -> int:
@@ -217,9 +237,14 @@ class _Output:
                 return count
         return len(tokens)
 
-    def add(self, tokens: list[int]) -> int:
-        """Append tokens up to and including a stop token or the length limit; returns how many."""
+    def add(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> int:
+        """Append tokens up to and including a stop token or the length limit; returns how many.
+        `logprobs`: the tokens' own, kept (and handed on) for the tokens taken."""
         taken = tokens[: self.taking(tokens)]
+        if logprobs is not None and taken:
+            self.logprobs = [*(self.logprobs or []), *logprobs[: len(taken)]]
+            if self.on_logprobs:
+                self.on_logprobs(logprobs[: len(taken)])
         if taken and taken[-1] in self.cfg.stop_token_ids:
             self.finish_reason = "stop"
         elif len(self.ids) + len(taken) == self.cfg.max_new_tokens:
@@ -243,6 +268,9 @@ def _check(cfg: GenerationConfig, drafter) -> None:
         raise ValueError(f"prefill_chunk must be >= 1, not {cfg.prefill_chunk}")
     if cfg.constraint and not set(cfg.constraint.stop_token_ids) <= set(cfg.stop_token_ids):
         raise ValueError("the grammar's stop tokens must be among stop_token_ids")
+    for name in ("logprobs", "prompt_logprobs"):
+        if not 0 <= (getattr(cfg, name) or 0) <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}] or None")
 
 
 class _Sequence:
@@ -255,7 +283,7 @@ class _Sequence:
         self.layers = tuple(drafter.target_layer_ids) if self.speculative else ()
         self.generator = make_generator(self.device, cfg.seed) if cfg.temperature > 0 else None
         self.clock = _StageClock(self.device)
-        self.caches = pool.open(self.speculative, cfg.cache_prompt)
+        self.caches = pool.open(self.speculative, cfg.cache_prompt and cfg.prompt_logprobs is None)
         self.cache, self.draft_cache = self.caches.cache, self.caches.draft_cache
         self.committed: list[int] = []  # the token ids in the target's cache
         self.context: torch.Tensor | None = None  # [N, n*H] features not yet given to the drafter
@@ -267,6 +295,8 @@ class _Sequence:
         self.passes = _Passes(pool.passes, self.graphs)
         self.guide = Guide(cfg.constraint) if cfg.constraint else None
         self.penalties: Penalties | None = None  # made at the prefill's logits (their width)
+        self.scores: list[TokenLogprob] | None = None  # with cfg.logprobs: the last choices'
+        self.prompt_scores: PromptScores | None = None  # with cfg.prompt_logprobs
 
     def prefill(self, prompt_ids: list[int]) -> int:
         """Run the prompt from its longest cached prefix in chunks of cfg.prefill_chunk, each
@@ -279,34 +309,54 @@ class _Sequence:
             if self.speculative:  # the drafter's features of the prompt's uncached tokens
                 self.context = self._features(total - cached)
             chunks = chunk_bounds(cached, total, self.cfg.prefill_chunk, self.cfg.checkpoints)
+            if self.cfg.prompt_logprobs is not None:
+                self.prompt_scores = PromptScores(prompt_ids, self.cfg.prompt_logprobs, self.device)
             for start, end in chunks:
                 chunk = prompt[start - cached : end - cached]
-                logits, hidden = self.target.extend(chunk, self.cache, self.layers)
+                logits, hidden = self._extend(chunk, start)
                 if hidden is not None:
                     self.context[start - cached : end - cached] = hidden
                 self.caches.after_chunk(end, total, logits)
             if self.cfg.sampling.penalized:
                 self.penalties = Penalties(self.cfg.sampling, logits.shape[-1], self.device)
                 self.penalties.start(prompt_ids)
-            self.bonus = int(self._choose(logits, None)[0])
+            choices, self.scores = self._choose(logits, None)
+            self.bonus = choices[0]
             self._advance([0], self.bonus)
         self.committed = list(prompt_ids)
         return self.bonus
+
+    def _extend(self, chunk: torch.Tensor, start: int):
+        """The target's extend of the prefill chunk at prompt position `start`, every position
+        scored when the prompt's logprobs are asked."""
+        if self.prompt_scores is None:
+            return self.target.extend(chunk, self.cache, self.layers)
+        return self.target.extend(chunk, self.cache, self.layers, self.prompt_scores.at(start))
 
     def _features(self, count: int) -> torch.Tensor:  # [count, n*H]
         width = len(self.layers) * self.target.config.hidden_size
         dtype = self.target.embed_tokens.weight.dtype
         return torch.empty(count, width, dtype=dtype, device=self.device)
 
-    def _choose(self, logits: torch.Tensor, tree: DraftTree | None) -> torch.Tensor:
+    def _choose(
+        self, logits: torch.Tensor, tree: DraftTree | None
+    ) -> tuple[list[int], list[TokenLogprob] | None]:
         """The target's choice at verify indices 0..n of `tree` (None: the prefill's last token)
-        under the grammar's state and the penalties along each index's own path."""
+        under the grammar's state and the penalties along each index's own path, read back (one
+        read), with their logprobs when cfg.logprobs asks."""
         if self.guide is not None:
             masks = self.guide.masks(logits.shape[0])  # host work while the device computes
             logits = mask_logits(logits, to_device(masks, self.device))
         if self.penalties is not None:
             logits = self.penalties.apply(logits, path_tokens(tree) if tree else None)
-        return choose(logits, self.cfg.temperature, self.generator, self.cfg.sampling)
+        cfg = self.cfg
+        scored = choose_scored(logits, cfg.temperature, self.generator, cfg.sampling, cfg.logprobs)
+        return read_scored(*scored)
+
+    def logprobs_of(self, accepted: list[int]) -> list[TokenLogprob] | None:
+        """The logprobs of the tokens chosen at the `accepted` verify indices (a round's new
+        tokens), when asked."""
+        return None if self.scores is None else [self.scores[i] for i in accepted]
 
     def _advance(self, accepted: list[int], next_bonus: int, tokens: Sequence[int] = ()) -> None:
         """The grammar and the penalties follow the output: `tokens`, then the next bonus."""
@@ -359,7 +409,8 @@ class _Sequence:
                 logits, hidden, pending = self._verify_static(tree)
             else:
                 logits, hidden, pending = self._verify_growing(tree)
-            return self._choose(logits[:n], tree).tolist(), hidden, pending
+            choices, self.scores = self._choose(logits[:n], tree)
+            return choices, hidden, pending
 
     def _verify_static(self, tree: DraftTree):
         """[bonus, nodes..., padding] as one static pass of `width` tokens."""
@@ -430,13 +481,15 @@ def generate(
     on_tokens: Callable[[list[int]], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     pool: CachePool | None = None,
+    on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
 ) -> GenerationResult:
     """Generate up to cfg.max_new_tokens after prompt_ids; max_len bounds the KV cache (tokens).
 
     The default max_len leaves room for a full draft on top of the longest output, so only
     max_new_tokens (never the cache) shrinks the last rounds' drafts. `pool`: a server's caches
     and prefix cache (engine/cache_pool.py), which also bound max_len; without one the caches
-    are made for this request alone.
+    are made for this request alone. With cfg.logprobs, `on_logprobs` is given each round's
+    tokens' logprobs just before `on_tokens` is given the tokens.
     """
     _check(cfg, drafter)
     max_len = max_len or len(prompt_ids) + cfg.max_new_tokens + _draft_width(cfg, drafter)
@@ -448,7 +501,7 @@ def generate(
     pool = pool or CachePool(target, drafter if cfg.method != "ar" else None, max_len)
     seq = _Sequence(target, drafter, cfg, pool)
     try:
-        result = _decode(seq, prompt_ids, max_len, started, on_tokens, should_stop)
+        result = _decode(seq, prompt_ids, max_len, started, on_tokens, should_stop, on_logprobs)
     except BaseException:
         seq.caches.abandon()
         raise
@@ -463,15 +516,16 @@ def _decode(
     started: float,
     on_tokens: Callable[[list[int]], None] | None,
     should_stop: Callable[[], bool] | None,
+    on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
 ) -> GenerationResult:
     """The prefill and the rounds of `generate`."""
     cfg = seq.cfg
-    out = _Output(cfg, on_tokens)
+    out = _Output(cfg, on_tokens, on_logprobs)
     acceptance: list[int] = []
     rounds: list[dict] | None = [] if cfg.trace else None
     round_seconds: list[dict[str, float]] = []
 
-    out.add([seq.prefill(prompt_ids)])
+    out.add([seq.prefill(prompt_ids)], seq.logprobs_of([0]))
     ttft = time.perf_counter() - started
     if rounds is not None:
         seq.clock.since_last()  # round_seconds: each round's own
@@ -485,7 +539,7 @@ def _decode(
             break
         tree = seq.propose(depth_room=out.remaining - 1, node_room=node_room)  # -1: next bonus
         accepted, new_tokens = seq.commit(tree, *seq.verify(tree), out.taking)
-        acceptance.append(out.add(new_tokens))
+        acceptance.append(out.add(new_tokens, seq.logprobs_of(accepted)))
         if rounds is not None:
             rounds.append(_trace(tree, accepted))
             round_seconds.append(seq.clock.since_last())
@@ -502,6 +556,8 @@ def _decode(
         rounds=rounds,
         round_seconds=round_seconds if cfg.trace else None,
         cached_tokens=seq.caches.cached_tokens,
+        logprobs=out.logprobs if cfg.logprobs is not None else None,
+        prompt_logprobs=seq.prompt_scores.read() if seq.prompt_scores is not None else None,
     )
 
 

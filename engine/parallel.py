@@ -264,6 +264,7 @@ class Command:
     ids: list[int] | None = None  # forward: [bonus, drafted tree tokens...]; extend: a chunk
     parents: list[int] | None = None  # forward: the tree's parents; None = a chain
     accepted: list[int] | None = None  # commit: the accepted root-to-node path
+    score: bool = False  # extend: every position's logits too (a sharded head gathers them)
 
 
 def broadcast_command(command: Command | None) -> Command:
@@ -308,10 +309,15 @@ def run_command(shard: nn.Module, command: Command, cache):
         parents = None if command.parents is None else torch.tensor(command.parents)
         shard.forward(ids, cache, parents)
     elif command.op == "extend":
-        shard.extend(torch.tensor(command.ids, dtype=torch.long, device=device), cache)
+        ids = torch.tensor(command.ids, dtype=torch.long, device=device)
+        shard.extend(ids, cache, score=_discard if command.score else None)
     elif command.op == "commit":
         shard.commit(cache, torch.tensor(command.accepted, dtype=torch.long, device=device))
     return cache
+
+
+def _discard(first: int, logits) -> None:
+    """A follower's `score`: the leader alone keeps the logits."""
 
 
 class TensorParallelTarget:
@@ -354,11 +360,11 @@ class TensorParallelTarget:
         return self.shard.forward(ids, cache, parents, hidden_layers)
 
     def extend(
-        self, ids: torch.Tensor, cache, hidden_layers: Sequence[int] = ()
+        self, ids: torch.Tensor, cache, hidden_layers: Sequence[int] = (), score=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [1, V], hidden [T, n*H]
         self._check_live(cache)
-        broadcast_command(Command("extend", ids=ids.tolist()))
-        return self.shard.extend(ids, cache, hidden_layers)
+        broadcast_command(Command("extend", ids=ids.tolist(), score=score is not None))
+        return self.shard.extend(ids, cache, hidden_layers, score)
 
     def commit(self, cache, accepted: torch.Tensor) -> None:
         self._check_live(cache)

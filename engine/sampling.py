@@ -16,10 +16,20 @@ output by it and multiplies a negative one. Greedy decoding applies the mask and
 
 On the device everything runs with static shapes and without reading anything back: the output's
 counts live on the device and grow by non-blocking copies of each round's tokens.
+
+Logprobs (OpenAI's `logprobs` / `top_logprobs`), when asked: a chosen token's log-probability
+under the distribution it was drawn from (after the mask, the penalties and, when sampling, the
+temperature and warps; a token the warps dropped has -inf), with the `top` most likely tokens of
+that distribution. They are computed beside the choice on the device and read back with it in
+the one read a round already makes (`choose_scored`, `read_scored`), so each method's logprobs
+are the target's own at the token's own path: equal across ar, linear and ddtree. The prompt's
+(`PromptScores`, completions' `echo`) are the raw log-softmax of the target's logits at each
+position, gathered chunk by chunk during the prefill, read back once at its end.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -32,7 +42,7 @@ from engine.tree import to_device
 class Sampling:
     """Warps beyond temperature; the defaults ask for nothing."""
 
-    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p (0: one)
     top_k: int = 0  # keep the k most likely tokens (0: all)
     min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
     presence_penalty: float = 0.0  # -2..2
@@ -41,7 +51,7 @@ class Sampling:
 
     def __post_init__(self) -> None:
         problems = [
-            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_p", 0 <= self.top_p <= 1, "in [0, 1]"),
             ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
             ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
@@ -82,6 +92,19 @@ def make_generator(device: torch.device, seed: int | None) -> torch.Generator:
     return generator
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's most alternatives per token
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token, its log-probability, and the `top` most likely tokens (id, logprob) of the same
+    distribution, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 def choose(
     logits: torch.Tensor,  # [T, V] float32
     temperature: float,
@@ -89,10 +112,82 @@ def choose(
     sampling: Sampling = NO_SAMPLING,
 ) -> torch.Tensor:  # [T] int64
     """argmax when temperature is 0, else one sample per row from the warped softmax(logits / T)."""
+    return choose_scored(logits, temperature, generator, sampling)[0]
+
+
+def choose_scored(
+    logits: torch.Tensor,  # [T, V] float32 (float64 for float64 models)
+    temperature: float,
+    generator: torch.Generator | None = None,
+    sampling: Sampling = NO_SAMPLING,
+    top: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # [T] int64, [T, 1 + 2 top]
+    """`choose`'s choices and, when `top` is not None, their scores on the device: per row the
+    choice's logprob, then the `top` most likely token ids and their logprobs (ids as floats:
+    exact below 2^24, far above any vocabulary), all of the distribution the choice came from."""
     if temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = warped_probs(logits.float() / temperature, sampling)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        choices = logits.argmax(dim=-1)
+        return choices, None if top is None else _scores(logits.log_softmax(-1), choices, top)
+    scaled = logits.float() / temperature
+    probs = warped_probs(scaled, sampling)
+    choices = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if top is None:
+        return choices, None
+    kept = scaled.masked_fill(probs == 0, float("-inf"))  # what the warps dropped: -inf
+    return choices, _scores(kept.log_softmax(-1), choices, top)
+
+
+def _scores(log_probs: torch.Tensor, tokens: torch.Tensor, top: int) -> torch.Tensor:
+    """[T, 1 + 2 top]: log_probs [T, V] at `tokens` [T], then its `top` best ids and values."""
+    chosen = log_probs.gather(-1, tokens.unsqueeze(-1))
+    best = log_probs.topk(top, dim=-1)
+    return torch.cat([chosen, best.indices.to(log_probs.dtype), best.values], dim=-1)
+
+
+def read_scored(
+    choices: torch.Tensor, scores: torch.Tensor | None
+) -> tuple[list[int], list[TokenLogprob] | None]:
+    """The choices and their logprobs on the host, in one read of the device."""
+    if scores is None:
+        return choices.tolist(), None
+    rows = torch.cat([choices.unsqueeze(-1).to(scores.dtype), scores], dim=-1).tolist()
+    return [int(row[0]) for row in rows], [_token_logprob(row[0], row[1:]) for row in rows]
+
+
+def _token_logprob(token: float, scores: list[float]) -> TokenLogprob:
+    top = (len(scores) - 1) // 2
+    ids, values = scores[1 : 1 + top], scores[1 + top :]
+    return TokenLogprob(int(token), scores[0], tuple(zip(map(int, ids), values, strict=True)))
+
+
+class PromptScores:
+    """The prompt's logprobs (position 0 has none), gathered during the prefill: `at(start)` is
+    the target's `score` for the chunk starting at prompt position `start` (see
+    engine/models/common.py's `score_positions`); a row's logits score the next prompt token."""
+
+    def __init__(self, prompt_ids: list[int], top: int, device: torch.device) -> None:
+        self.prompt, self.top = prompt_ids, top
+        self.ids = to_device(np.asarray(prompt_ids, np.int64), device)
+        self.rows: list[torch.Tensor] = []  # [n, 1 + 2 top] on the device, in prompt order
+
+    def at(self, start: int) -> Callable[[int, torch.Tensor], None]:
+        def score(first: int, logits: torch.Tensor) -> None:
+            begin = start + first  # the prompt position of logits' first row
+            rows = min(logits.shape[0], len(self.prompt) - 1 - begin)  # the last predicts output
+            if rows > 0:
+                following = self.ids[begin + 1 : begin + 1 + rows]
+                log_probs = logits[:rows].log_softmax(-1)
+                self.rows.append(_scores(log_probs, following, self.top))
+
+        return score
+
+    def read(self) -> list[TokenLogprob | None]:
+        """Every prompt token's logprob (None for the first), in one read of the device."""
+        if not self.rows:
+            return [None] * len(self.prompt)
+        rows = torch.cat(self.rows).tolist()
+        scored = [_token_logprob(t, row) for t, row in zip(self.prompt[1:], rows, strict=True)]
+        return [None, *scored]
 
 
 def warped_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:  # [T, V]
@@ -104,7 +199,8 @@ def warped_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:  # [
     if sampling.top_p < 1:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
-        drop_sorted = before >= sampling.top_p  # the most likely token is always kept
+        drop_sorted = before >= sampling.top_p
+        drop_sorted[..., 0] = False  # the most likely token is always kept (top_p 0: it alone)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if sampling.min_p > 0:

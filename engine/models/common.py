@@ -46,6 +46,20 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# Prompt positions whose logits one lm_head call makes when every position is scored (prompt
+# logprobs): float32 logits are ~0.95 MiB a position at Qwen3.6's 248,320 tokens, so 256 rows
+# are ~243 MiB (and as much again for their log-softmax), whatever the prefill chunk.
+SCORE_ROWS = 256
+# score(first, logits): the logits [rows, V] of a chunk's positions first..first+rows-1.
+ScoreFn = Callable[[int, torch.Tensor], None]
+
+
+def score_positions(states: torch.Tensor, logits: Callable, score: ScoreFn) -> None:
+    """Hand `score` the logits of every row of `states` [T, H], SCORE_ROWS rows at a time."""
+    for first in range(0, states.shape[0], SCORE_ROWS):
+        score(first, logits(states[first : first + SCORE_ROWS]))
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype reductions (norms, softmax, RoPE tables) run in: float32, or float64 for float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -34,12 +34,14 @@ from engine.models.common import (
     QKNormProjections,
     RMSNorm,
     Rotary,
+    ScoreFn,
     SwiGLU,
     WindowPass,
     compute_dtype,
     finish_loading,
     read_config,
     rope_theta,
+    score_positions,
 )
 from engine.tree import TreeInputs, tree_layout
 
@@ -146,11 +148,18 @@ class Qwen3Model(nn.Module):
 
     @torch.no_grad()
     def extend(
-        self, ids: torch.Tensor, cache: KVCache, hidden_layers: Sequence[int] = ()
+        self,
+        ids: torch.Tensor,
+        cache: KVCache,
+        hidden_layers: Sequence[int] = (),
+        score: ScoreFn | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [1, V], hidden [T, n*H]
-        """Run the chain `ids` (a prefill chunk) and commit all of it; logits of its last token."""
+        """Run the chain `ids` (a prefill chunk) and commit all of it; logits of its last token
+        (`score`: also every position's, a slice at a time, see `score_positions`)."""
         x, hidden = self._run(ids, cache, None, hidden_layers)
         cache.advance(ids.shape[0])
+        if score is not None:
+            score_positions(x, self._logits, score)
         return self._logits(x[-1:]), hidden
 
     @torch.no_grad()

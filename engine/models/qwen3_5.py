@@ -40,12 +40,14 @@ from engine.models.common import (
     GrowingPass,
     KVCache,
     Rotary,
+    ScoreFn,
     SwiGLU,
     WindowPass,
     compute_dtype,
     finish_loading,
     read_config,
     rope_theta,
+    score_positions,
 )
 from engine.models.gated_deltanet import (
     STATE_STRATEGIES,
@@ -349,13 +351,20 @@ class Qwen3_5Model(nn.Module):
 
     @torch.no_grad()
     def extend(
-        self, ids: torch.Tensor, cache: HybridCache, hidden_layers: Sequence[int] = ()
+        self,
+        ids: torch.Tensor,
+        cache: HybridCache,
+        hidden_layers: Sequence[int] = (),
+        score: ScoreFn | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the chain `ids` (a prefill chunk) and commit all of it as it goes: K/V written in
         place, each GDN layer's conv window and state carried forward. Logits [1, V] of the
-        last token only; the requested layers' outputs of every token."""
+        last token only (`score`: also every position's, a slice at a time, see
+        `score_positions`); the requested layers' outputs of every token."""
         h, hidden = self._run(ids, cache, None, hidden_layers, extend=True)
         cache.kv.advance(ids.shape[0])
+        if score is not None:
+            score_positions(h, self._logits, score)
         return self._logits(h[-1:]), hidden
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -125,6 +125,17 @@ def test_a_grammar_and_penalties_add_no_sync(pair, method, budget):
     assert max(per_round) <= max(syncs_per_round(target, drafter, plain)), per_round
 
 
+@pytest.mark.parametrize(("method", "budget"), [("ar", 0), ("linear", 0), ("ddtree", 6)])
+def test_logprobs_add_no_sync(pair, method, budget):
+    """A round's logprobs are read back with its choices, in the same one read."""
+    target, drafter = pair
+    drafter = None if method == "ar" else drafter
+    cfg = GenerationConfig(method, budget, max_new_tokens=24, temperature=0.7, seed=1)
+    scored = GenerationConfig(method, budget, max_new_tokens=24, temperature=0.7, seed=1)
+    scored.logprobs = 20
+    assert syncs_per_round(target, drafter, scored) == syncs_per_round(target, drafter, cfg)
+
+
 def test_rounds_run_the_static_passes(pair, monkeypatch):
     """After the prefill no round uses the dynamic-shape forward, and the drafter's growing
     path runs only once, for the prompt's context (longer than a round commits)."""

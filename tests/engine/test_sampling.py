@@ -26,7 +26,7 @@ QWEN_THINKING = Sampling(top_p=0.95, top_k=20, min_p=0.0, presence_penalty=1.5)
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("top_p", 0.0),
+        ("top_p", -0.1),
         ("top_p", 1.5),
         ("top_k", -1),
         ("min_p", 1.1),
@@ -56,6 +56,7 @@ def test_warps_keep_what_each_defines():
     assert probs_of(row, Sampling(top_p=0.8)) == [0.625, 0.375, 0.0, 0.0]  # 0.5 + 0.3 reach it
     assert probs_of(row, Sampling(top_p=0.81)) == [0.5263, 0.3158, 0.1579, 0.0]
     assert probs_of(row, Sampling(top_p=0.1)) == [1.0, 0.0, 0.0, 0.0]  # the top one stays
+    assert probs_of(row, Sampling(top_p=0.0)) == [1.0, 0.0, 0.0, 0.0]  # 0: it alone (greedy)
     assert probs_of(row, Sampling(min_p=0.4)) == [0.625, 0.375, 0.0, 0.0]  # >= 0.2 stays
     assert probs_of(row, Sampling(top_k=3, top_p=0.9)) == [0.5263, 0.3158, 0.1579, 0.0]
 
