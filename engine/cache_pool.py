@@ -64,6 +64,15 @@ class CachePool:
             pool.prefix_cache = PrefixCache(cache_bytes, recurrent=has_states(pool.cache))
         return pool
 
+    def slots(self, count: int) -> list[CachePool]:
+        """This pool and `count` - 1 more of its size sharing its prefix cache: the slots of a
+        scheduler's running sequences (engine/scheduler.py), each its own caches and passes."""
+        more = [
+            CachePool(self.target, self.drafter, self.max_len, self.prefix_cache)
+            for _ in range(count - 1)
+        ]
+        return [self, *more]
+
     def open(self, speculative: bool, cache_prompt: bool) -> SequenceCaches:
         """The caches for the next sequence: the drafter's only when `speculative`, the prefix
         cache only when `cache_prompt`."""

@@ -303,27 +303,63 @@ class _Sequence:
         committed as it goes; the bonus comes from the last token's logits (the only ones
         computed, or kept by the prefix cache when it held the whole prompt)."""
         with self.clock.stage("prefill"):
-            cached, total = self.caches.resume(prompt_ids), len(prompt_ids)
-            logits = self.caches.logits
-            prompt = torch.tensor(prompt_ids[cached:], dtype=torch.long, device=self.device)
-            if self.speculative:  # the drafter's features of the prompt's uncached tokens
-                self.context = self._features(total - cached)
-            chunks = chunk_bounds(cached, total, self.cfg.prefill_chunk, self.cfg.checkpoints)
-            if self.cfg.prompt_logprobs is not None:
-                self.prompt_scores = PromptScores(prompt_ids, self.cfg.prompt_logprobs, self.device)
-            for start, end in chunks:
-                chunk = prompt[start - cached : end - cached]
-                logits, hidden = self._extend(chunk, start)
-                if hidden is not None:
-                    self.context[start - cached : end - cached] = hidden
-                self.caches.after_chunk(end, total, logits)
-            if self.cfg.sampling.penalized:
-                self.penalties = Penalties(self.cfg.sampling, logits.shape[-1], self.device)
-                self.penalties.start(prompt_ids)
-            choices, self.scores = self._choose(logits, None)
-            self.bonus = choices[0]
-            self._advance([0], self.bonus)
-        self.committed = list(prompt_ids)
+            self.begin_prefill(prompt_ids)
+            while (piece := self.next_piece()) is not None:
+                logits, hidden = self._extend(piece, self.prefilled)
+                self.piece_done(piece.shape[0], logits, hidden)
+            return self.end_prefill()
+
+    def begin_prefill(self, prompt_ids: list[int]) -> None:
+        """Restore the longest cached prefix and plan the chunks of the rest (`next_piece`)."""
+        cached, total = self.caches.resume(prompt_ids), len(prompt_ids)
+        self.prompt_ids, self.prefilled = list(prompt_ids), cached
+        self._cached, self._logits = cached, self.caches.logits
+        self._prompt = torch.tensor(prompt_ids[cached:], dtype=torch.long, device=self.device)
+        if self.speculative:  # the drafter's features of the prompt's uncached tokens
+            self.context = self._features(total - cached)
+        self._chunk_ends = [
+            end
+            for _, end in chunk_bounds(cached, total, self.cfg.prefill_chunk, self.cfg.checkpoints)
+        ]
+        if self.cfg.prompt_logprobs is not None:
+            self.prompt_scores = PromptScores(prompt_ids, self.cfg.prompt_logprobs, self.device)
+
+    @property
+    def prefill_left(self) -> int:
+        """Prompt tokens not yet prefilled."""
+        return len(self.prompt_ids) - self.prefilled
+
+    def next_piece(self, limit: int | None = None) -> torch.Tensor | None:
+        """The prompt's next tokens to extend the cache with: the rest of the current chunk,
+        at most `limit` of them (a scheduler's share of a pass); None when all are in."""
+        if not self._chunk_ends:
+            return None
+        start = self.prefilled
+        end = self._chunk_ends[0] if limit is None else min(self._chunk_ends[0], start + limit)
+        return self._prompt[start - self._cached : end - self._cached]
+
+    def piece_done(self, count: int, logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        """The `count` tokens of `next_piece` ran through `extend` (logits of the last, the
+        requested layers' features of all): features kept, a chunk's end snapshotted."""
+        start = self.prefilled
+        self.prefilled = end = start + count
+        if hidden is not None:
+            self.context[start - self._cached : end - self._cached] = hidden
+        self._logits = logits
+        if end == self._chunk_ends[0]:
+            self._chunk_ends.pop(0)
+            self.caches.after_chunk(end, len(self.prompt_ids), logits)
+
+    def end_prefill(self) -> int:
+        """The first output token, from the prompt's last logits."""
+        logits = self._logits
+        if self.cfg.sampling.penalized:
+            self.penalties = Penalties(self.cfg.sampling, logits.shape[-1], self.device)
+            self.penalties.start(self.prompt_ids)
+        choices, self.scores = self._choose(logits, None)
+        self.bonus = choices[0]
+        self._advance([0], self.bonus)
+        self.committed = list(self.prompt_ids)
         return self.bonus
 
     def _extend(self, chunk: torch.Tensor, start: int):
@@ -431,9 +467,14 @@ class _Sequence:
     def _verify_growing(self, tree: DraftTree):
         """[bonus, nodes...] through `forward` (a target without static passes, or the last
         rounds of a cache without room for a full-width verify)."""
+        ids, parents = self.verify_inputs(tree)
+        return (*self.target.forward(ids, self.cache, parents, self.layers), None)
+
+    def verify_inputs(self, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The dynamic-shape verify's token ids [bonus, nodes...] and parents (None: a chain)."""
         ids = to_device(np.array([self.bonus, *tree.tokens.tolist()], np.int64), self.device)
         parents = None if self.cfg.method != "ddtree" else torch.from_numpy(tree.verify_parents())
-        return (*self.target.forward(ids, self.cache, parents, self.layers), None)
+        return ids, parents
 
     def commit(
         self,
@@ -519,46 +560,77 @@ def _decode(
     on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
 ) -> GenerationResult:
     """The prefill and the rounds of `generate`."""
-    cfg = seq.cfg
-    out = _Output(cfg, on_tokens, on_logprobs)
-    acceptance: list[int] = []
-    rounds: list[dict] | None = [] if cfg.trace else None
-    round_seconds: list[dict[str, float]] = []
+    run = Run(seq, max_len, started, on_tokens, on_logprobs)
+    run.prefilled(seq.prefill(prompt_ids))
+    while (tree := run.next_tree(should_stop)) is not None:
+        run.committed(tree, *seq.commit(tree, *seq.verify(tree), run.out.taking))
+    return run.result()
 
-    out.add([seq.prefill(prompt_ids)], seq.logprobs_of([0]))
-    ttft = time.perf_counter() - started
-    if rounds is not None:
-        seq.clock.since_last()  # round_seconds: each round's own
-    while out.finish_reason is None:
+
+class Run:
+    """A sequence's generation: its output, acceptance and trace over the rounds, whoever
+    drives them (`generate` alone, or engine/scheduler.py beside other sequences)."""
+
+    def __init__(
+        self,
+        seq: _Sequence,
+        max_len: int,
+        started: float,
+        on_tokens: Callable[[list[int]], None] | None,
+        on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
+    ) -> None:
+        self.seq, self.max_len, self.started = seq, max_len, started
+        self.out = _Output(seq.cfg, on_tokens, on_logprobs)
+        self.acceptance: list[int] = []
+        self.rounds: list[dict] | None = [] if seq.cfg.trace else None
+        self.round_seconds: list[dict[str, float]] = []
+        self.ttft = 0.0
+
+    def prefilled(self, bonus: int) -> None:
+        """The prefill chose `bonus`, the first output token."""
+        self.out.add([bonus], self.seq.logprobs_of([0]))
+        self.ttft = time.perf_counter() - self.started
+        if self.rounds is not None:
+            self.seq.clock.since_last()  # round_seconds: each round's own
+
+    def next_tree(self, should_stop: Callable[[], bool] | None) -> DraftTree | None:
+        """The next round's draft, or None when the output is finished (its reason set)."""
+        out, seq = self.out, self.seq
+        if out.finish_reason is not None:
+            return None
         if should_stop is not None and should_stop():
             out.finish_reason = "cancelled"
-            break
-        node_room = max_len - seq.cache.length - 1  # the bonus takes one slot
+            return None
+        node_room = self.max_len - seq.cache.length - 1  # the bonus takes one slot
         if node_room < 0:
             out.finish_reason = "length"
-            break
-        tree = seq.propose(depth_room=out.remaining - 1, node_room=node_room)  # -1: next bonus
-        accepted, new_tokens = seq.commit(tree, *seq.verify(tree), out.taking)
-        acceptance.append(out.add(new_tokens, seq.logprobs_of(accepted)))
-        if rounds is not None:
-            rounds.append(_trace(tree, accepted))
-            round_seconds.append(seq.clock.since_last())
+            return None
+        return seq.propose(depth_room=out.remaining - 1, node_room=node_room)  # -1: next bonus
 
-    decode_seconds = time.perf_counter() - started - ttft
-    decoded = len(out.ids) - 1
-    return GenerationResult(
-        output_ids=out.ids,
-        finish_reason=out.finish_reason,
-        acceptance_lengths=acceptance,
-        stage_seconds=seq.clock.seconds,
-        decode_tokens_per_s=decoded / decode_seconds if decoded and decode_seconds > 0 else 0.0,
-        ttft_s=ttft,
-        rounds=rounds,
-        round_seconds=round_seconds if cfg.trace else None,
-        cached_tokens=seq.caches.cached_tokens,
-        logprobs=out.logprobs if cfg.logprobs is not None else None,
-        prompt_logprobs=seq.prompt_scores.read() if seq.prompt_scores is not None else None,
-    )
+    def committed(self, tree: DraftTree, accepted: list[int], new_tokens: list[int]) -> None:
+        """A round committed `accepted` of `tree`, giving `new_tokens`."""
+        self.acceptance.append(self.out.add(new_tokens, self.seq.logprobs_of(accepted)))
+        if self.rounds is not None:
+            self.rounds.append(_trace(tree, accepted))
+            self.round_seconds.append(self.seq.clock.since_last())
+
+    def result(self) -> GenerationResult:
+        seq, out = self.seq, self.out
+        decode_seconds = time.perf_counter() - self.started - self.ttft
+        decoded = len(out.ids) - 1
+        return GenerationResult(
+            output_ids=out.ids,
+            finish_reason=out.finish_reason,
+            acceptance_lengths=self.acceptance,
+            stage_seconds=seq.clock.seconds,
+            decode_tokens_per_s=decoded / decode_seconds if decoded and decode_seconds > 0 else 0.0,
+            ttft_s=self.ttft,
+            rounds=self.rounds,
+            round_seconds=self.round_seconds if self.rounds is not None else None,
+            cached_tokens=seq.caches.cached_tokens,
+            logprobs=out.logprobs if seq.cfg.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_scores.read() if seq.prompt_scores is not None else None,
+        )
 
 
 def _draft_width(cfg: GenerationConfig, drafter) -> int:

@@ -30,7 +30,7 @@ from torch import nn
 
 from engine import kernels
 from engine.kernels import tree_attention
-from engine.tree import on_device
+from engine.tree import on_device, tree_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -273,6 +273,77 @@ class WindowPass:
     def attend(self, cache: KVCache, layer: int, q, k, v, scale: float) -> torch.Tensor:
         keys, values = cache.write_at(layer, self.slots, k, v, self.keys)
         return tree_attention(q, keys, values, self.length, self.visible, scale)
+
+
+@dataclass
+class Segment:
+    """One sequence's tokens in a batched pass (a target's `forward_batch`): a verify tree or
+    an ar step (`parents` None: a chain) left pending for `commit`, or a prefill piece
+    (`extend`) committed as it runs, whose last token alone gets logits."""
+
+    ids: torch.Tensor  # [T]
+    cache: object  # the sequence's own cache (KVCache, or the hybrid target's HybridCache)
+    parents: torch.Tensor | None = None  # [T]
+    extend: bool = False
+
+
+@dataclass
+class SegmentsPass:
+    """Attention of a batched pass: the rows of each segment attend against that segment's own
+    KV cache, with its own tree mask (a `GrowingPass` each); the `cache` a layer hands
+    `attend` is ignored (each segment's is used)."""
+
+    rows: list[slice]  # each segment's rows of the flattened pass
+    caches: list[KVCache]
+    passes: list[GrowingPass]
+
+    def attend(self, cache, layer: int, q, k, v, scale: float) -> torch.Tensor:
+        parts = zip(self.rows, self.caches, self.passes, strict=True)
+        return torch.cat([grow.attend(kv, layer, q[r], k[r], v[r], scale) for r, kv, grow in parts])
+
+
+def segment_layout(
+    segments: list[Segment], lengths: list[int], device
+) -> tuple[list[slice], torch.Tensor, list[GrowingPass]]:
+    """Each segment's rows, every row's RoPE position (its cache's `lengths` entry + its depth
+    in its tree) and each segment's attention mask, for a batched pass."""
+    rows, positions, passes, start = [], [], [], 0
+    for segment, length in zip(segments, lengths, strict=True):
+        T = segment.ids.shape[0]
+        depths, visible = tree_layout(segment.parents, T, device)
+        rows.append(slice(start, start + T))
+        positions.append(length + depths)
+        passes.append(GrowingPass(visible))
+        start += T
+    return rows, torch.cat(positions), passes
+
+
+def logit_rows(segments: list[Segment], rows: list[slice]) -> tuple[list[int], list[slice]]:
+    """The rows of a batched pass that get logits (a prefill piece's last, every verify row)
+    and each segment's share of them."""
+    picked, shares = [], []
+    for segment, r in zip(segments, rows, strict=True):
+        wanted = [r.stop - 1] if segment.extend else list(range(r.start, r.stop))
+        shares.append(slice(len(picked), len(picked) + len(wanted)))
+        picked += wanted
+    return picked, shares
+
+
+def split_batch(
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    hidden: torch.Tensor | None,
+    segments: list[Segment],
+    rows: list[slice],
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """A batched pass's outputs per segment: the logits of the rows that want them (one lm_head
+    call over all of them) and the segment's hidden rows."""
+    picked, shares = logit_rows(segments, rows)
+    logits = logits_of(x[torch.tensor(picked, device=x.device)])
+    return [
+        (logits[share], hidden[r] if hidden is not None else None)
+        for share, r in zip(shares, rows, strict=True)
+    ]
 
 
 def materialize(module: nn.Module, dtype: torch.dtype, device) -> nn.Module:

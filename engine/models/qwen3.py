@@ -35,6 +35,8 @@ from engine.models.common import (
     RMSNorm,
     Rotary,
     ScoreFn,
+    Segment,
+    SegmentsPass,
     SwiGLU,
     WindowPass,
     compute_dtype,
@@ -42,6 +44,8 @@ from engine.models.common import (
     read_config,
     rope_theta,
     score_positions,
+    segment_layout,
+    split_batch,
 )
 from engine.tree import TreeInputs, tree_layout
 
@@ -171,6 +175,27 @@ class Qwen3Model(nn.Module):
         attention = WindowPass(inputs.slots(), inputs.length, inputs.visible, keys)
         x, hidden = self._layers(inputs.ids, rope, cache, attention, hidden_layers)
         return self._logits(x), hidden, ()
+
+    @torch.no_grad()
+    def forward_batch(
+        self, segments: list[Segment], hidden_layers: Sequence[int] = ()
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Several sequences' `forward` (or `extend`, a prefill piece) in one pass: their tokens
+        flattened through the embeddings, projections, MLPs and lm_head, each segment's
+        attention against its own cache. Per segment: logits (its last token's for a prefill
+        piece, committed; every token's for a verify, left pending) and its hidden rows."""
+        for segment in segments:
+            segment.cache.check_room(segment.ids.shape[0])
+        lengths = [segment.cache.length for segment in segments]
+        rows, positions, passes = segment_layout(segments, lengths, self.embed_tokens.weight.device)
+        rope = self.rotary.tables(positions, self.embed_tokens.weight.dtype)
+        attention = SegmentsPass(rows, [segment.cache for segment in segments], passes)
+        ids = torch.cat([segment.ids for segment in segments])
+        x, hidden = self._layers(ids, rope, None, attention, hidden_layers)
+        for segment in segments:
+            if segment.extend:
+                segment.cache.advance(segment.ids.shape[0])
+        return split_batch(self._logits, x, hidden, segments, rows)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:  # float32; float64 stays float64
         return self.lm_head(x).to(compute_dtype(x.dtype))

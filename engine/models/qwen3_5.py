@@ -41,6 +41,8 @@ from engine.models.common import (
     KVCache,
     Rotary,
     ScoreFn,
+    Segment,
+    SegmentsPass,
     SwiGLU,
     WindowPass,
     compute_dtype,
@@ -48,6 +50,8 @@ from engine.models.common import (
     read_config,
     rope_theta,
     score_positions,
+    segment_layout,
+    split_batch,
 )
 from engine.models.gated_deltanet import (
     STATE_STRATEGIES,
@@ -195,6 +199,8 @@ class TreePass:
     static: TreeInputs | None = None  # forward_static: the device-side tree
     taps: torch.Tensor | None = None  # forward_static: each node's conv window (conv_taps)
     pending: list = field(default_factory=list)
+    parts: list[tuple[slice, TreePass]] = field(default_factory=list)  # forward_batch: rows and
+    # each segment's own pass (its cache, tree and pending), which its GDN layers run on
 
 
 class GatedAttention(nn.Module):
@@ -248,22 +254,29 @@ class HybridDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, tree: TreePass, strategy: StateStrategy) -> torch.Tensor:
         normed = self.input_layernorm(h)
-        if self.layer_type == LINEAR:
-            state = tree.cache.recurrent[self.slot]
-            if tree.extend:
-                mixed = self.linear_attn.extend(normed, state)
-            elif tree.static is not None:
-                mixed, kept = self.linear_attn.forward_static(
-                    normed, state, tree.static, tree.cache.keep, tree.taps
-                )
-                tree.pending.append(kept)
-            else:
-                mixed, pending = self.linear_attn(normed, state, tree.parents, strategy)
-                tree.pending.append(pending)
-        else:
+        if self.layer_type != LINEAR:
             mixed = self.self_attn(normed, tree, self.slot)
+        elif tree.parts:  # a batched pass: each segment's GDN state on its own
+            mixed = torch.cat([self._mix(normed[r], part, strategy) for r, part in tree.parts])
+        else:
+            mixed = self._mix(normed, tree, strategy)
         h = h + mixed
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _mix(self, normed: torch.Tensor, tree: TreePass, strategy: StateStrategy) -> torch.Tensor:
+        """The GDN mixer over one sequence's tokens, against its own state."""
+        state = tree.cache.recurrent[self.slot]
+        if tree.extend:
+            return self.linear_attn.extend(normed, state)
+        if tree.static is not None:
+            mixed, kept = self.linear_attn.forward_static(
+                normed, state, tree.static, tree.cache.keep, tree.taps
+            )
+            tree.pending.append(kept)
+            return mixed
+        mixed, pending = self.linear_attn(normed, state, tree.parents, strategy)
+        tree.pending.append(pending)
+        return mixed
 
 
 class Qwen3_5Model(nn.Module):
@@ -366,6 +379,51 @@ class Qwen3_5Model(nn.Module):
         if score is not None:
             score_positions(h, self._logits, score)
         return self._logits(h[-1:]), hidden
+
+    @torch.no_grad()
+    def forward_batch(
+        self, segments: list[Segment], hidden_layers: Sequence[int] = ()
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Several sequences' `forward` (or `extend`, a prefill piece) in one pass: their tokens
+        flattened through the embeddings, projections, MLPs and lm_head; each segment's
+        attention against its own K/V and its GDN layers on its own states. Per segment:
+        logits (its last token's for a prefill piece, committed; every token's for a verify,
+        left pending for `commit`) and its hidden rows."""
+        device = self.embed_tokens.weight.device
+        for segment in segments:
+            segment.cache.kv.check_room(segment.ids.shape[0])
+        lengths = [segment.cache.length for segment in segments]
+        rows, positions, passes = segment_layout(segments, lengths, device)
+        h = self.embed_tokens(torch.cat([segment.ids for segment in segments]))
+        cos, sin = self.rotary.tables(positions, h.dtype)
+        kv = [segment.cache.kv for segment in segments]
+        parts = [
+            (r, self._segment_pass(segment)) for r, segment in zip(rows, segments, strict=True)
+        ]
+        # The layers' own `cache` is the first segment's and they read no `parents`: the
+        # attention reads each segment's K/V (SegmentsPass), the GDN layers each part.
+        tree = TreePass(
+            segments[0].cache, positions[:0], SegmentsPass(rows, kv, passes), cos, sin, self.rotary
+        )
+        tree.parts = parts
+        h, hidden = self._layers(h, tree, hidden_layers)
+        for segment, (_, part) in zip(segments, parts, strict=True):
+            if segment.extend:
+                segment.cache.kv.advance(segment.ids.shape[0])
+            else:
+                segment.cache.pending = part.pending
+        return split_batch(self._logits, h, hidden, segments, rows)
+
+    def _segment_pass(self, segment: Segment) -> TreePass:
+        """What one segment's GDN layers read of a batched pass: its cache, tree and mode."""
+        T, device = segment.ids.shape[0], self.embed_tokens.weight.device
+        parents = segment.parents
+        if parents is None:
+            parents = torch.arange(-1, T - 1, device=device)
+        none = torch.empty(0)
+        return TreePass(
+            segment.cache, parents.to(device), None, none, none, self.rotary, segment.extend
+        )
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h)).to(compute_dtype(h.dtype))  # float64 stays float64

@@ -1,0 +1,412 @@
+"""The scheduler: many sequences decoding at once (continuous batching), one target pass a step.
+
+    scheduler = Scheduler(target, drafter, CachePool.for_server(...).slots(max_num_seqs))
+    scheduler.add(Request(prompt_ids, cfg, on_tokens=..., should_stop=..., on_finish=...))
+    while not scheduler.idle:
+        scheduler.step()
+
+A `Request` waits (first come, first served) until a cache slot is free (`max_num_seqs` slots,
+each a contiguous KVCache of the server's context from its `CachePool`; they share one prefix
+cache). Each `step`:
+  admit   waiting requests into free slots; each resumes from the prefix cache (engine/decode.py
+          `_Sequence.begin_prefill`);
+  plan    for every decoding sequence its round's draft (the drafter, per sequence) and verify
+          tokens (its tree, a chain, or one token for `ar`); the rest of `max_num_batched_tokens`
+          is shared among the prefilling sequences in arrival order (each a piece of its next
+          chunk: a long prompt never stalls the others, and a short one arriving behind it gets
+          its share of the next pass at once);
+  pass    one `target.forward_batch` over every segment (engine/models/common.py `Segment`);
+  commit  each decoding sequence walks its tree with the target's choices (its own grammar,
+          penalties and generator), each prefill piece is kept; tokens are emitted;
+  retire  finished, stopped or cancelled sequences store what they committed in the prefix
+          cache, free their slot and report `on_finish`.
+A sequence's tokens are the target's own choices along its own path, so they equal its solo
+`generate()` whatever runs beside it (tests/engine/test_batching.py, float64).
+
+A step that raises fails the sequences it ran (`Finished.error`), the others keep going; one that
+ran out of memory empties the prefix cache first and puts those that had emitted nothing back at
+the head of the queue once (a request that fits without the cache never fails because of it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+
+from engine.cache_pool import CachePool
+from engine.decode import (
+    GenerationConfig,
+    GenerationResult,
+    Run,
+    _check,
+    _draft_width,
+    _Sequence,
+)
+from engine.memory_plan import is_out_of_memory
+from engine.models.common import Segment
+from engine.sampling import TokenLogprob
+from engine.tree import DraftTree
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM's name; tokens of one target pass at most
+
+
+@dataclass(frozen=True)
+class Finished:
+    """How a request ended: its result (None: cancelled before its first token), or the error
+    that failed it; `admitted`: when it left the queue (time.monotonic)."""
+
+    result: GenerationResult | None
+    error: BaseException | None = None
+    admitted: float | None = None
+
+
+def _ignore(_: Finished) -> None:
+    return None
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    cfg: GenerationConfig
+    on_tokens: Callable[[list[int]], None] | None = None
+    should_stop: Callable[[], bool] | None = None  # polled once a step
+    on_logprobs: Callable[[list[TokenLogprob]], None] | None = None  # before on_tokens
+    on_finish: Callable[[Finished], None] = _ignore
+    retried: bool = False  # put back once after running out of memory
+
+
+@dataclass
+class _Active:
+    """A running request: its sequence in its slot, and its run once the prefill chose."""
+
+    request: Request
+    seq: _Sequence
+    pool: CachePool
+    run: Run
+    admitted: float
+    prefilling: bool = True
+
+
+@dataclass
+class _Work:
+    """One sequence's share of a step: a prefill piece, or a round's tree."""
+
+    active: _Active
+    segment: Segment
+    tree: DraftTree | None = None  # None: a prefill piece
+
+
+class Scheduler:
+    """Runs requests in the slots of `pools` (one sequence each), a batched pass per step."""
+
+    def __init__(
+        self,
+        target,
+        drafter,
+        pools: list[CachePool],
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        options: dict | None = None,
+    ) -> None:
+        if not pools or max_num_batched_tokens < 1:
+            raise ValueError("a scheduler needs at least one slot and one token a pass")
+        self.target, self.drafter = target, drafter
+        self.free = list(pools)
+        self.max_num_seqs, self.slot_len = len(pools), pools[0].max_len
+        self.prefix_cache = pools[0].prefix_cache  # shared by every slot
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.options = options or {}  # GenerationConfig fields every request gets
+        self.waiting: deque[Request] = deque()
+        self.running: list[_Active] = []
+        self.passes = 0  # target passes run so far
+        self.on_pass: Callable[[int, int], None] | None = None  # (sequences, tokens) of a pass
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    @property
+    def room(self) -> int:
+        """How many more requests `add` can take now without one waiting for a slot."""
+        return len(self.free) - len(self.waiting)
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        return len(self.running), len(self.waiting)
+
+    def add(self, request: Request) -> None:
+        """Queue a request (its config checked now: a bad one finishes at once with the error)."""
+        request.cfg = replace(request.cfg, **self.options)
+        try:
+            _check(request.cfg, self.drafter)
+            self._max_len(request)
+        except ValueError as error:
+            request.on_finish(Finished(None, error))
+            return
+        self.waiting.append(request)
+
+    def step(self) -> None:
+        """Admit, plan, run one pass, commit, retire (see the module docstring)."""
+        self._admit()
+        work = self._plan()
+        if work:
+            try:
+                self._pass(work)
+            except Exception as error:  # the step's sequences fail, the others keep going
+                self._fail([item.active for item in work], error)
+        self._retire()
+
+    def cancel_all(self) -> None:
+        """Stop every request now: the waiting ones finish cancelled, the running ones too."""
+        while self.waiting:
+            self.waiting.popleft().on_finish(Finished(None))
+        for active in list(self.running):
+            active.run.out.finish_reason = active.run.out.finish_reason or "cancelled"
+        self._retire()
+
+    # -- the step's parts --------------------------------------------------------------------
+
+    def _max_len(self, request: Request) -> int:
+        """The request's KV room (as `generate` sizes it, within a slot); ValueError if its
+        prompt does not fit."""
+        cfg = request.cfg
+        wanted = len(request.prompt_ids) + cfg.max_new_tokens + _draft_width(cfg, self.drafter)
+        max_len = min(wanted, self.slot_len)
+        if not 0 < len(request.prompt_ids) <= max_len:
+            raise ValueError(
+                f"prompt of {len(request.prompt_ids)} tokens does not fit max_len {max_len}"
+            )
+        return max_len
+
+    def _admit(self) -> None:
+        """Waiting requests into free slots, first come first served."""
+        while self.waiting and self.free:
+            request = self.waiting.popleft()
+            if request.should_stop is not None and request.should_stop():
+                request.on_finish(Finished(None))
+                continue
+            pool = self.free.pop(0)
+            try:
+                seq = _Sequence(self.target, self.drafter, request.cfg, pool)
+            except Exception as error:
+                self.free.insert(0, pool)
+                request.on_finish(Finished(None, error))
+                continue
+            run = Run(
+                seq,
+                self._max_len(request),
+                time.perf_counter(),
+                request.on_tokens,
+                request.on_logprobs,
+            )
+            active = _Active(request, seq, pool, run, time.monotonic())
+            self.running.append(active)
+            try:
+                seq.begin_prefill(request.prompt_ids)
+            except Exception as error:
+                self._fail([active], error)
+
+    def _plan(self) -> list[_Work]:
+        """This step's work: every decoding sequence's round, then prefill pieces within the
+        token budget left. A sequence whose own part raises (its draft) fails alone."""
+        work: list[_Work] = []
+        budget = self.max_num_batched_tokens
+        for active in [a for a in self.running if not a.prefilling]:
+            try:
+                item = self._round(active)
+            except Exception as error:
+                self._fail([active], error)
+                continue
+            if item is not None:
+                work.append(item)
+                budget -= item.segment.ids.shape[0]
+        prefilling = [active for active in self.running if active.prefilling]
+        for index, active in enumerate(prefilling):
+            share = budget // (len(prefilling) - index)
+            try:
+                item = self._prefill_piece(active, share)
+            except Exception as error:
+                self._fail([active], error)
+                continue
+            if item is not None:
+                work.append(item)
+                budget -= item.segment.ids.shape[0]
+        return work
+
+    def _round(self, active: _Active) -> _Work | None:
+        """A decoding sequence's round: its draft, as the verify segment (None: it finished)."""
+        tree = active.run.next_tree(active.request.should_stop)
+        if tree is None:
+            return None
+        ids, parents = active.seq.verify_inputs(tree)
+        return _Work(active, Segment(ids, active.seq.cache, parents), tree)
+
+    def _prefill_piece(self, active: _Active, share: int) -> _Work | None:
+        """Up to `share` more prompt tokens of a prefilling sequence, as a segment (None: none
+        this step, or the prompt was all cached, or scored on its own)."""
+        seq = active.seq
+        if active.request.should_stop is not None and active.request.should_stop():
+            active.run.out.finish_reason = "cancelled"
+            return None
+        piece = seq.next_piece(limit=share) if share > 0 else None
+        if piece is not None and seq.prompt_scores is not None:  # prompt logprobs: scored in
+            seq.piece_done(piece.shape[0], *seq._extend(piece, seq.prefilled))  # its own extend
+            piece = None
+        if piece is None:
+            if seq.prefill_left == 0:
+                self._prefilled(active)
+            return None
+        return _Work(active, Segment(piece, seq.cache, extend=True))
+
+    def _pass(self, work: list[_Work]) -> None:
+        """One target pass over the work, then each sequence's commit."""
+        layers = tuple(self.drafter.target_layer_ids) if self.drafter is not None else ()
+        wanted = layers if any(item.active.seq.speculative for item in work) else ()
+        outputs = self.target.forward_batch([item.segment for item in work], wanted)
+        self.passes += 1
+        if self.on_pass is not None:
+            self.on_pass(len(work), sum(item.segment.ids.shape[0] for item in work))
+        for item, (logits, hidden) in zip(work, outputs, strict=True):
+            seq, hidden = item.active.seq, hidden if item.active.seq.speculative else None
+            if item.tree is None:
+                seq.piece_done(item.segment.ids.shape[0], logits, hidden)
+                if seq.prefill_left == 0:
+                    self._prefilled(item.active)
+                continue
+            choices, seq.scores = seq._choose(logits, item.tree)
+            accepted, new_tokens = seq.commit(
+                item.tree, choices, hidden, None, item.active.run.out.taking
+            )
+            item.active.run.committed(item.tree, accepted, new_tokens)
+
+    def _prefilled(self, active: _Active) -> None:
+        active.prefilling = False
+        active.run.prefilled(active.seq.end_prefill())
+
+    def _retire(self) -> None:
+        for active in [a for a in self.running if a.run.out.finish_reason is not None]:
+            self.running.remove(active)
+            try:
+                if active.prefilling:  # cancelled before its first token
+                    active.seq.caches.abandon()
+                    finished = Finished(None, admitted=active.admitted)
+                else:
+                    active.seq.finish()
+                    finished = Finished(active.run.result(), admitted=active.admitted)
+            except Exception as error:
+                active.seq.caches.abandon()
+                finished = Finished(None, error, active.admitted)
+            self.free.append(active.pool)
+            active.request.on_finish(finished)
+
+    def _fail(self, failed: list[_Active], error: Exception) -> None:
+        """The step that ran `failed` raised `error`: their slots are freed; after running out
+        of memory the prefix cache is emptied and those that emitted nothing are queued again
+        (once), the rest fail."""
+        retry = is_out_of_memory(error) and self._empty_prefix_cache()
+        for active in reversed(failed):
+            self.running.remove(active)
+            active.seq.caches.abandon()
+            self.free.append(active.pool)
+            request = active.request
+            if retry and not request.retried and not active.run.out.ids:
+                request.retried = True
+                self.waiting.appendleft(request)
+                continue
+            log.warning("generation failed: %s: %s", type(error).__name__, error)
+            request.on_finish(Finished(None, error, active.admitted))
+
+    def _empty_prefix_cache(self) -> bool:
+        cache = self.prefix_cache
+        if cache is None or not cache.used_bytes:
+            return False
+        log.warning("out of memory with %d bytes in the prefix cache: emptied", cache.used_bytes)
+        cache.clear()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return True
+
+
+class GenerateFn(Protocol):
+    """`engine.decode.generate` with its models bound (engine/server/app.py's load_engine)."""
+
+    def __call__(
+        self,
+        prompt_ids: list[int],
+        cfg: GenerationConfig,
+        *,
+        on_tokens: Callable[[list[int]], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
+    ) -> GenerationResult: ...
+
+
+class EngineLoop(Protocol):
+    """What the server's worker drives: a `Scheduler`, or a `SerialLoop`."""
+
+    on_pass: Callable[[int, int], None] | None
+
+    @property
+    def idle(self) -> bool: ...
+    @property
+    def room(self) -> int: ...
+    @property
+    def counts(self) -> tuple[int, int]: ...
+    def add(self, request: Request) -> None: ...
+    def step(self) -> None: ...
+    def cancel_all(self) -> None: ...
+
+
+class SerialLoop:
+    """One request at a time, each step a whole `generate` call: the engine over several
+    tensor-parallel ranks (engine/parallel.py runs one sequence), or a scripted one in tests."""
+
+    def __init__(self, generate: GenerateFn) -> None:
+        self.generate = generate
+        self.waiting: deque[Request] = deque()
+        self.on_pass: Callable[[int, int], None] | None = None  # no passes to report
+        self._running = 0
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting
+
+    @property
+    def room(self) -> int:
+        return 0 if self.waiting else 1
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        return self._running, len(self.waiting) - self._running
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def step(self) -> None:
+        request = self.waiting[0]
+        admitted, self._running = time.monotonic(), 1
+        callbacks = {"on_tokens": request.on_tokens, "should_stop": request.should_stop}
+        if request.on_logprobs is not None:
+            callbacks["on_logprobs"] = request.on_logprobs
+        try:
+            result = self.generate(request.prompt_ids, request.cfg, **callbacks)
+        except Exception as error:  # one failed generation must not end the loop
+            finished = Finished(None, error, admitted)
+        else:
+            finished = Finished(result, admitted=admitted)
+        finally:
+            self.waiting.popleft()
+            self._running = 0
+        request.on_finish(finished)
+
+    def cancel_all(self) -> None:
+        while self.waiting:
+            self.waiting.popleft().on_finish(Finished(None))

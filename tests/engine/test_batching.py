@@ -1,0 +1,243 @@
+"""The scheduler (engine/scheduler.py) is lossless: each sequence's tokens equal its solo generate().
+
+    python -m pytest -q tests/engine/test_batching.py
+
+Tiny random dense and hybrid pairs in float64 (no logit near-ties): sequences of every method,
+greedy and seeded sampling, under a grammar and with the prefix cache on, run side by side in
+one batched pass a step, joining while others decode or prefill, leaving and cancelled midway;
+each one's output is compared with the same request run alone through `generate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine.cache_pool import CachePool
+from engine.decode import GenerationConfig, generate
+from engine.grammar import Constraint
+from engine.prefix_cache import PrefixCache, has_states
+from engine.scheduler import Finished, Request, Scheduler
+from tests.helpers.tiny_grammar import STOP, char_tokenizer
+from tests.helpers.tiny_pairs import KINDS, load_tiny_pair
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NEW = 16
+SLOT = 160  # tokens of each slot's caches
+SCHEMA = {  # bounded, so a random model's JSON ends
+    "type": "object",
+    "properties": {"id": {"enum": [1, 22, 333]}, "tag": {"type": "string", "maxLength": 4}},
+    "required": ["id", "tag"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def pair(request, tmp_path_factory):
+    return load_tiny_pair(
+        tmp_path_factory.mktemp(request.param), request.param, dtype=torch.float64
+    )
+
+
+def prompts(pair, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    vocab = pair[0].config.vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+MIXED = [  # (method, budget, temperature): every method, greedy and sampled
+    ("ar", 1, 0.0),
+    ("ddtree", 6, 0.0),
+    ("linear", 1, 0.0),
+    ("ddtree", 15, 1.0),
+    ("ar", 1, 0.8),
+    ("ddtree", 3, 0.0),
+]
+
+
+def configs(**changes) -> list[GenerationConfig]:
+    return [
+        GenerationConfig(
+            method,
+            budget,
+            max_new_tokens=NEW,
+            temperature=temperature,
+            seed=11 + index if temperature else None,
+            prefill_chunk=16,
+            **changes,
+        )
+        for index, (method, budget, temperature) in enumerate(MIXED)
+    ]
+
+
+class Collector:
+    """Each request's Finished and its streamed tokens, by index."""
+
+    def __init__(self) -> None:
+        self.finished: dict[int, Finished] = {}
+        self.streamed: dict[int, list[int]] = {}
+
+    def request(self, index: int, prompt: list[int], cfg: GenerationConfig, **extra) -> Request:
+        self.streamed[index] = []
+        return Request(
+            prompt,
+            cfg,
+            on_tokens=self.streamed[index].extend,
+            on_finish=lambda done: self.finished.__setitem__(index, done),
+            **extra,
+        )
+
+    def output(self, index: int) -> list[int]:
+        done = self.finished[index]
+        assert done.error is None, done.error
+        assert done.result.output_ids == self.streamed[index]
+        return done.result.output_ids
+
+
+def scheduler(pair, slots: int, tokens: int = 64, prefix: PrefixCache | None = None) -> Scheduler:
+    target, drafter = pair
+    pool = CachePool(target, drafter, SLOT, prefix)
+    return Scheduler(target, drafter, pool.slots(slots), max_num_batched_tokens=tokens)
+
+
+def drain(sched: Scheduler, limit: int = 1000) -> int:
+    steps = 0
+    while not sched.idle:
+        sched.step()
+        steps += 1
+        assert steps < limit
+    return steps
+
+
+def solo(pair, prompt, cfg) -> list[int]:
+    return generate(*pair, prompt, cfg).output_ids
+
+
+def test_sequences_side_by_side_equal_their_solo_runs(pair):
+    cases = list(zip(prompts(pair, [5, 40, 9, 70, 3, 22]), configs(), strict=True))
+    sched, got = scheduler(pair, slots=6, tokens=48), Collector()
+    widths = []
+    sched.on_pass = lambda sequences, tokens: widths.append((sequences, tokens))
+    for index, (prompt, cfg) in enumerate(cases):
+        sched.add(got.request(index, prompt, cfg))
+    drain(sched)
+    for index, (prompt, cfg) in enumerate(cases):
+        assert got.output(index) == solo(pair, prompt, cfg), MIXED[index]
+    assert max(sequences for sequences, _ in widths) == 6  # they did share passes
+    assert max(tokens for _, tokens in widths) <= 48 + 6 * 16  # prefill pieces kept the budget
+
+
+def test_requests_join_while_others_decode_and_wait_for_a_slot(pair):
+    cases = list(zip(prompts(pair, [12, 30, 7, 50, 4], seed=1), configs(), strict=False))
+    sched, got = scheduler(pair, slots=2, tokens=20), Collector()
+    sched.add(got.request(0, *cases[0]))
+    for _ in range(3):  # the first is decoding when the others arrive
+        sched.step()
+    for index in range(1, len(cases)):
+        sched.add(got.request(index, *cases[index]))
+        sched.step()
+        assert len(sched.running) <= 2
+    drain(sched)
+    for index, (prompt, cfg) in enumerate(cases):
+        assert got.output(index) == solo(pair, prompt, cfg)
+
+
+def test_a_cancelled_sequence_leaves_and_the_others_are_unchanged(pair):
+    cases = list(zip(prompts(pair, [10, 60, 8], seed=2), configs()[:3], strict=True))
+    sched, got = scheduler(pair, slots=3, tokens=16), Collector()
+    stop = {"decoding": False, "prefilling": False}
+    sched.add(got.request(0, *cases[0], should_stop=lambda: stop["decoding"]))
+    sched.add(got.request(1, *cases[1], should_stop=lambda: stop["prefilling"]))
+    sched.add(got.request(2, *cases[2]))
+    for _ in range(3):
+        sched.step()
+    assert got.streamed[0] and not got.streamed[1]  # one decoding, one still prefilling
+    stop["decoding"] = stop["prefilling"] = True
+    drain(sched)
+    assert got.finished[0].result.finish_reason == "cancelled"
+    assert got.streamed[0] == solo(pair, *cases[0])[: len(got.streamed[0])]
+    assert got.finished[1].result is None and got.finished[1].error is None
+    assert got.output(2) == solo(pair, *cases[2])
+    assert len(sched.free) == 3  # every slot came back
+
+
+def test_grammar_constrained_sequences_share_passes(pair):
+    vocab = pair[0].lm_head.weight.shape[0]
+    constraint = Constraint.from_json_schema(char_tokenizer(vocab), SCHEMA)
+    cfgs = configs(constraint=constraint, stop_token_ids=(STOP,))[:4]
+    cases = list(zip(prompts(pair, [6, 20, 9, 14], seed=3), cfgs, strict=True))
+    sched, got = scheduler(pair, slots=4), Collector()
+    for index, case in enumerate(cases):
+        sched.add(got.request(index, *case))
+    drain(sched)
+    for index, (prompt, cfg) in enumerate(cases):
+        assert got.output(index) == solo(pair, prompt, cfg)
+
+
+def test_with_the_prefix_cache_a_next_turn_resumes_and_decodes_the_same(pair):
+    target, drafter = pair
+    prefix = PrefixCache(1 << 30, recurrent=has_states(target.new_cache(8)))
+    first, other = prompts(pair, [40, 25], seed=4)
+    cfg = configs()[1]  # greedy ddtree
+    sched, got = scheduler(pair, slots=2, tokens=24, prefix=prefix), Collector()
+    sched.add(got.request(0, first, cfg))
+    sched.add(got.request(1, other, cfg))
+    drain(sched)
+    second = first + got.output(0)[:-1] + [5, 6, 7]  # the next turn extends the first
+    sched.add(got.request(2, second, cfg))
+    sched.add(got.request(3, other, cfg))  # the same prompt again
+    drain(sched)
+    assert got.finished[2].result.cached_tokens > len(first)
+    assert got.finished[3].result.cached_tokens > 0
+    assert got.output(2) == solo(pair, second, cfg)
+    assert got.output(3) == got.output(1) == solo(pair, other, cfg)
+
+
+def test_a_request_that_cannot_fit_finishes_with_the_error_at_once(pair):
+    sched, got = scheduler(pair, slots=1), Collector()
+    sched.add(got.request(0, [3] * (SLOT + 1), configs()[0]))
+    assert isinstance(got.finished[0].error, ValueError)
+    assert sched.idle
+
+
+def test_an_out_of_memory_step_empties_the_prefix_cache_and_retries_once(pair, monkeypatch):
+    target, drafter = pair
+    prefix = PrefixCache(1 << 30, recurrent=has_states(target.new_cache(8)))
+    sched, got = scheduler(pair, slots=2, prefix=prefix), Collector()
+    first, second = prompts(pair, [20, 9], seed=5)
+    cfg = configs()[0]
+    sched.add(got.request(0, first, cfg))
+    drain(sched)
+    assert prefix.used_bytes
+    real, failures = target.forward_batch, [torch.OutOfMemoryError("CUDA out of memory")]
+
+    def failing_once(*args, **kwargs):
+        if failures:
+            raise failures.pop()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, "forward_batch", failing_once)
+    sched.add(got.request(1, second, cfg))
+    drain(sched)
+    assert not failures and got.output(1) == solo(pair, second, cfg)
+    assert prefix.lookup(first, drafted=False).position == 0  # the first's entries are gone
+
+
+def test_logprobs_beside_other_sequences_equal_their_solo_runs(pair):
+    cfgs = [replace(cfg, logprobs=2, prompt_logprobs=1) for cfg in configs()[:3]]
+    cases = list(zip(prompts(pair, [9, 30, 5], seed=6), cfgs, strict=True))
+    sched, got = scheduler(pair, slots=3, tokens=16), Collector()
+    for index, case in enumerate(cases):
+        sched.add(got.request(index, *case))
+    drain(sched)
+    for index, (prompt, cfg) in enumerate(cases):
+        alone = generate(*pair, prompt, cfg)
+        result = got.finished[index].result
+        assert got.output(index) == alone.output_ids
+        assert [t.logprob for t in result.logprobs] == pytest.approx(
+            [t.logprob for t in alone.logprobs], abs=1e-9
+        )
+        assert len(result.prompt_logprobs) == len(prompt)
