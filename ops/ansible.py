@@ -31,7 +31,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from ops.bench.matrix import BenchConfig
+from ops.bench.matrix import BenchConfig, Slo
 from ops.chain.checks import Policy, chain_for
 from ops.chain.report import ChainReport, CheckResult
 from ops.errors import DdopsError
@@ -287,6 +287,12 @@ def run_chain_playbook(
 # -- bench through its playbook -----------------------------------------------------------------
 
 
+def slo_text(slo: Slo) -> str:
+    """`--slo`'s spelling of `slo` (what parse_slo reads back)."""
+    parts = [(name, value) for name, value in (("ttft", slo.ttft_s), ("tpot", slo.tpot_s))]
+    return ",".join(f"{name}={1000 * value:g}ms" for name, value in parts if value is not None)
+
+
 def bench_args(config: BenchConfig) -> list[str]:
     """`ddops bench` options that give this config (what each host's ddops bench is told)."""
     return [
@@ -297,6 +303,10 @@ def bench_args(config: BenchConfig) -> list[str]:
         *("--max-repeats", str(config.max_repeats), "--time-budget", str(config.time_budget_s)),
         *("--agentic-context", str(config.agentic.context)),
         *("--agentic-turns", str(config.agentic.turns)),
+        *("--concurrency", ",".join(map(str, config.concurrency))),
+        *("--requests-per-client", str(config.requests_per_client)),
+        *(("--request-rate", str(config.request_rate)) if config.request_rate else ()),
+        *(("--slo", slo_text(config.slo)) if config.slo else ()),
     ]
 
 

@@ -5,11 +5,17 @@
         client.count_tokens("some text")               # the server's own /tokenize count
         done = client.complete("prompt", max_tokens=256, method=Method("ddtree", 15))
         done.text, done.sample.decode_tok_s, done.sample.tau
+        client.run(coroutine)                          # on the client's own event loop
 
-Every completion streams (server-sent events), so the client sees when text arrives:
-TTFT = request sent -> first text; decode tok/s = tokens after the first / time after the first;
-end-to-end tok/s = tokens / (request sent -> stream end); TPOT = the inverse of decode tok/s.
-TTFT is the client's: it includes any wait in the engine's queue. Token counts come from the
+Every completion streams (server-sent events) through one asyncio event loop the client keeps
+(ops/bench/load.py sends many at once on it), and each event is parsed as it arrives, so the
+client sees when text arrives: TTFT = request sent -> first text; decode tok/s = tokens after
+the first / time after the first; end-to-end tok/s = tokens / (request sent -> stream end);
+TPOT = the inverse of decode tok/s; ITL = the time between one token's arrival and the next's,
+per token: a chunk carrying k tokens (a speculative round) is one gap then k - 1 zeros. A chunk's
+tokens are the usage count shared out by the chunks' text lengths (`tokens_per_chunk`), since a
+stream says how many tokens it sent only at its end. TTFT is the client's: it includes any wait
+in the engine's queue. Token counts come from the
 stream's usage chunk (`prompt_tokens_details.cached_tokens`: prompt tokens the prefix cache
 served), tau (mean tokens committed per round, bonus included) and rounds from its
 `speculative` stats. Reasoning: an output inside a `<think>` block (opened by the prompt or by
@@ -21,11 +27,13 @@ cache-off turns of the agentic scenario). Errors become DdopsError naming the en
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
+from typing import TypeVar
 
 import httpx
 
@@ -35,6 +43,7 @@ from ops.errors import DdopsError
 REQUEST_TIMEOUT_S = 600.0
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 ENGINE_CPU_METRIC = "process_cpu_seconds_total"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,8 @@ class Sample:
     tau: float  # mean tokens committed per round (0 for a request without rounds)
     cached_tokens: int | None = None  # prompt tokens served by the prefix cache (None: unsaid)
     reasoning_tokens: int | None = None  # tokens inside a <think> block (None: no block)
+    start_s: float = 0.0  # when it was sent, from the start of its window (ops/bench/load.py)
+    itl_s: list[float] | None = None  # gaps between tokens' arrivals (None: stored before 37)
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -79,6 +90,30 @@ class Completion:
     sample: Sample
 
 
+@dataclass(frozen=True)
+class CompletionRequest:
+    """What one completion asks for."""
+
+    prompt: str
+    max_tokens: int
+    method: Method
+    temperature: float = 0.0
+    seed: int | None = 0
+    cache_prompt: bool = True
+
+    def body(self) -> dict:
+        return {
+            "prompt": self.prompt,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "seed": self.seed,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "speculative": self.method.speculative(),
+            **({} if self.cache_prompt else {"cache_prompt": False}),
+        }
+
+
 class EngineClient:
     """A session with one engine; the API key (if any) goes in the Authorization header only."""
 
@@ -89,12 +124,17 @@ class EngineClient:
         *,
         timeout: float = REQUEST_TIMEOUT_S,
         http: httpx.Client | None = None,
+        stream_transport: httpx.AsyncBaseTransport | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.clock = clock  # what times the stream (tests give a scripted clock)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = http or httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        self._stream_settings = {"headers": headers, "timeout": timeout}
+        self._stream_transport = stream_transport  # tests: a scripted engine
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: httpx.AsyncClient | None = None
         self._model_card: dict | None = None
 
     def __enter__(self) -> EngineClient:
@@ -105,6 +145,29 @@ class EngineClient:
 
     def close(self) -> None:
         self._http.close()
+        if self._loop is not None:
+            if self._streams is not None:
+                self._loop.run_until_complete(self._streams.aclose())
+            self._loop.close()
+            self._loop = self._streams = None
+
+    def run(self, coroutine: Awaitable[T]) -> T:
+        """Run `coroutine` to its end on this client's event loop (kept, so its connections
+        are reused from one request to the next)."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(coroutine)
+
+    def streams(self) -> httpx.AsyncClient:
+        """The asynchronous HTTP client the completions stream through (inside `run`)."""
+        if self._streams is None:
+            self._streams = httpx.AsyncClient(
+                base_url=self.base_url,
+                transport=self._stream_transport,
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+                **self._stream_settings,
+            )
+        return self._streams
 
     @property
     def label(self) -> str:
@@ -165,38 +228,45 @@ class EngineClient:
         cache_prompt: bool = True,
     ) -> Completion:
         """Stream one completion and time it (see the module docstring for the definitions)."""
-        body = {
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "seed": seed,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "speculative": method.speculative(),
-            **({} if cache_prompt else {"cache_prompt": False}),
-        }
+        request = CompletionRequest(prompt, max_tokens, method, temperature, seed, cache_prompt)
+        return self.with_reasoning(request, self.run(self.stream(request)))
+
+    async def stream(self, request: CompletionRequest, origin: float | None = None) -> Completion:
+        """Stream one completion on the client's loop; `origin`: its window's start (the
+        sample's start_s is measured from it)."""
         stream = _StreamTally(self.clock)
         sent = self.clock()
         try:
-            with self._http.stream("POST", "/v1/completions", json=body) as response:
+            async with self.streams().stream(
+                "POST", "/v1/completions", json=request.body()
+            ) as response:
                 if response.status_code != 200:
-                    response.read()
+                    await response.aread()
                     raise DdopsError(
                         self.label,
                         f"/v1/completions answered {response.status_code}: {_why(response)}",
                     )
-                for line in response.iter_lines():
+                async for line in response.aiter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
                         stream.take(json.loads(line.removeprefix("data: ")), self.label)
         except httpx.HTTPError as exc:
             raise DdopsError(self.label, f"/v1/completions: {exc}") from exc
         done = stream.completion(sent, self.clock(), self.label)
-        if done.sample.reasoning_tokens is None and (block := reasoning_block(prompt, done.text)):
-            counted = min(self.count_tokens(block), done.sample.completion_tokens)
-            done = dataclasses.replace(
-                done, sample=dataclasses.replace(done.sample, reasoning_tokens=counted)
-            )
-        return done
+        start = sent - (sent if origin is None else origin)
+        return dataclasses.replace(done, sample=dataclasses.replace(done.sample, start_s=start))
+
+    def with_reasoning(self, request: CompletionRequest, done: Completion) -> Completion:
+        """`done` with its reasoning tokens counted by the server when the stream did not say
+        (a /tokenize request: after the timing, outside any window)."""
+        if done.sample.reasoning_tokens is not None:
+            return done
+        block = reasoning_block(request.prompt, done.text)
+        if not block:
+            return done
+        counted = min(self.count_tokens(block), done.sample.completion_tokens)
+        return dataclasses.replace(
+            done, sample=dataclasses.replace(done.sample, reasoning_tokens=counted)
+        )
 
 
 def reasoning_block(prompt: str, text: str) -> str | None:
@@ -218,6 +288,7 @@ class _StreamTally:
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
         self.pieces: list[str] = []
+        self.arrivals: list[float] = []  # when each piece of text arrived
         self.first_text: float | None = None
         self.last_text: float | None = None
         self.usage: dict | None = None
@@ -233,6 +304,7 @@ class _StreamTally:
                 self.first_text = self.first_text or now
                 self.last_text = now
                 self.pieces.append(choice["text"])
+                self.arrivals.append(now)
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
         self.speculative = chunk.get("speculative") or self.speculative
         self.usage = chunk.get("usage") or self.usage
@@ -253,8 +325,36 @@ class _StreamTally:
             reasoning_tokens=(self.usage.get("completion_tokens_details") or {}).get(
                 "reasoning_tokens"
             ),
+            itl_s=self.inter_token_s(self.usage["completion_tokens"]),
         )
         return Completion("".join(self.pieces), self.finish_reason, sample)
+
+    def inter_token_s(self, tokens: int) -> list[float]:
+        """The gap before each token after the first (its chunk's arrival, less the previous
+        token's), rounded to the microsecond."""
+        times = [
+            at
+            for at, count in zip(
+                self.arrivals, tokens_per_chunk([len(p) for p in self.pieces], tokens), strict=True
+            )
+            for _ in range(count)
+        ]
+        return [round(b - a, 6) for a, b in zip(times, times[1:], strict=False)]
+
+
+def tokens_per_chunk(lengths: list[int], tokens: int) -> list[int]:
+    """`tokens` shared out by the chunks' text lengths (largest remainders), each chunk at least
+    one while there are tokens enough: the stream's chunks, counted per token."""
+    if not lengths:
+        return []
+    floor = 1 if tokens >= len(lengths) else 0
+    spare, total = tokens - floor * len(lengths), sum(lengths) or len(lengths)
+    shares = [spare * (n or (0 if sum(lengths) else 1)) / total for n in lengths]
+    counts = [floor + int(share) for share in shares]
+    by_remainder = sorted(range(len(lengths)), key=lambda i: int(shares[i]) - shares[i])
+    for i in by_remainder[: tokens - sum(counts)]:
+        counts[i] += 1
+    return counts
 
 
 def _why(response: httpx.Response) -> str:

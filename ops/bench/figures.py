@@ -6,10 +6,16 @@
     verdicts(rows)                                   # per scenario and length: winner or leaders
 
 A repeat's rate is its decode tok/s over the cell's requests of that repeat (for the agentic
-scenario: every turn with the prefix cache on, token-weighted), so a speedup pairs a method's
-repeat with ar's same repeat (same prompt; in the agentic scenario the same transcript shape,
-one session each). Samples of a disturbed repeat are kept in the cell, marked, and left out of
+scenario: every turn with the prefix cache on, token-weighted); at a concurrency above 1 it is
+the window's aggregate output tok/s instead (every request's tokens over first send -> last
+end: what a server gives its N users together). A speedup pairs a method's repeat with ar's same
+repeat (same prompt, same arrivals; in the agentic scenario the same transcript shape, one
+session each). Samples of a disturbed repeat are kept in the cell, marked, and left out of
 every figure. A cell stored before issue 31 (no samples) shows its stored metrics, no spread.
+
+Serving figures (issue 37), every cell: aggregate output tok/s (with its interval over repeats),
+requests/s and goodput (requests/s meeting the run's SLO) as medians over repeats, and TTFT,
+TPOT and ITL (per token, ops/bench/client.py) at p50 / p90 / p99 over the clean requests.
 """
 
 from __future__ import annotations
@@ -28,13 +34,21 @@ from engine.bench_stats import (
     verdict,
 )
 from ops.bench.client import Sample
-from ops.bench.matrix import SCENARIOS, parse_method
+from ops.bench.matrix import SCENARIOS, Slo, column_name, parse_method
 from ops.methods import METHODS
 
 BASELINE = "ar"
 CACHE_OFF = "off"  # a sample's "cache" field: the agentic turn re-sent with the cache off
 # Figures with a spread: the row has NAME (the median), NAME_low and NAME_high.
-SPREAD_FIGURES = ("decode_tok_s", "speedup", "ttft_s")
+SPREAD_FIGURES = ("decode_tok_s", "speedup", "ttft_s", "output_tok_s")
+PERCENTILES = (50, 90, 99)
+LATENCIES = ("ttft", "tpot", "itl")
+SERVING_FIGURES = (
+    "requests_per_s",
+    "goodput_rps",
+    *(f"{name}_p{q}_s" for name in LATENCIES for q in PERCENTILES),
+    "client_cpu",
+)
 POINT_FIGURES = (
     "e2e_tok_s",
     "tpot_p50_s",
@@ -55,9 +69,12 @@ POINT_FIGURES = (
 class RepeatFigure:
     """One repeat of one cell."""
 
-    rate: float | None  # decode tok/s over the repeat's requests
+    rate: float | None  # decode tok/s over the repeat's requests (at concurrency > 1: output)
     tau: float | None  # tokens committed per round over them (round-weighted)
     disturbed: bool
+    output_tok_s: float | None = None  # every request's tokens / (first send -> last end)
+    requests_per_s: float | None = None
+    goodput_rps: float | None = None  # requests meeting the SLO a second (None: no SLO)
 
 
 def measured(samples: Iterable[dict]) -> list[dict]:
@@ -76,9 +93,16 @@ def _tau(samples: list[Sample]) -> float | None:
     return sum(s.tau * s.rounds for s in samples) / rounds if rounds else None
 
 
-def repeat_figures(samples: Iterable[dict]) -> dict[int, RepeatFigure]:
-    """Each repeat's rate and tau (over its requests with the cache on), and whether the
-    repeat was marked disturbed."""
+def _window_s(samples: list[Sample]) -> float:
+    """First send -> last end of the requests (of one window, or of one turn's requests)."""
+    return max(s.start_s + s.e2e_s for s in samples) - min(s.start_s for s in samples)
+
+
+def repeat_figures(
+    samples: Iterable[dict], concurrency: int = 1, slo: Slo | None = None
+) -> dict[int, RepeatFigure]:
+    """Each repeat's rate and tau (over its requests with the cache on), its serving figures,
+    and whether the repeat was marked disturbed."""
     by_repeat: dict[int, list[dict]] = {}
     for entry in measured(samples):
         by_repeat.setdefault(entry.get("repeat", 0), []).append(entry)
@@ -86,8 +110,31 @@ def repeat_figures(samples: Iterable[dict]) -> dict[int, RepeatFigure]:
     for repeat, entries in sorted(by_repeat.items()):
         parsed = [Sample.from_json(e) for e in entries]
         disturbed = any(e.get("disturbed") for e in entries)
-        figures[repeat] = RepeatFigure(_rate(parsed), _tau(parsed), disturbed)
+        seconds = sum(_window_s(turn) for turn in _windows(entries, parsed))
+        output = _per_s(sum(s.completion_tokens for s in parsed), seconds)
+        good = sum(slo.met_by(s.ttft_s, s.tpot_s) for s in parsed) if slo else None
+        figures[repeat] = RepeatFigure(
+            rate=output if concurrency > 1 else _rate(parsed),
+            tau=_tau(parsed),
+            disturbed=disturbed,
+            output_tok_s=output,
+            requests_per_s=_per_s(len(parsed), seconds),
+            goodput_rps=None if good is None else _per_s(good, seconds),
+        )
     return figures
+
+
+def _per_s(count: float, seconds: float) -> float | None:
+    return count / seconds if seconds > 0 else None
+
+
+def _windows(entries: list[dict], parsed: list[Sample]) -> list[list[Sample]]:
+    """A repeat's requests by the window they were sent in (one window, or one per agentic
+    turn): the windows' lengths add up to the time the repeat's load ran."""
+    by_window: dict[int, list[Sample]] = {}
+    for entry, sample in zip(entries, parsed, strict=True):
+        by_window.setdefault(entry.get("turn", 0), []).append(sample)
+    return list(by_window.values())
 
 
 def disturbed_methods(by_method: dict[str, RepeatFigure]) -> dict[str, float]:
@@ -104,8 +151,19 @@ def _method_order(label: str) -> tuple[int, int]:
     return METHODS.index(method.name), method.budget or 0
 
 
-def _column_order(row: dict) -> tuple[int, int]:
-    return SCENARIOS.index(row["scenario"]), row["length"]
+def _column_order(row: dict) -> tuple[int, int, int]:
+    return SCENARIOS.index(row["scenario"]), row["length"], row.get("concurrency", 1)
+
+
+def basis_rate(row: dict) -> float | None:
+    """What the row's speedup compares: decode tok/s one request at a time, the aggregate
+    output tok/s at a concurrency above 1."""
+    return row["decode_tok_s"] if row.get("concurrency", 1) == 1 else row.get("output_tok_s")
+
+
+def column_of(row: dict) -> tuple[str, int, int]:
+    """The row's (scenario, length, concurrency)."""
+    return row["scenario"], row["length"], row.get("concurrency", 1)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -141,17 +199,60 @@ def _clean(cell: dict) -> list[dict]:
     return [s for s in cell.get("samples") or [] if not s.get("disturbed")]
 
 
+def _concurrency(cell: dict) -> int:
+    return cell["cell"].get("concurrency", 1)
+
+
+def _slo(cell: dict) -> Slo | None:
+    return Slo(**cell["slo"]) if cell.get("slo") else None
+
+
+def _known(values: Iterable[float | None]) -> list[float]:
+    return [v for v in values if v is not None]
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    known = _known(values)
+    return statistics.median(known) if known else None
+
+
+def serving_figures(samples: list[Sample], repeats: list[RepeatFigure]) -> dict:
+    """Aggregate output tok/s (interval), requests/s and goodput (medians over repeats), and the
+    latency percentiles over the requests."""
+    values = {
+        "ttft": [s.ttft_s for s in samples],
+        "tpot": [s.tpot_s for s in samples if s.tpot_s is not None],
+        "itl": [gap for s in samples for gap in s.itl_s or ()],
+    }
+    figures = spread_fields(
+        "output_tok_s", median_interval(_known(r.output_tok_s for r in repeats))
+    )
+    figures["requests_per_s"] = _median(r.requests_per_s for r in repeats)
+    figures["goodput_rps"] = _median(r.goodput_rps for r in repeats)
+    for name, found in values.items():
+        for q in PERCENTILES:
+            figures[f"{name}_p{q}_s"] = percentile(found, q) if found else None
+    return figures
+
+
+def cell_repeats(cell: dict) -> dict[int, RepeatFigure]:
+    """The figures of a cell's clean repeats, at its concurrency and under its SLO."""
+    return repeat_figures(_clean(cell), _concurrency(cell), _slo(cell))
+
+
 def _sample_figures(cell: dict) -> dict:
     """A cell's figures over its clean samples (the cache-on ones)."""
     clean = _clean(cell)
     samples = [Sample.from_json(s) for s in measured(clean)]
     if not samples:
         return {}
-    rates = [f.rate for f in repeat_figures(clean).values() if f.rate is not None]
+    repeats = list(cell_repeats(cell).values())
+    rates = _known(f.rate for f in repeat_figures(clean).values())  # decode tok/s
     tokens = sum(s.completion_tokens for s in samples)
     reasoning = [s.reasoning_tokens for s in samples if s.reasoning_tokens is not None]
     shares = [s["others_cpu"] for s in clean if s.get("others_cpu") is not None]
-    row = summarize(samples)
+    client_cpu = _known(s.get("client_cpu") for s in clean)
+    row = summarize(samples) | serving_figures(samples, repeats)
     row |= spread_fields("decode_tok_s", median_interval(rates))
     row |= spread_fields("ttft_s", median_interval(s.ttft_s for s in samples))
     row |= {
@@ -159,6 +260,7 @@ def _sample_figures(cell: dict) -> dict:
         "answer_tokens": tokens - sum(reasoning),
         "repeats": len(rates),
         "others_cpu": max(shares) if shares else None,
+        "client_cpu": max(client_cpu) if client_cpu else None,
     }
     return row
 
@@ -179,7 +281,8 @@ def _row(cell: dict) -> dict:
         "method": cell["cell"]["method"],
         "scenario": cell["cell"]["scenario"],
         "length": cell["cell"]["length"],
-        **dict.fromkeys((*SPREAD_FIGURES, *POINT_FIGURES)),
+        "concurrency": _concurrency(cell),
+        **dict.fromkeys((*SPREAD_FIGURES, *POINT_FIGURES, *SERVING_FIGURES)),
         **{f"{n}_{end}": None for n in SPREAD_FIGURES for end in ("low", "high")},
         "skipped": cell.get("skipped"),
         "turns": turn_figures(cell),
@@ -197,7 +300,7 @@ def _speedups(row: dict, cell: dict, ar_cell: dict | None) -> None:
     if ar_cell is None or row["decode_tok_s"] is None:
         return
     if cell.get("samples") and ar_cell.get("samples"):
-        mine, base = repeat_figures(_clean(cell)), repeat_figures(_clean(ar_cell))
+        mine, base = cell_repeats(cell), cell_repeats(ar_cell)
         ratios = paired_ratios(
             {r: f.rate for r, f in mine.items()}, {r: f.rate for r, f in base.items()}
         )
@@ -210,15 +313,11 @@ def _speedups(row: dict, cell: dict, ar_cell: dict | None) -> None:
 
 def rows_from_cells(cells: list[dict]) -> list[dict]:
     """One flat row per cell, every figure with its interval where it has one."""
-    ar_cells = {
-        (c["cell"]["scenario"], c["cell"]["length"]): c
-        for c in cells
-        if c["cell"]["method"] == BASELINE
-    }
+    ar_cells = {column_of(c["cell"]): c for c in cells if c["cell"]["method"] == BASELINE}
     rows = []
     for cell in cells:
         row = _row(cell)
-        _speedups(row, cell, ar_cells.get((row["scenario"], row["length"])))
+        _speedups(row, cell, ar_cells.get(column_of(row)))
         rows.append(row)
     return sorted(rows, key=lambda r: (_column_order(r), _method_order(r["method"])))
 
@@ -228,10 +327,11 @@ def spread_of(row: dict, name: str) -> Spread | None:
     return spread_in(row, name, row.get("repeats") or 1)
 
 
-def columns(rows: list[dict]) -> list[tuple[str, int]]:
-    """The (scenario, length) pairs present, scenarios in SCENARIOS order, lengths ascending."""
-    pairs = {(r["scenario"], r["length"]) for r in rows}
-    return sorted(pairs, key=lambda pair: (SCENARIOS.index(pair[0]), pair[1]))
+def columns(rows: list[dict]) -> list[tuple[str, int, int]]:
+    """The (scenario, length, concurrency) columns present: scenarios in SCENARIOS order, then
+    lengths and concurrency ascending."""
+    found = {column_of(r) for r in rows}
+    return sorted(found, key=lambda c: (SCENARIOS.index(c[0]), c[1], c[2]))
 
 
 def methods(rows: list[dict]) -> list[str]:
@@ -239,14 +339,15 @@ def methods(rows: list[dict]) -> list[str]:
 
 
 def verdicts(rows: list[dict]) -> list[dict]:
-    """Per (scenario, length): the verdict on the methods' speedups over ar."""
+    """Per (scenario, length, concurrency): the verdict on the methods' speedups over ar."""
     found = []
-    for scenario, length in columns(rows):
-        column = [r for r in rows if (r["scenario"], r["length"]) == (scenario, length)]
+    for scenario, length, level in columns(rows):
+        column = [r for r in rows if column_of(r) == (scenario, length, level)]
         if not any(r["method"] == BASELINE and r["decode_tok_s"] for r in column):
             continue
         spreads = {r["method"]: spread_of(r, "speedup") for r in column}
-        found.append({"scenario": scenario, "length": length, **verdict(spreads).to_json()})
+        where = {"scenario": scenario, "length": length, "concurrency": level}
+        found.append({**where, "column": column_name(*where.values())} | verdict(spreads).to_json())
     return found
 
 

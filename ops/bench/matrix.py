@@ -1,15 +1,22 @@
-"""The bench matrix: methods x scenarios x output lengths, measured in interleaved repeats.
+"""The bench matrix: methods x scenarios x output lengths x concurrency, in interleaved repeats.
 
-    config = BenchConfig(methods=parse_methods("ar,linear,ddtree:15"), lengths=(256, 1024))
-    for group in config.groups():        # scenario-major, then length
+    config = BenchConfig(methods=parse_methods("ar,linear,ddtree:15"), lengths=(256, 1024),
+                         concurrency=(1, 4))
+    for group in config.groups():        # scenario-major, then length, then concurrency
         group.cells                      # one per method, ar first: measured together
     for cell in config.cells():          # the same cells, flat
         print(cell.key, cell.method.label)
 
-A group (a scenario at an output length) is measured as a whole: each repeat runs every method
-once, back to back, in rotated order (engine.bench_stats). `repeats` is the least number of
-clean repeats a group gets; more run, up to `max_repeats`, while the group's share of
-`time_budget_s` lasts (0: exactly `repeats`).
+A group (a scenario at an output length and a concurrency) is measured as a whole: each repeat
+runs every method once, back to back, in rotated order (engine.bench_stats). `repeats` is the
+least number of clean repeats a group gets; more run, up to `max_repeats`, while the group's
+share of `time_budget_s` lasts (0: exactly `repeats`).
+
+Concurrency N: a method's turn in a repeat is a window of N clients at once, each sending
+`requests_per_client` requests, the next when its last finishes (closed loop); with
+`request_rate` R the window's N x requests_per_client requests arrive as a Poisson process of R
+a second instead (open loop, at most N in flight), the same arrivals for every method of a
+repeat. `slo` (ttft_s, tpot_s) decides which requests count for goodput.
 
 A method is `ar`, `linear` (a DFlash chain of the engine's default length) or `ddtree:B` (a tree
 of B nodes; `ddtree` alone means the engine's default budget). Scenarios: `decode` (one fixed
@@ -30,7 +37,9 @@ DEFAULT_LENGTHS = (256, 1024, 2048)
 DEFAULT_REPEATS = 3
 DEFAULT_MAX_REPEATS = 20
 DEFAULT_TIME_BUDGET_S = 600.0
+MAX_CONCURRENCY = 1024
 _METHOD = re.compile(r"^(ar|linear|ddtree)(?::([0-9]+))?$")
+_SLO_PART = re.compile(r"^(ttft|tpot)=([0-9]*\.?[0-9]+)(ms|s)$")
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,53 @@ def parse_lengths(text: str) -> tuple[int, ...]:
     return lengths
 
 
+def parse_concurrency(text: str) -> tuple[int, ...]:
+    """A comma list of client counts, e.g. `1,4,8` (each 1..MAX_CONCURRENCY), ascending."""
+    try:
+        levels = {int(part) for part in text.split(",") if part.strip()}
+    except ValueError:
+        raise DdopsError(f"concurrency {text!r}", "expected whole numbers like 1,4,8") from None
+    if not levels or min(levels) < 1 or max(levels) > MAX_CONCURRENCY:
+        raise DdopsError(f"concurrency {text!r}", f"each level must be 1..{MAX_CONCURRENCY}")
+    return tuple(sorted(levels))
+
+
+@dataclass(frozen=True)
+class Slo:
+    """A service-level objective: a request is good when both its figures are within."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def met_by(self, ttft_s: float, tpot_s: float | None) -> bool:
+        within_ttft = self.ttft_s is None or ttft_s <= self.ttft_s
+        within_tpot = self.tpot_s is None or tpot_s is None or tpot_s <= self.tpot_s
+        return within_ttft and within_tpot
+
+    @property
+    def text(self) -> str:
+        parts = [
+            f"{name}<={1000 * value:g}ms"
+            for name, value in (("TTFT", self.ttft_s), ("TPOT", self.tpot_s))
+            if value is not None
+        ]
+        return ", ".join(parts)
+
+
+def parse_slo(text: str) -> Slo:
+    """`ttft=2s,tpot=100ms` (either or both; units s or ms) -> Slo, or DdopsError."""
+    values: dict[str, float] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        match = _SLO_PART.match(part)
+        if not match or match.group(1) in values:
+            raise DdopsError(f"slo {text!r}", "expected ttft=2s,tpot=100ms (units s or ms)")
+        scale = 0.001 if match.group(3) == "ms" else 1.0
+        values[match.group(1)] = float(match.group(2)) * scale
+    if not values or not all(v > 0 for v in values.values()):
+        raise DdopsError(f"slo {text!r}", "name ttft and/or tpot, each above 0")
+    return Slo(values.get("ttft"), values.get("tpot"))
+
+
 def parse_scenarios(text: str) -> tuple[str, ...]:
     scenarios = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
     unknown = [s for s in scenarios if s not in SCENARIOS]
@@ -87,36 +143,44 @@ def parse_scenarios(text: str) -> tuple[str, ...]:
     return scenarios
 
 
+def column_name(scenario: str, length: int, concurrency: int = 1) -> str:
+    """A report column: `decode 256`, at a concurrency above 1 `decode 256 c4`."""
+    return f"{scenario} {length}" + (f" c{concurrency}" if concurrency != 1 else "")
+
+
 @dataclass(frozen=True)
 class Cell:
-    """One point of the matrix: a scenario at an output length, decoded by a method."""
+    """One point of the matrix: a scenario at an output length and a concurrency, decoded by a
+    method."""
 
     scenario: str
     length: int
     method: Method
+    concurrency: int = 1
 
     @property
     def key(self) -> str:
-        """A stable name, safe as a file name: `decode-256-ddtree-15`."""
-        return f"{self.scenario}-{self.length}-{self.method.label.replace(':', '-')}"
+        """A stable name, safe as a file name: `decode-256-ddtree-15`, `decode-256-c4-ar`."""
+        level = f"c{self.concurrency}-" if self.concurrency != 1 else ""
+        return f"{self.scenario}-{self.length}-{level}{self.method.label.replace(':', '-')}"
 
     @property
     def column(self) -> str:
-        """The report column this cell belongs to: `decode 256`."""
-        return f"{self.scenario} {self.length}"
+        return column_name(self.scenario, self.length, self.concurrency)
 
 
 @dataclass(frozen=True)
 class Group:
-    """The cells of one scenario and output length: measured together, interleaved."""
+    """The cells of one scenario, output length and concurrency: measured together, interleaved."""
 
     scenario: str
     length: int
     cells: tuple[Cell, ...]
+    concurrency: int = 1
 
     @property
     def column(self) -> str:
-        return f"{self.scenario} {self.length}"
+        return column_name(self.scenario, self.length, self.concurrency)
 
 
 @dataclass(frozen=True)
@@ -141,35 +205,49 @@ class BenchConfig:
     seed: int = 0
     max_repeats: int = DEFAULT_MAX_REPEATS
     time_budget_s: float = DEFAULT_TIME_BUDGET_S  # the run's, shared evenly by its groups
+    concurrency: tuple[int, ...] = (1,)  # clients at once, one group per level
+    requests_per_client: int = 1  # requests each client sends in a method's window
+    request_rate: float | None = None  # requests a second, Poisson arrivals (None: closed loop)
+    slo: Slo | None = None  # what a request must meet to count for goodput
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.warmup < 0:
             raise DdopsError("bench", "repeats must be >= 1 and warmup >= 0")
+        if self.requests_per_client < 1 or not all(c >= 1 for c in self.concurrency):
+            raise DdopsError("bench", "concurrency and requests per client must be >= 1")
+        if self.request_rate is not None and not self.request_rate > 0:
+            raise DdopsError("bench", "the request rate must be above 0")
         if self.max_repeats < self.repeats or self.time_budget_s < 0:
             raise DdopsError("bench", "max repeats must be >= repeats and the time budget >= 0")
         if self.agentic.turns < 1 or self.agentic.context < 16:
             raise DdopsError("bench", "the agentic scenario needs >= 1 turn and >= 16 tokens")
 
     def cells(self) -> list[Cell]:
-        """Scenario-major, then length, then method in the order given (ar first when named)."""
+        """Scenario-major, then length, then concurrency, then method in the order given (ar
+        first when named)."""
         methods = sorted(self.methods, key=lambda m: m.name != "ar")
         return [
-            Cell(scenario, length, method)
+            Cell(scenario, length, method, level)
             for scenario in self.scenarios
             for length in self.lengths
+            for level in self.concurrency
             for method in methods
         ]
 
     def groups(self) -> list[Group]:
-        """The cells by scenario and length, in cells() order."""
-        groups: dict[tuple[str, int], list[Cell]] = {}
+        """The cells by scenario, length and concurrency, in cells() order."""
+        groups: dict[tuple[str, int, int], list[Cell]] = {}
         for cell in self.cells():
-            groups.setdefault((cell.scenario, cell.length), []).append(cell)
-        return [Group(s, n, tuple(cells)) for (s, n), cells in groups.items()]
+            groups.setdefault((cell.scenario, cell.length, cell.concurrency), []).append(cell)
+        return [Group(s, n, tuple(cells), c) for (s, n, c), cells in groups.items()]
 
     def to_json(self) -> dict:
         data = asdict(self)
         data["methods"] = [m.label for m in self.methods]
+        serial = self.concurrency == (1,) and self.requests_per_client == 1
+        if serial and self.request_rate is None and self.slo is None:
+            for name in ("concurrency", "requests_per_client", "request_rate", "slo"):
+                data.pop(name)  # one request at a time: the config (and its resume) as before
         return data
 
     @classmethod
@@ -185,4 +263,8 @@ class BenchConfig:
             seed=data["seed"],
             max_repeats=data.get("max_repeats", data["repeats"]),  # runs before issue 31
             time_budget_s=data.get("time_budget_s", 0.0),
+            concurrency=tuple(data.get("concurrency", (1,))),  # runs before issue 37: one
+            requests_per_client=data.get("requests_per_client", 1),
+            request_rate=data.get("request_rate"),
+            slo=Slo(**data["slo"]) if data.get("slo") else None,
         )

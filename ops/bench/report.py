@@ -26,23 +26,29 @@ from pathlib import Path
 
 from engine.bench_stats import Spread, counted, interval_name
 from ops.bench.figures import (
+    PERCENTILES,
     POINT_FIGURES,
+    SERVING_FIGURES,
     SPREAD_FIGURES,
+    basis_rate,
+    column_of,
     columns,
     methods,
     rows_from_cells,
     spread_of,
     verdicts,
 )
-from ops.bench.matrix import parse_method
+from ops.bench.matrix import column_name, parse_method
 from ops.results import RunStore
 
 CSV_FIELDS = (
     "method",
     "scenario",
     "length",
+    "concurrency",
     *(f"{name}{end}" for name in SPREAD_FIGURES for end in ("", "_low", "_high")),
     *POINT_FIGURES,
+    *SERVING_FIGURES,
     "skipped",
 )
 
@@ -92,12 +98,12 @@ def _not_measured(row: dict) -> str | None:
 
 def summary_table(rows: list[dict]) -> list[str]:
     """Method x (scenario, length): decode tok/s and speedup vs ar with its interval."""
-    by_key = {(r["method"], r["scenario"], r["length"]): r for r in rows}
+    by_key = {(r["method"], *column_of(r)): r for r in rows}
     body = []
     for method in methods(rows):
         line = [method]
-        for scenario, length in columns(rows):
-            row = by_key.get((method, scenario, length))
+        for column in columns(rows):
+            row = by_key.get((method, *column))
             if row is None:
                 line.append("-")
             elif missing := _not_measured(row):
@@ -107,12 +113,12 @@ def summary_table(rows: list[dict]) -> list[str]:
                     f"{_number(row['decode_tok_s'], 1)}, {_spread(row, 'speedup', suffix='x')}"
                 )
         body.append(line)
-    header = ["method", *(f"{scenario} {length}" for scenario, length in columns(rows))]
+    header = ["method", *(column_name(*column) for column in columns(rows))]
     return _table(header, body, right_from=1)
 
 
 def verdict_lines(rows: list[dict]) -> list[str]:
-    return [f"- {v['scenario']} {v['length']}: {v['text']}" for v in verdicts(rows)]
+    return [f"- {v['column']}: {v['text']}" for v in verdicts(rows)]
 
 
 def details_table(rows: list[dict]) -> list[str]:
@@ -153,6 +159,46 @@ def details_table(rows: list[dict]) -> list[str]:
             ]
         body.append(line)
     return _table(header, body, right_from=3)
+
+
+def _percentiles(row: dict, name: str) -> str:
+    values = [row[f"{name}_p{q}_s"] for q in PERCENTILES]
+    return "-" if values[0] is None else " / ".join(f"{1000 * v:.1f}" for v in values)
+
+
+def serving_table(rows: list[dict]) -> list[str]:
+    """Per cell: aggregate output tok/s (interval), requests/s, goodput, and TTFT / TPOT / ITL
+    at p50 / p90 / p99; the bench's own CPU."""
+    served = [r for r in rows if r.get("output_tok_s") is not None]
+    if not served:
+        return []
+    quantiles = "p" + " / p".join(map(str, PERCENTILES))
+    header = [
+        "method",
+        "column",
+        "output tok/s",
+        "req/s",
+        "goodput req/s",
+        f"TTFT ms {quantiles}",
+        f"TPOT ms {quantiles}",
+        f"ITL ms {quantiles}",
+        "client CPU",
+    ]
+    body = [
+        [
+            r["method"],
+            column_name(*column_of(r)),
+            _spread(r, "output_tok_s", 1),
+            _number(r["requests_per_s"], 2),
+            _number(r["goodput_rps"], 2),
+            _percentiles(r, "ttft"),
+            _percentiles(r, "tpot"),
+            _percentiles(r, "itl"),
+            _number(r["client_cpu"], 0, 100, "%"),
+        ]
+        for r in served  # rows_from_cells' order: by column, then method
+    ]
+    return _table(header, body, right_from=2)
 
 
 def turns_table(rows: list[dict]) -> list[str]:
@@ -216,10 +262,17 @@ def machine_lines(machine: dict | None) -> list[str]:
     return lines
 
 
+SERVING_NOTE = (
+    "Output tok/s: every request's tokens over the window (first send -> last end), median over",
+    "repeats; at concurrency 1 the speedup compares decode tok/s, above it output tok/s. ITL is",
+    "per token: the tokens of one streamed chunk (a speculative round) arrive together.",
+)
+
+
 def markdown_report(
     rows: list[dict], title: str = "ddops bench", machine: dict | None = None
 ) -> str:
-    turns = turns_table(rows)
+    turns, serving = turns_table(rows), serving_table(rows)
     lines = [
         f"# {title}",
         "",
@@ -236,6 +289,11 @@ def markdown_report(
         "",
         *details_table(rows),
         "",
+        *(
+            ["## Serving: throughput and latency", "", *SERVING_NOTE, "", *serving, ""]
+            if serving
+            else []
+        ),
         *(["## Agentic turns (prefix cache on and off)", "", *turns, ""] if turns else []),
         "## The machine during the run",
         "",
@@ -274,7 +332,8 @@ def render_report(run_dir: Path) -> ReportFiles:
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     """PNG plots of the measured rows, one question each: how much faster than ar is each method
     at each output length; how tau and decode tok/s move with the ddtree budget; how long the
-    agentic turns wait for their first token with the prefix cache and without."""
+    agentic turns wait for their first token with the prefix cache and without; how throughput
+    grows with concurrency; what latency each throughput costs."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -289,7 +348,93 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         paths.append(_plot_by_budget(measured, out_dir / "tau_tok_s_by_budget.png"))
     if any(r.get("turns") for r in measured):
         paths.append(_plot_turns(measured, out_dir / "agentic_ttft_by_turn.png"))
+    served = [r for r in measured if r.get("output_tok_s")]
+    if len({r["concurrency"] for r in served}) > 1:  # curves need more than one level
+        paths.append(_plot_throughput(served, out_dir / "throughput_by_concurrency.png"))
+        paths.append(_plot_latency(served, out_dir / "latency_by_throughput.png"))
     return paths
+
+
+def _series(rows: list[dict]) -> dict[tuple[str, str, int], list[dict]]:
+    """Rows by (method, scenario, length), each list by concurrency: one curve each."""
+    curves: dict[tuple[str, str, int], list[dict]] = {}
+    for row in sorted(rows, key=lambda r: r["concurrency"]):
+        curves.setdefault((row["method"], row["scenario"], row["length"]), []).append(row)
+    return curves
+
+
+def _curve_label(key: tuple[str, str, int], rows: list[dict]) -> str:
+    method, scenario, length = key
+    several = len({(r["scenario"], r["length"]) for r in rows}) > 1
+    return f"{method} ({scenario} {length})" if several else method
+
+
+def _plot_throughput(rows: list[dict], path: Path) -> Path:
+    """Aggregate output tok/s against concurrency, one line per method (and scenario, length),
+    with each point's interval over repeats as an error bar."""
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    levels = sorted({r["concurrency"] for r in rows})
+    for index, (key, curve) in enumerate(_series(rows).items()):
+        axes.errorbar(
+            [r["concurrency"] for r in curve],
+            [r["output_tok_s"] for r in curve],
+            yerr=_error_bars(curve, "output_tok_s"),
+            fmt="o-",
+            color=f"C{index}",
+            capsize=3,
+            label=_curve_label(key, rows),
+        )
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(levels, [str(level) for level in levels])
+    axes.minorticks_off()
+    axes.set_xlabel("concurrent clients (closed loop)")
+    axes.set_ylabel(f"aggregate output tok/s (median, {_interval(rows)})")
+    axes.set_ylim(bottom=0)
+    axes.set_title("Throughput against concurrency")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def _plot_latency(rows: list[dict], path: Path) -> Path:
+    """TTFT and ITL at p50 (solid) and p99 (dashed) against aggregate output tok/s, one colour
+    per method (and scenario, length), one point per concurrency (labelled): the curve serving
+    comparisons show."""
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    figure, panels = plt.subplots(1, 2, figsize=(12, 4.5))
+    handles = []
+    for index, (key, curve) in enumerate(_series(rows).items()):
+        xs = [r["output_tok_s"] for r in curve]
+        for axes, name in zip(panels, ("ttft", "itl"), strict=True):
+            for q, style in ((50, "o-"), (99, "s--")):
+                ys = [1000 * (r[f"{name}_p{q}_s"] or 0) for r in curve]
+                axes.plot(xs, ys, style, color=f"C{index}")
+            for row, x in zip(curve, xs, strict=True):
+                axes.annotate(f"c{row['concurrency']}", (x, 1000 * (row[f"{name}_p99_s"] or 0)),
+                              fontsize=7, textcoords="offset points", xytext=(3, 3))  # fmt: skip
+        handles.append(Line2D([], [], color=f"C{index}", marker="o", label=_curve_label(key, rows)))
+    handles += [
+        Line2D([], [], color="grey", marker="o", label="p50"),
+        Line2D([], [], color="grey", marker="s", linestyle="--", label="p99"),
+    ]
+    for axes, what in zip(panels, ("time to first token", "inter-token latency"), strict=True):
+        axes.set_xlabel("aggregate output tok/s")
+        axes.set_ylabel(f"{what}, ms")
+        axes.set_ylim(bottom=0)
+        axes.set_title(f"{what[0].upper()}{what[1:]} against throughput")
+        axes.grid(alpha=0.3)
+    panels[1].legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
 
 
 def _error_bars(rows: list[dict | None], name: str) -> list[list[float]]:
@@ -309,14 +454,14 @@ def _plot_speedup(rows: list[dict], path: Path) -> Path:
 
     pairs = columns(rows)
     rivals = [m for m in methods(rows) if m != "ar"]
-    by_key = {(r["method"], r["scenario"], r["length"]): r for r in rows}
-    ar_rate = {(r["scenario"], r["length"]): r["decode_tok_s"] for r in rows if r["method"] == "ar"}
+    by_key = {(r["method"], *column_of(r)): r for r in rows}
+    ar_rate = {column_of(r): basis_rate(r) for r in rows if r["method"] == "ar"}
     width = 0.8 / len(rivals)
     figure, axes = plt.subplots(figsize=(max(7, 1.2 * len(pairs) * len(rivals) ** 0.5), 4.5))
     top = 1.2
     for i, method in enumerate(rivals):
         xs = [c + (i - (len(rivals) - 1) / 2) * width for c in range(len(pairs))]
-        cells = [by_key.get((method, s, n)) for s, n in pairs]
+        cells = [by_key.get((method, *column)) for column in pairs]
         heights = [(c or {}).get("speedup") or 0 for c in cells]
         errors = _error_bars(cells, "speedup")
         axes.bar(xs, heights, width, label=method, yerr=errors, capsize=3)
@@ -327,7 +472,7 @@ def _plot_speedup(rows: list[dict], path: Path) -> Path:
     axes.axhline(1.0, color="black", linestyle="--", linewidth=1, label="ar (baseline)")
     axes.set_xticks(range(len(pairs)))
     axes.set_xticklabels(
-        [f"{s} {n}\nar {ar_rate.get((s, n)) or 0:.1f} tok/s" for s, n in pairs], fontsize=8
+        [f"{column_name(*c)}\nar {ar_rate.get(c) or 0:.1f} tok/s" for c in pairs], fontsize=8
     )
     axes.set_xlabel("scenario and output length (new tokens)")
     axes.set_ylabel("speedup over ar (paired decode tok/s ratio, x)")
@@ -350,8 +495,8 @@ def _plot_by_budget(rows: list[dict], path: Path) -> Path:
     figure, (tau_axes, rate_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
     budgets_seen: set[int] = set()
     handles = []
-    for index, (scenario, length) in enumerate(columns(rows)):
-        cell = [r for r in rows if (r["scenario"], r["length"]) == (scenario, length)]
+    for index, column in enumerate(columns(rows)):
+        cell = [r for r in rows if column_of(r) == column]
         points = sorted(
             (parse_method(r["method"]).budget, r) for r in cell if parse_method(r["method"]).budget
         )
@@ -369,7 +514,7 @@ def _plot_by_budget(rows: list[dict], path: Path) -> Path:
             color=colour,
             capsize=3,
         )
-        handles.append(Line2D([], [], color=colour, marker="o", label=f"{scenario} {length}"))
+        handles.append(Line2D([], [], color=colour, marker="o", label=column_name(*column)))
         for method, style in (("ar", "--"), ("linear", ":")):
             ref = next((r for r in cell if r["method"] == method), None)
             if ref is not None:

@@ -18,6 +18,11 @@ turn excepted: sent again it would find itself cached). Each sample carries the 
 other processes took during it, and the manifest gets the run's machine summary with a warning
 when it was busy.
 
+At a concurrency above 1 (or with a request rate) a method's turn in a repeat is a window of
+requests sent at once (ops/bench/load.py): the gate measures the window as a whole, each of its
+requests a sample (with `request`, its place in the window, and `client_cpu`, the bench's own
+CPU over the window), and the tau check compares the windows' aggregate output tok/s.
+
 The agentic scenario runs one session per method and repeat (its own conversation, so no session
 reuses another's prefix cache); each turn is sent with the prefix cache on (decoded to the
 length: these count for speed) and re-sent with it off (`cache_prompt: false`, one token: its
@@ -33,8 +38,10 @@ RunStore.open quarantines.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -43,8 +50,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from engine.bench_stats import RepeatSchedule, rotated
 from engine.machine_state import MachineWatch, QuietGate, summary
-from ops.bench.client import EngineClient, Sample
+from ops.bench.client import CompletionRequest, EngineClient, Sample
 from ops.bench.figures import CACHE_OFF, disturbed_methods, repeat_figures, summarize
+from ops.bench.load import Sleep, Window
 from ops.bench.matrix import BenchConfig, Cell, Group, Method
 from ops.bench.prompts import AgenticTranscript, decode_prompt, long_prompt
 from ops.results import RunStore
@@ -172,7 +180,7 @@ def measure_group(
     max_repeats = config.max_repeats if config.time_budget_s else config.repeats
     schedule = RepeatSchedule(config.repeats, max_repeats, share_s)
     try:
-        scenario = SCENARIO_RUNS[group.scenario](config, client, gate, group.length)
+        scenario = SCENARIO_RUNS[group.scenario](config, client, gate, group)
         for method in methods:
             for _ in range(config.warmup):
                 _request(config, client, method, decode_prompt(), min(group.length, WARMUP_TOKENS))
@@ -183,20 +191,22 @@ def measure_group(
                 entry = {"repeat": repeat, **where, **sample.to_json()}  # others_cpu: the gate's
                 record(keys[method], entry)
                 taken[method].append(entry)
-            disturbed = _disturbed(taken, repeat)
+            disturbed = _disturbed(taken, repeat, group.concurrency)
             for method, entries in taken.items():  # kept, marked with the repeat's verdict
                 samples[method] += [{**entry, "disturbed": disturbed} for entry in entries]
             schedule.record(gate.watch.clock() - started, disturbed=disturbed)
     except Skipped as why:
         return {cell.key: _cell_data(cell, [], {"skipped": str(why)}) for cell in group.cells}
     notes = {**scenario.notes(), "disturbed_repeats": schedule.disturbed}
+    if config.slo is not None:
+        notes["slo"] = asdict(config.slo)
     return {cell.key: _cell_data(cell, samples[cell.method], notes) for cell in group.cells}
 
 
-def _disturbed(taken: Taken, repeat: int) -> bool:
+def _disturbed(taken: Taken, repeat: int, concurrency: int) -> bool:
     """Whether a method's speedup over ar in this repeat exceeds its tau."""
     figures = {
-        method.label: repeat_figures(entries)[repeat]
+        method.label: repeat_figures(entries, concurrency)[repeat]
         for method, entries in taken.items()
         if entries
     }
@@ -209,6 +219,7 @@ def cell_json(cell: Cell) -> dict:
         "scenario": cell.scenario,
         "length": cell.length,
         "method": cell.method.label,
+        "concurrency": cell.concurrency,
     }
 
 
@@ -256,43 +267,84 @@ def _too_long(prompt_tokens: int, max_tokens: int, limit: int, what: str = "the 
 
 
 # -- the scenarios: one repeat each ------------------------------------------------------------
+def window_sleep(watch: MachineWatch) -> Sleep:
+    """How a window waits for its next arrival: on the watch's clock (a scripted one in
+    tests advances), else asyncio's."""
+    if watch.sleep is time.sleep:
+        return asyncio.sleep
+
+    async def scripted(seconds: float) -> None:
+        watch.sleep(seconds)
+        await asyncio.sleep(0)
+
+    return scripted
+
+
 class _OnePrompt:
-    """decode and long: every method decodes the same prompt once a repeat, cache off."""
+    """decode and long: every method decodes the same prompt once a repeat, cache off; at a
+    concurrency above 1 (or a request rate), a window of requests of it."""
 
     def __init__(
         self, config: BenchConfig, client: EngineClient, gate: QuietGate, length: int, prompt: str
     ) -> None:
         self.config, self.client, self.gate = config, client, gate
         self.length, self.prompt = length, prompt
+        self.concurrency = 1
         self.extra: dict = {}
 
     def run_repeat(self, repeat: int, order: Sequence[Method]) -> Measured:
+        config = self.config
+        if self.concurrency == 1 and config.request_rate is None:
+            for method in order:
+                request = (config, self.client, method, self.prompt, self.length)
+                response, machine = _quiet_request(self.gate, *request)
+                yield method, response.sample, machine
+            return
+        count = self.concurrency * config.requests_per_client
         for method in order:
-            request = (self.config, self.client, method, self.prompt, self.length)
-            response, machine = _quiet_request(self.gate, *request)
-            yield method, response.sample, machine
+            request = CompletionRequest(
+                self.prompt, self.length, method, config.temperature, config.seed, False
+            )
+            window = Window(
+                [request] * count,
+                self.concurrency,
+                config.request_rate,
+                seed=config.seed + repeat,
+                sleep=window_sleep(self.gate.watch),
+            )
+            sent, machine = self.gate.measure(lambda window=window: window.run(self.client))
+            for index, done in enumerate(sent.completions):
+                where = {**machine, "request": index, "client_cpu": _rounded(sent.client_cpu)}
+                yield method, done.sample, where
 
     def notes(self) -> dict:
         return self.extra
 
 
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
 def _decode_run(
-    config: BenchConfig, client: EngineClient, gate: QuietGate, length: int
+    config: BenchConfig, client: EngineClient, gate: QuietGate, group: Group
 ) -> _OnePrompt:
     limit, tokens = client.max_model_len(), client.count_tokens(decode_prompt())
-    if tokens + length > limit:
-        raise Skipped(_too_long(tokens, length, limit))
-    return _OnePrompt(config, client, gate, length, decode_prompt())
+    if tokens + group.length > limit:
+        raise Skipped(_too_long(tokens, group.length, limit))
+    run = _OnePrompt(config, client, gate, group.length, decode_prompt())
+    run.concurrency = group.concurrency
+    return run
 
 
 def _long_run(
-    config: BenchConfig, client: EngineClient, gate: QuietGate, length: int
+    config: BenchConfig, client: EngineClient, gate: QuietGate, group: Group
 ) -> _OnePrompt:
-    limit = client.max_model_len()
+    limit, length = client.max_model_len(), group.length
     fitted = long_prompt(client.count_tokens, max_model_len=limit, max_tokens=length)
     if fitted.skipped:
         raise Skipped(fitted.skipped)
     run = _OnePrompt(config, client, gate, length, fitted.prompt)
+    run.concurrency = group.concurrency
     run.extra = {"prompt": {"tokens": fitted.tokens, "max_tokens": length, "max_model_len": limit}}
     return run
 
@@ -303,9 +355,11 @@ class _AgenticRun:
     cache-on turn is sent once (sent again it would find itself cached), in a quiet moment."""
 
     def __init__(
-        self, config: BenchConfig, client: EngineClient, gate: QuietGate, length: int
+        self, config: BenchConfig, client: EngineClient, gate: QuietGate, group: Group
     ) -> None:
-        self.config, self.client, self.gate, self.length = config, client, gate, length
+        self.config, self.client, self.gate, self.length = config, client, gate, group.length
+        if group.concurrency > 1:
+            raise Skipped("the agentic scenario runs one agent at a time (concurrency 1)")
         self.limit = client.max_model_len()
         self.final_context = 0
         probe = self._transcript("probe")

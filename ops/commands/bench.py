@@ -4,6 +4,8 @@
         [--scenario decode,long,agentic] [--repeats N] [--max-repeats M] [--time-budget S] \\
         [--out DIR] [--no-recover]
     ddops bench --url http://127.0.0.1:8000 --lengths 16,32      # an engine by URL, no site
+    ddops bench --ct 200 --concurrency 1,4,8 [--requests-per-client N] [--request-rate R] \
+        [--slo ttft=2s,tpot=100ms]                                # the serving matrix
     ddops bench report RUN_DIR                                    # re-render a stored run
 
 Before measuring, the CT goes through the health chain and, if a check fails, `recover`
@@ -14,6 +16,10 @@ Methods run interleaved, repeat after repeat (ops/bench/runner.py): at least --r
 repeats per scenario and length, more (up to --max-repeats) while --time-budget seconds last
 (0: exactly --repeats); each figure is a median with its interval, each column gets a verdict,
 and the machine's state during the run is recorded, with a warning when it was busy.
+--concurrency N runs N clients at once (closed loop: each sends its next request when its last
+ends; --request-rate R: Poisson arrivals of R a second instead, at most N in flight), and the
+report adds aggregate output tok/s, requests/s, goodput under --slo, TTFT / TPOT / ITL p50, p90
+and p99 per cell.
 The engine's API key: a CT's own (read from the CT); for --url, DDOPS_API_KEY.
 """
 
@@ -39,9 +45,11 @@ from ops.bench.matrix import (
     DEFAULT_TIME_BUDGET_S,
     AgenticShape,
     BenchConfig,
+    parse_concurrency,
     parse_lengths,
     parse_methods,
     parse_scenarios,
+    parse_slo,
 )
 from ops.bench.report import (
     markdown_report,
@@ -114,6 +122,30 @@ def _parsed(parse):
     show_default=True,
     help="Seconds of measuring to spend on more repeats (0: exactly --repeats).",
 )
+@click.option(
+    "--concurrency",
+    default="1",
+    show_default=True,
+    callback=_parsed(parse_concurrency),
+    help="Clients at once, comma-separated (each level its own column).",
+)
+@click.option(
+    "--requests-per-client",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="Requests each client sends in a method's window (closed loop).",
+)
+@click.option(
+    "--request-rate",
+    type=click.FloatRange(0, min_open=True),
+    help="Open loop: requests a second, Poisson arrivals (at most --concurrency in flight).",
+)
+@click.option(
+    "--slo",
+    callback=_parsed(lambda text: parse_slo(text) if text else None),
+    help="Goodput's objective, e.g. ttft=2s,tpot=100ms.",
+)
 @click.option("--warmup", type=click.IntRange(0), default=1, show_default=True)
 @click.option("--agentic-context", type=click.IntRange(16), default=4096, show_default=True)
 @click.option("--agentic-turns", type=click.IntRange(1), default=4, show_default=True)
@@ -127,16 +159,7 @@ def bench_command(ctx: click.Context, vmid, url, out, no_recover, via, **matrix)
         return
     if matrix["max_repeats"] < matrix["repeats"]:
         raise click.BadParameter("must be >= --repeats", param_hint="--max-repeats")
-    config = BenchConfig(
-        methods=matrix["methods"],
-        lengths=matrix["lengths"],
-        scenarios=matrix["scenarios"],
-        repeats=matrix["repeats"],
-        warmup=matrix["warmup"],
-        agentic=AgenticShape(matrix["agentic_context"], matrix["agentic_turns"]),
-        max_repeats=matrix["max_repeats"],
-        time_budget_s=matrix["time_budget"],
-    )
+    config = bench_config(matrix)
     if via == "ansible":
         if url:
             raise click.UsageError("--via ansible benches the site's CTs (--ct), not a --url")
@@ -155,6 +178,24 @@ def bench_command(ctx: click.Context, vmid, url, out, no_recover, via, **matrix)
         result = run_bench(config, client, store, RichProgress(), _watch(reached, client))
     files = render_report(result.run_dir)
     _print_outcome(ctx.obj.json, reached, result.run_dir, result.resumed, files)
+
+
+def bench_config(matrix: dict) -> BenchConfig:
+    """The BenchConfig of `ddops bench`'s matrix options (Click's parameter values)."""
+    return BenchConfig(
+        methods=matrix["methods"],
+        lengths=matrix["lengths"],
+        scenarios=matrix["scenarios"],
+        repeats=matrix["repeats"],
+        warmup=matrix["warmup"],
+        agentic=AgenticShape(matrix["agentic_context"], matrix["agentic_turns"]),
+        max_repeats=matrix["max_repeats"],
+        time_budget_s=matrix["time_budget"],
+        concurrency=matrix["concurrency"],
+        requests_per_client=matrix["requests_per_client"],
+        request_rate=matrix["request_rate"],
+        slo=matrix["slo"],
+    )
 
 
 @bench_command.command("report")

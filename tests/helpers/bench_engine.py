@@ -7,7 +7,9 @@ serve` (/v1/models, /tokenize, /metrics, streamed /v1/completions) on a scripted
     engine.completions                          # every completion body, in order
 
 Tokens are words (`word_count`); a completion of max_tokens streams one chunk per round (tau
-tokens; ar: one), and the clock advances as each chunk is made: `prefill_s` per uncached prompt
+tokens; ar: one), and the clock advances as each chunk is made (streams run on the client's
+event loop; the engine decodes one request at a time, as today's engine does, so concurrent
+requests wait for the one in progress): `prefill_s` per uncached prompt
 token before the first, `step_s[method]` per round after it (a method's label, `ddtree:8`, or
 its name), times `slowdown(n, body)` for the
 n-th completion (1-based: a busy machine in the script). A prefix cache keyed by the prompt's
@@ -19,9 +21,10 @@ a 500.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 
@@ -78,10 +81,15 @@ class BenchEngine:
         self.completions: list[dict] = []
         self.cached: list[str] = []
         self.cpu_s = 0.0
+        self._locks: dict[int, asyncio.Lock] = {}  # one per event loop: one request at a time
+        self.in_flight = self.peak_in_flight = 0  # streams open at once (waiting ones too)
 
     def client(self) -> EngineClient:
-        http = httpx.Client(base_url="http://engine", transport=httpx.MockTransport(self))
-        return EngineClient("http://engine", http=http, clock=self.clock)
+        transport = httpx.MockTransport(self)
+        http = httpx.Client(base_url="http://engine", transport=transport)
+        return EngineClient(
+            "http://engine", http=http, stream_transport=transport, clock=self.clock
+        )
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/models":
@@ -111,7 +119,22 @@ class BenchEngine:
         hits = [c for c in self.cached if prompt.startswith(c)]
         return word_count(max(hits, key=len)) if hits else 0
 
-    def _stream(self, body: dict, number: int) -> Iterator[bytes]:
+    def _busy(self) -> asyncio.Lock:
+        loop = id(asyncio.get_running_loop())
+        return self._locks.setdefault(loop, asyncio.Lock())
+
+    async def _stream(self, body: dict, number: int) -> AsyncIterator[bytes]:
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        try:
+            async with self._busy():
+                for event in self._events(body, number):
+                    yield event
+                    await asyncio.sleep(0)  # the client reads it; other streams go on
+        finally:
+            self.in_flight -= 1
+
+    def _events(self, body: dict, number: int):
         spec = body["speculative"]
         label = f"{spec['method']}:{spec['budget']}" if "budget" in spec else spec["method"]
         step = self.step_s.get(label, self.step_s[spec["method"]])

@@ -33,7 +33,7 @@ from ops.ansible import (
     site_inventory,
     with_local_connections,
 )
-from ops.bench.matrix import AgenticShape, BenchConfig, parse_methods
+from ops.bench.matrix import AgenticShape, BenchConfig, Slo, parse_methods
 from ops.chain.checks import Policy, chain_for
 from ops.chain.deploy import SUPERVISED_UNIT
 from ops.chain.runner import contexts
@@ -104,7 +104,7 @@ def test_user_inventory_gets_local_connections_for_sim_hosts_only_and_keeps_its_
 
 
 def test_bench_args_give_each_host_the_same_matrix():
-    from ops.commands.bench import bench_command
+    from ops.commands.bench import bench_command, bench_config
 
     config = BenchConfig(
         methods=parse_methods("ar,ddtree:7,linear"),
@@ -115,21 +115,13 @@ def test_bench_args_give_each_host_the_same_matrix():
         agentic=AgenticShape(context=64, turns=2),
         max_repeats=5,
         time_budget_s=30.0,
+        concurrency=(1, 4),
+        requests_per_client=2,
+        request_rate=1.5,
+        slo=Slo(ttft_s=2.0, tpot_s=0.1),
     )
     params = bench_command.make_context("bench", [*bench_args(config), "--ct", "200"]).params
-    assert (
-        BenchConfig(
-            methods=params["methods"],
-            lengths=params["lengths"],
-            scenarios=params["scenarios"],
-            repeats=params["repeats"],
-            warmup=params["warmup"],
-            agentic=AgenticShape(params["agentic_context"], params["agentic_turns"]),
-            max_repeats=params["max_repeats"],
-            time_budget_s=params["time_budget"],
-        )
-        == config
-    )
+    assert bench_config(params) == config
 
 
 def test_bench_via_ansible_is_for_the_sites_cts_not_a_url():

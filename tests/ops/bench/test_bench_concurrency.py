@@ -1,0 +1,168 @@
+"""The serving matrix (issue 37): N clients at once (closed loop) or Poisson arrivals (open loop),
+aggregate output tok/s, requests/s, goodput under an SLO, TTFT / TPOT / ITL percentiles, per-token
+ITL from incrementally parsed streams, and the report's serving table and plots. Over the scripted
+engine, which decodes one request at a time as today's engine does.
+
+    python -m pytest -q tests/ops/bench/test_bench_concurrency.py
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+from click.testing import CliRunner
+
+from ops.bench.client import _StreamTally, tokens_per_chunk
+from ops.bench.figures import rows_from_cells, verdicts
+from ops.bench.load import poisson_offsets
+from ops.bench.matrix import BenchConfig, Slo, parse_concurrency, parse_methods, parse_slo
+from ops.bench.report import render_report
+from ops.bench.runner import NullProgress, run_bench
+from ops.cli import cli
+from ops.errors import DdopsError
+from ops.results import RunStore
+from tests.helpers.bench_engine import BenchEngine, ScriptedClock, ScriptedMachine
+
+STEPS = {"ar": 0.020, "ddtree:15": 0.030}
+TAUS = {"ar": 1.0, "ddtree:15": 3.0}
+
+
+def bench(tmp_path, config: BenchConfig, engine: BenchEngine):
+    store = RunStore.open(tmp_path / "results", {"bench": config.to_json()}, {})
+    watch = ScriptedMachine(engine, others=0.02).watch()
+    return run_bench(config, engine.client(), store, NullProgress(), watch)
+
+
+def config_of(**fields) -> BenchConfig:
+    base = {"lengths": (16,), "warmup": 0, "repeats": 3, "time_budget_s": 0}
+    return BenchConfig(parse_methods("ar,ddtree:15"), **{**base, **fields})
+
+
+def by_cell(result) -> dict[tuple[str, int], dict]:
+    return {(r["method"], r["concurrency"]): r for r in rows_from_cells(result.cells)}
+
+
+def test_concurrency_and_slo_options_parse_and_refuse_bad_values():
+    assert parse_concurrency("8,1,4,4") == (1, 4, 8)
+    assert parse_slo("ttft=2s,tpot=100ms") == Slo(ttft_s=2.0, tpot_s=0.1)
+    assert parse_slo("tpot=0.5s") == Slo(tpot_s=0.5)
+    for bad in ("0", "a", "", "2000"):
+        with pytest.raises(DdopsError):
+            parse_concurrency(bad)
+    for bad in ("ttft=2", "ttft=2s,ttft=3s", "latency=1s", "ttft=0s", ""):
+        with pytest.raises(DdopsError):
+            parse_slo(bad)
+    assert Slo(2.0, 0.1).met_by(1.5, 0.05) and not Slo(2.0, 0.1).met_by(2.5, 0.05)
+
+
+@pytest.mark.parametrize(
+    "option, value, said",
+    [
+        ("--concurrency", "0", "each level must be 1..1024"),
+        ("--concurrency", "1,x", "expected whole numbers"),
+        ("--slo", "ttft=fast", "expected ttft=2s,tpot=100ms"),
+        ("--request-rate", "0", "--request-rate"),
+        ("--requests-per-client", "0", "--requests-per-client"),
+    ],
+)
+def test_ddops_bench_refuses_bad_serving_options_in_one_line(option, value, said):
+    done = CliRunner().invoke(cli, ["bench", "--url", "http://x", option, value])
+    assert done.exit_code == 2 and said in done.output
+    assert "Traceback" not in done.output
+
+
+def test_a_run_before_issue_37_keeps_its_config_and_cell_keys():
+    """One request at a time: the config's JSON (what a resume matches) and the cells' keys are
+    those of earlier runs; a concurrency level names its cells."""
+    serial = config_of()
+    assert "concurrency" not in serial.to_json()
+    assert BenchConfig.from_json(serial.to_json()) == serial
+    served = config_of(concurrency=(1, 4), slo=Slo(ttft_s=2.0))
+    assert BenchConfig.from_json(json.loads(json.dumps(served.to_json()))) == served
+    assert [c.key for c in served.cells()] == [
+        "decode-16-ar",
+        "decode-16-ddtree-15",
+        "decode-16-c4-ar",
+        "decode-16-c4-ddtree-15",
+    ]
+
+
+def test_four_clients_on_a_one_at_a_time_engine_queue_and_gain_nothing(tmp_path):
+    """Done-when of issue 37 on the scripted engine: at c=4 the aggregate output tok/s is c=1's
+    (the engine decodes one request at a time), and the queue shows in TTFT: a request waits
+    for up to three others."""
+    engine = BenchEngine(step_s=STEPS, tau=TAUS)
+    config = config_of(concurrency=(1, 4), requests_per_client=2, slo=Slo(ttft_s=0.2))
+    result = bench(tmp_path, config, engine)
+    assert engine.peak_in_flight == 4
+    rows = by_cell(result)
+    for method in ("ar", "ddtree:15"):
+        one, four = rows[(method, 1)], rows[(method, 4)]
+        assert four["output_tok_s"] == pytest.approx(one["output_tok_s"], rel=0.05)
+        assert four["requests_per_s"] == pytest.approx(one["requests_per_s"], rel=0.05)
+        assert four["requests"] == 3 * 8 and one["requests"] == 3
+        # Closed loop on a serial engine: once the first four are queued, every request waits
+        # for the three ahead of it (3 whole requests), then its own prefill.
+        request_s, prefill_s = 1 / one["requests_per_s"], one["ttft_p50_s"]
+        assert four["ttft_p99_s"] == pytest.approx(3 * request_s + prefill_s, rel=0.02)
+        assert four["ttft_p50_s"] > 5 * one["ttft_p50_s"]
+        assert one["goodput_rps"] == pytest.approx(one["requests_per_s"])
+        assert four["goodput_rps"] < four["requests_per_s"] / 2
+        assert four["itl_p99_s"] == pytest.approx(STEPS[method])  # decoding itself is as fast
+    # Only the first of ar's 8 requests a window starts within the SLO's 200 ms.
+    assert rows[("ar", 4)]["goodput_rps"] == pytest.approx(rows[("ar", 4)]["requests_per_s"] / 8)
+    # At c=4 the speedup compares output tok/s; ddtree:15's windows are faster, paired by repeat.
+    (one, four) = verdicts(rows_from_cells(result.cells))
+    assert (one["column"], four["column"]) == ("decode 16", "decode 16 c4")
+    assert four["winner"] == "ddtree:15"
+
+
+def test_an_open_loop_sends_at_seeded_poisson_arrivals_the_same_for_every_method(tmp_path):
+    offsets = poisson_offsets(2000, rate=4.0, seed=3)
+    assert offsets[0] == 0.0 and offsets == poisson_offsets(2000, rate=4.0, seed=3)
+    assert statistics.mean(b - a for a, b in zip(offsets, offsets[1:], strict=False)) == (
+        pytest.approx(0.25, rel=0.08)
+    )
+    engine = BenchEngine(step_s=STEPS, tau=TAUS)
+    config = config_of(concurrency=(2,), requests_per_client=3, request_rate=2.0, repeats=2)
+    result = bench(tmp_path, config, engine)
+    for cell in result.cells:
+        for repeat in (0, 1):
+            starts = [s["start_s"] for s in cell["samples"] if s["repeat"] == repeat]
+            arrivals = poisson_offsets(6, 2.0, config.seed + repeat)
+            assert len(starts) == 6
+            assert all(start >= at - 1e-9 for start, at in zip(starts, arrivals, strict=True))
+    assert engine.peak_in_flight <= 2
+
+
+def test_itl_is_each_tokens_arrival_not_each_chunks():
+    clock = ScriptedClock()
+    tally = _StreamTally(clock)
+    for text, gap in (("a", 0.0), ("b c d", 0.06), ("e", 0.02)):
+        clock.advance(gap)
+        tally.take({"choices": [{"text": text}]}, "engine")
+    tally.take({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}, "engine")
+    sample = tally.completion(clock.now - 0.09, clock.now, "engine").sample
+    assert sample.itl_s == [0.06, 0.0, 0.0, 0.02]  # "b c d" is three tokens arriving together
+    assert tokens_per_chunk([1, 5, 1], 5) == [1, 3, 1]
+    assert sum(tokens_per_chunk([3, 7, 2, 9], 50)) == 50
+
+
+def test_the_report_has_the_serving_table_csv_and_plots(tmp_path):
+    engine = BenchEngine(step_s=STEPS, tau=TAUS)
+    result = bench(tmp_path, config_of(concurrency=(1, 2), slo=Slo(tpot_s=0.1)), engine)
+    files = render_report(result.run_dir)
+    text = files.markdown.read_text()
+    assert "## Serving: throughput and latency" in text
+    assert "| ddtree:15 | decode 16 c2 |" in text and "| decode 16 c2 |" in text.splitlines()[4]
+    assert {p.name for p in files.plots} >= {
+        "throughput_by_concurrency.png",
+        "latency_by_throughput.png",
+    }
+    header = files.csv.read_text().splitlines()[0].split(",")
+    for name in ("concurrency", "output_tok_s_low", "goodput_rps", "itl_p99_s", "ttft_p90_s"):
+        assert name in header
+    shown = CliRunner().invoke(cli, ["bench", "report", str(result.run_dir)])
+    assert shown.exit_code == 0 and "decode 16 c2" in shown.output
