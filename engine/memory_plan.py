@@ -16,6 +16,9 @@ the whole lm_head and the drafter):
   outputs of its target layers, kept until the first draft), so they count per token too;
 - recurrent state: each Gated DeltaNet layer's conv window (model dtype) and delta-rule state
   (float32; float64 for float64), once per sequence;
+- `sequences` decoding at once (serve's --max-num-seqs, engine/scheduler.py): each has caches
+  for the whole served context (its slot), its recurrent state and its share of a batched
+  verify pass, so the per-token and per-sequence figures count `sequences` times;
 - the largest transient: a prefill chunk (the widest layer's live activations for
   `prefill_chunk` tokens, and one row of float32 logits) or a verify round (`verify_tokens`
   tokens through the widest layer, their logits, what the GDN layers keep for commit, the
@@ -316,6 +319,7 @@ class Plan:
     vocab: int = 0
     prefix_caching: bool = True
     prefix_cache_memory: int | None = None  # asked for; None: what the served context leaves
+    sequences: int = 1  # decoding at once, each in its own slot of the served context
 
     @property
     def weights(self) -> int:
@@ -327,13 +331,15 @@ class Plan:
 
     @property
     def transient(self) -> int:
-        return max(self.prefill_transient, self.verify_transient)
+        """A prefill chunk's, or a batched verify pass of every sequence's round."""
+        return max(self.prefill_transient, self.sequences * self.verify_transient)
 
     @property
     def fixed_bytes(self) -> int:
         """Everything that does not grow with the context (a prefix cache asked for included)."""
         asked = self.prefix_cache_memory if self.prefix_caching else None
-        return self.weights + self.recurrent_state + self.transient + self.reserve + (asked or 0)
+        states = self.sequences * self.recurrent_state
+        return self.weights + states + self.transient + self.reserve + (asked or 0)
 
     @property
     def cached_bytes_per_token(self) -> int:
@@ -376,15 +382,38 @@ class Plan:
     def longest_fit(self) -> int:
         """The longest context the device's memory holds, whatever the model's own limit."""
         room = self.device_memory - self.fixed_bytes
-        return max(0, room // self.bytes_per_token - self.draft_block)
+        return max(0, room // (self.sequences * self.bytes_per_token) - self.draft_block)
 
     @property
     def longest_context(self) -> int:
         return min(self.longest_fit, self.model_limit)
 
     def total_bytes(self, context: int) -> int:
-        """The peak at a context of `context` tokens."""
-        return self.fixed_bytes + (context + self.draft_block) * self.bytes_per_token
+        """The peak at a context of `context` tokens (every sequence's slot that long)."""
+        return self.fixed_bytes + self.sequences * self.sequence_kv_bytes(context)
+
+    def sequence_kv_bytes(self, context: int) -> int:
+        """One sequence's slot: its caches for `context` tokens and a draft block."""
+        return (context + self.draft_block) * self.bytes_per_token
+
+    def sequences_fitting(self, context: int) -> int:
+        """How many sequences of `context` tokens fit at once beside the weights, a prefill
+        chunk's transient and a prefix cache asked for: each its slot, recurrent state and
+        verify share."""
+        asked = (self.prefix_cache_memory or 0) if self.prefix_caching else 0
+        base = self.weights + self.prefill_transient + self.reserve + asked
+        each = self.sequence_kv_bytes(context) + self.recurrent_state + self.verify_transient
+        return max(0, (self.device_memory - base) // each)
+
+    @property
+    def sequence_bytes(self) -> int:
+        """What one more sequence at once costs at the served context: its slot, its recurrent
+        state and its round's share of the verify pass."""
+        return (
+            self.sequence_kv_bytes(self.served_context)
+            + self.recurrent_state
+            + self.verify_transient
+        )
 
     def problem(self, max_model_len: int | None = None) -> str | None:
         """Why a context of `max_model_len` tokens (default: the one asked for) does not fit,
@@ -411,6 +440,8 @@ class Plan:
             "snapshot_bytes": self.snapshot_bytes,
             "prefix_cache_bytes": self.prefix_cache_bytes,
             "conversations_held": self.conversations_held(),
+            "sequence_bytes": self.sequence_bytes,
+            "sequences_fitting": self.sequences_fitting(CONVERSATION_TOKENS),
         }
 
     def lines(self) -> list[str]:
@@ -430,6 +461,9 @@ class Plan:
             f"prefill transient    {size(self.prefill_transient)} (chunk of {self.prefill_chunk})",
             f"verify transient     {size(self.verify_transient)} ({self.verify_tokens} tokens)",
             f"runtime reserve      {size(self.reserve)}",
+            f"sequences at once    {self.sequences}, {size(self.sequence_bytes)} each at the "
+            f"served context (its caches, recurrent state and verify share); "
+            f"{self.sequences_fitting(CONVERSATION_TOKENS)} of {CONVERSATION_TOKENS} tokens fit",
             f"longest context      {self.longest_context} tokens (memory allows "
             f"{self.longest_fit}, the model {self.model_limit})",
             self._prefix_cache_line(size),
@@ -461,13 +495,14 @@ def plan_from_configs(
     verify_tokens: int = DEFAULT_VERIFY_TOKENS,
     prefix_caching: bool = True,
     prefix_cache_memory: int | None = None,
+    sequences: int = 1,
 ) -> Plan:
     """The plan for these config.json dicts (the drafter's may be None) on a device of
     `device_memory` bytes."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, not {dtype!r}")
-    if tp < 1 or prefill_chunk < 1 or verify_tokens < 1:
-        raise ValueError("tp, prefill_chunk and verify_tokens must be at least 1")
+    if min(tp, prefill_chunk, verify_tokens, sequences) < 1:
+        raise ValueError("tp, prefill_chunk, verify_tokens and sequences must be at least 1")
     if prefix_cache_memory is not None and prefix_cache_memory < 0:
         raise ValueError("the prefix cache's memory cannot be negative")
     width = DTYPE_BYTES[dtype]
@@ -502,6 +537,7 @@ def plan_from_configs(
         vocab=target.vocab,
         prefix_caching=prefix_caching,
         prefix_cache_memory=prefix_cache_memory,
+        sequences=sequences,
     )
 
 
@@ -516,6 +552,7 @@ def plan_from_dirs(
     verify_tokens: int = DEFAULT_VERIFY_TOKENS,
     prefix_caching: bool = True,
     prefix_cache_memory: int | None = None,
+    sequences: int = 1,
 ) -> Plan:
     """`plan_from_configs` with the config.json of each model directory."""
 
@@ -533,4 +570,5 @@ def plan_from_dirs(
         verify_tokens,
         prefix_caching,
         prefix_cache_memory,
+        sequences,
     )

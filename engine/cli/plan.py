@@ -2,7 +2,7 @@
 
     python -m engine plan --model DIR [--draft DIR] --dtype bfloat16 --device-memory 96GiB \\
         [--max-model-len N] [--tp N] [--prefill-chunk 2048] [--budget 15] \\
-        [--prefix-cache-memory SIZE | --no-enable-prefix-caching] [--json]
+        [--prefix-cache-memory SIZE | --no-enable-prefix-caching] [--max-num-seqs N] [--json]
 
 Prints the weights, KV bytes per token, recurrent state, the largest transient, the longest
 context that fits and the prefix cache's budget beside it (engine/memory_plan.py), or with
@@ -32,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
     parser.add_argument("--budget", type=int, default=15, help="ddtree budget (verify = +1)")
     add_prefix_cache_arguments(parser)
+    add_batching_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON document")
 
 
@@ -46,6 +47,16 @@ def add_prefix_cache_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefix-cache-memory",
         help="the prefix cache's budget, e.g. 8GiB (default: what the served context leaves)",
+    )
+
+
+def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sequences decoding at once, shared with `serve` (vLLM's name)."""
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        help="sequences decoding at once, each with caches for the whole context "
+        "(plan default: 1; serve's: as many as fit, up to 4)",
     )
 
 
@@ -68,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
             args.budget + 1,
             args.enable_prefix_caching,
             prefix_cache_memory(args),
+            1 if args.max_num_seqs is None else args.max_num_seqs,
         )
     except (OSError, ValueError, KeyError) as error:
         print(f"Error: {_reason(error)}", file=sys.stderr)

@@ -2,7 +2,7 @@
 
     python -m engine serve --model DIR [--draft DIR] [--host 127.0.0.1] [--port 8000] \\
         [--max-model-len N] [--api-key KEY | env DDOPS_API_KEY] [--dtype float32] [--device cpu] \\
-        [--tp N] [--prefill-chunk 2048] \\
+        [--tp N] [--prefill-chunk 2048] [--max-num-seqs N] [--max-num-batched-tokens 2048] \\
         [--enable-prefix-caching | --no-enable-prefix-caching] [--prefix-cache-memory SIZE] \\
         [--method ar|linear|ddtree] [--budget 15] [--max-waiting 32] [--served-model-name NAME] \\
         [--tool-call-parser auto|none|hermes|qwen3_coder] [--reasoning-parser auto|none|qwen3] \\
@@ -16,6 +16,13 @@ without it the server serves the longest context that fits, or the model's own
 max_position_embeddings when that is smaller, and reports it on /v1/models and /ready. The
 prefix cache (on by default) gets --prefix-cache-memory, else what the served context leaves;
 the plan's lines are logged at start.
+
+Up to --max-num-seqs requests decode at once (engine/scheduler.py), each pass of the target at
+most --max-num-batched-tokens tokens (decode rounds first, then prefill pieces: a smaller value
+lets a short request's first token through sooner while a long prompt prefills). Each running
+sequence holds caches for the whole served context, so the plan counts them; without the flag
+as many as fit at the served context, up to DEFAULT_MAX_NUM_SEQS. Under tensor parallelism
+requests run one at a time (logged).
 
 The model loads after the port opens: `/health` answers at once, `/ready` once the model is
 loaded and a 1-token generation succeeded. A load failure stops the server with exit code 1.
@@ -31,14 +38,16 @@ import os
 import sys
 from pathlib import Path
 
-from engine.cli.plan import add_prefix_cache_arguments, prefix_cache_memory
+from engine.cli.plan import add_batching_arguments, add_prefix_cache_arguments, prefix_cache_memory
 from engine.methods import METHODS
+from engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from engine.server import API_KEY_ENV
 from engine.server.body import DEFAULT_MAX_REQUEST_BYTES
 from engine.server.reasoning import REASONING_PARSERS
 from engine.server.tools import TOOL_CALL_PARSERS
 
 GRACEFUL_SHUTDOWN_S = 5.0
+DEFAULT_MAX_NUM_SEQS = 4  # sequences at once when --max-num-seqs is not given (if they fit)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill pass"
     )
     add_prefix_cache_arguments(parser)
+    add_batching_arguments(parser)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        help="tokens of one target pass at most: decode rounds, then prefill pieces "
+        f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
+    )
     parser.add_argument(
         "--api-key", help=f"require 'Authorization: Bearer KEY' (default: env {API_KEY_ENV})"
     )
@@ -132,6 +149,8 @@ def _usage_problem(args: argparse.Namespace, method: str) -> str | None:
         return "--max-request-bytes must be at least 1, --shutdown-grace-s within 0..3600"
     if args.prefill_chunk < 1:
         return "--prefill-chunk must be at least 1"
+    if (args.max_num_seqs is not None and args.max_num_seqs < 1) or args.max_num_batched_tokens < 1:
+        return "--max-num-seqs and --max-num-batched-tokens must be at least 1"
     try:
         prefix_cache_memory(args)
     except ValueError as error:
@@ -154,7 +173,20 @@ def available_memory(device: str) -> int:
 
 
 def memory_plan(args: argparse.Namespace):
-    """The memory plan of this serve command on the device's free memory."""
+    """The memory plan of this serve command on the device's free memory: --max-num-seqs
+    sequences at once, else as many as fit at the served context (at least one, at most
+    DEFAULT_MAX_NUM_SEQS; one under tensor parallelism, engine/server/app.py)."""
+    from dataclasses import replace
+
+    plan = _plan(args, args.max_num_seqs if args.tp == 1 and args.max_num_seqs else 1)
+    if args.max_num_seqs is not None or args.tp > 1 or plan.problem():
+        return plan
+    context = plan.served_context
+    sequences = max(1, min(DEFAULT_MAX_NUM_SEQS, plan.sequences_fitting(context)))
+    return replace(plan, sequences=sequences, max_model_len=context)
+
+
+def _plan(args: argparse.Namespace, sequences: int):
     from engine.memory_plan import plan_from_dirs
 
     return plan_from_dirs(
@@ -168,6 +200,7 @@ def memory_plan(args: argparse.Namespace):
         args.budget + 1,
         args.enable_prefix_caching,
         prefix_cache_memory(args),
+        sequences,
     )
 
 
@@ -221,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
     )
 
+    options = {"prefill_chunk": args.prefill_chunk, "cuda_graphs": args.cuda_graphs}
+
     def load():
         engine = load_engine(
             args.model,
@@ -230,10 +265,11 @@ def run(args: argparse.Namespace) -> int:
             max_model_len,
             args.tp,
             plan.prefix_cache_bytes,
+            plan.sequences,
+            args.max_num_batched_tokens,
+            options,
         )
-        return with_generation_options(
-            engine, prefill_chunk=args.prefill_chunk, cuda_graphs=args.cuda_graphs
-        )
+        return with_generation_options(engine, **options)
 
     server = None
 
@@ -252,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
 
 def with_generation_options(engine, **options):
     """The loaded engine with every generation's GenerationConfig given `options` (the server's
-    --prefill-chunk, --no-cuda-graphs)."""
+    --prefill-chunk, --no-cuda-graphs; its scheduler was given them by load_engine)."""
     from dataclasses import replace
 
     generate = engine.generate

@@ -29,7 +29,8 @@ one state (engine/server/state.py); this module builds the app, serves the servi
 (health, readiness, metrics, models, tokenize) and loads the engine for `serve`.
 
 Boundary: the server knows HTTP, JSON and text; the engine (`engine.decode.generate`) knows
-token ids only. Generations run one at a time on the worker thread (engine/server/worker.py);
+token ids only. Generations run on the worker thread (engine/server/worker.py), up to
+--max-num-seqs at once through the scheduler (engine/scheduler.py);
 `load` runs there too, so /health answers while a large model loads. A request body is read up
 to `max_request_bytes` (else 413, engine/server/body.py), then parsed, rendered with the chat
 template and tokenised on a small thread pool, so a large prompt never holds up the event loop.
@@ -50,6 +51,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from engine.decode import GenerationConfig
+from engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from engine.server import chat_completions, completions, responses
 from engine.server.chat import build_chat_prompt
 from engine.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -68,14 +70,19 @@ def load_engine(
     max_model_len: int | None = None,
     tp: int = 1,
     prefix_cache_bytes: int = 0,
+    max_num_seqs: int = 1,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    options: dict | None = None,
 ) -> LoadedEngine:
     """Load the target (and drafter) and the model directory's tokenizer for serving.
 
     `max_model_len` defaults to the target's max_position_embeddings; `tp` > 1 spreads the
-    target over that many tensor-parallel ranks (engine/parallel.py). On one rank the
-    sequences decode in caches allocated once (engine/cache_pool.py) beside a prefix cache of
-    `prefix_cache_bytes` (0: none); over several, each request gets its own caches and no
-    prefix cache (every rank would have to restore its share), which is logged.
+    target over that many tensor-parallel ranks (engine/parallel.py). On one rank up to
+    `max_num_seqs` sequences decode at once (engine/scheduler.py), each in caches allocated
+    once (engine/cache_pool.py), beside a prefix cache of `prefix_cache_bytes` (0: none);
+    over several, one sequence at a time in its own caches and no prefix cache (every rank
+    would have to restore its share, and its passes are not batched), which is logged.
+    `options`: GenerationConfig fields the scheduler gives every request (serve's flags).
     """
     import torch
 
@@ -83,17 +90,25 @@ def load_engine(
     from engine.decode import generate
     from engine.models import load_drafter
     from engine.parallel import open_target
+    from engine.scheduler import Scheduler
     from engine.tokenizer import load_tokenizer
 
     torch_dtype = getattr(torch, dtype)
     target = open_target(model_dir, torch_dtype, device, tp)
     drafter = load_drafter(draft_dir, dtype=torch_dtype, device=device) if draft_dir else None
     limit = max_model_len or target.config.max_position_embeddings
-    pool = None
+    pool, scheduler = None, None
     if tp == 1:
         pool = CachePool.for_server(target, drafter, limit, prefix_cache_bytes)
-    elif prefix_cache_bytes:
-        log.info("tensor parallel (--tp %d): no prefix cache; every prompt is prefilled", tp)
+        slots = pool.slots(max_num_seqs)
+        scheduler = Scheduler(target, drafter, slots, max_num_batched_tokens, options)
+    else:
+        log.info(
+            "tensor parallel (--tp %d): one sequence at a time (--max-num-seqs %d not used)%s",
+            tp,
+            max_num_seqs,
+            ", no prefix cache; every prompt is prefilled" if prefix_cache_bytes else "",
+        )
 
     def bound_generate(prompt_ids: list[int], cfg: GenerationConfig, *, on_tokens=None, **rest):
         if pool is None:
@@ -114,6 +129,7 @@ def load_engine(
         has_drafter=drafter is not None,
         grammar_tokenizer=grammar_tokenizer(tokenizer, vocab),
         prefix_caching=pool is not None and pool.prefix_cache is not None,
+        scheduler=scheduler,
     )
 
 
@@ -213,6 +229,8 @@ def _service_routes(state: ServerState) -> APIRouter:
 
     async def metrics_text() -> Response:
         state.metrics.queue_waiting.set(state.worker.waiting)
+        state.metrics.waiting.set(state.worker.waiting)
+        state.metrics.running.set(state.worker.running)
         return Response(state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     async def tokenize(request: Request) -> JSONResponse:

@@ -12,6 +12,10 @@ Each server owns its registry, so several apps (tests) never share counters. Nam
 - `ddops_engine_decode_tokens_per_second{method}`, `ddops_engine_ttft_seconds{method}` (from
   the request's submission: its wait in the queue counts): histograms
 - `ddops_engine_queue_waiting`: requests waiting for the worker
+- `ddops_engine_requests_running`, `ddops_engine_requests_waiting`: gauges of the requests
+  decoding now and of those waiting for a slot (vLLM's num_requests_running / _waiting)
+- `ddops_engine_batch_size`, `ddops_engine_pass_tokens`: histograms of the sequences and of
+  the tokens in each target pass of the scheduler (engine/scheduler.py)
 - `process_cpu_seconds_total`, `process_resident_memory_bytes`, ...: Prometheus' standard
   process figures (the bench subtracts the engine's CPU from the machine's busy time)
 - `ddops_engine_prefix_cache_queries_total`, `ddops_engine_prefix_cache_hits_total`: prompt
@@ -35,6 +39,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 _ACCEPTANCE_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32)
 _SPEED_BUCKETS = (1, 5, 10, 25, 50, 100, 150, 200, 300, 500, 1000, 2000)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+_PASS_TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class ServerMetrics:
@@ -100,6 +106,27 @@ class ServerMetrics:
         self.queue_waiting = Gauge(
             "ddops_engine_queue_waiting", "Requests waiting for the engine worker.", registry=r
         )
+        self.running = Gauge("ddops_engine_requests_running", "Requests decoding now.", registry=r)
+        self.waiting = Gauge(
+            "ddops_engine_requests_waiting", "Requests waiting for a slot.", registry=r
+        )
+        self.batch_size = Histogram(
+            "ddops_engine_batch_size",
+            "Sequences in each target pass.",
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.pass_tokens = Histogram(
+            "ddops_engine_pass_tokens",
+            "Tokens in each target pass (verify, ar and prefill tokens together).",
+            buckets=_PASS_TOKEN_BUCKETS,
+            registry=r,
+        )
+
+    def observe_pass(self, sequences: int, tokens: int) -> None:
+        """One target pass of the scheduler: its sequences and tokens."""
+        self.batch_size.observe(sequences)
+        self.pass_tokens.observe(tokens)
 
     def observe_generation(
         self, method: str, prompt_tokens: int, result, finish_reason: str, ttft_s: float

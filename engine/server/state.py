@@ -21,13 +21,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from llguidance import LLTokenizer
 
-from engine.decode import GenerationConfig
+from engine.decode import GenerationConfig, GenerationResult
+from engine.scheduler import EngineLoop, Finished, GenerateFn, Scheduler, SerialLoop
+from engine.scheduler import Request as EngineRequest
 from engine.server.body import DEFAULT_MAX_REQUEST_BYTES, read_body
 from engine.server.chat import OutputParsing
 from engine.server.metrics import ServerMetrics
 from engine.server.schemas import ApiError
 from engine.server.tools import FORMATS, detect_format
-from engine.server.worker import GenerateFn, GenerationWorker
+from engine.server.worker import GenerationWorker
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ class LoadedEngine:
     has_drafter: bool
     grammar_tokenizer: LLTokenizer | None = None  # structured output (engine/server/structured.py)
     prefix_caching: bool = False  # requests may reuse a prefix cache (engine/prefix_cache.py)
+    scheduler: Scheduler | None = None  # batches the requests; None: `generate` one at a time
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,17 @@ class ServerConfig:
     shutdown_grace_s: float = 5.0  # at shutdown, requests in flight get this long, then a 503
     tool_call_parser: str = "auto"  # "auto" (from the chat template), "none" or a FORMATS name
     reasoning_parser: str = "auto"  # "auto" (if the template thinks), "none" or "qwen3"
+
+
+def _run_alone(loop: EngineLoop, prompt_ids: list[int], cfg: GenerationConfig) -> GenerationResult:
+    """One request through `loop` with nothing else running; its error is raised."""
+    finished: list[Finished] = []
+    loop.add(EngineRequest(prompt_ids, cfg, on_finish=finished.append))
+    while not loop.idle:
+        loop.step()
+    if finished[0].error is not None:
+        raise finished[0].error
+    return finished[0].result
 
 
 def output_parsing(config: ServerConfig, chat_template: str | None) -> OutputParsing:
@@ -99,7 +113,7 @@ class ServerState:
         self.parsing = OutputParsing(None, False)
         self.started = int(time.time())
 
-    def start_engine(self, load: Callable[[], LoadedEngine]) -> GenerateFn:
+    def start_engine(self, load: Callable[[], LoadedEngine]) -> EngineLoop:
         """Load the models and prove them with a 1-token generation (runs on the worker)."""
         engine = load()
         warm_up_ids = engine.tokenizer.encode("Hello") or [0]
@@ -110,7 +124,8 @@ class ServerState:
             temperature=0.0,
             cache_prompt=False,  # the warm-up leaves the prefix cache empty
         )
-        result = engine.generate(warm_up_ids, cfg)
+        loop = engine.scheduler or SerialLoop(engine.generate)
+        result = _run_alone(loop, warm_up_ids, cfg)
         if len(result.output_ids) != 1:
             raise RuntimeError(f"warm-up generated {len(result.output_ids)} tokens, not 1")
         self.parsing = output_parsing(self.config, engine.tokenizer.chat_template)
@@ -122,7 +137,8 @@ class ServerState:
             self.parsing.tool_format.name if self.parsing.tool_format else "none",
             "qwen3" if self.parsing.reasoning else "none",
         )
-        return engine.generate
+        loop.on_pass = self.metrics.observe_pass
+        return loop
 
     def begin_shutdown(self) -> None:
         """The server is stopping (engine/server/shutdown.py): requests running or waiting get

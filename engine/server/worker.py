@@ -1,18 +1,22 @@
-"""The engine worker: one thread that runs generations one at a time, fed by a bounded queue.
+"""The engine worker: one thread that owns the engine's loop, fed by a bounded queue.
 
-The engine decodes one sequence at a time (batch 1), so the HTTP server hands each request to
-this worker as a `Job` and awaits its events. A job is an ordinary value: the prompt ids, the
-`GenerationConfig`, a `TextAssembler`, a cancel flag, and `emit`, a thread-safe callable the
-worker calls with `Delta` (text to show), then `Done` (the GenerationResult) or `Failed`.
+The HTTP server hands each request to this worker as a `Job` and awaits its events. A job is an
+ordinary value: the prompt ids, the `GenerationConfig`, a `TextAssembler`, a cancel flag, and
+`emit`, a thread-safe callable the worker calls with `Delta` (text to show), then `Done` (the
+GenerationResult) or `Failed`. The thread runs an `EngineLoop` (engine/scheduler.py): the
+`Scheduler`, which decodes up to --max-num-seqs sequences at once, a batched pass a step, or a
+`SerialLoop` (one generation at a time: tensor parallel, scripted engines). Between steps it
+moves jobs from the queue into the loop while the loop has a free slot, so jobs beyond the
+slots wait in the queue, first come first served.
 
 - `submit` raises `QueueFull` when `max_waiting` jobs already wait, `ShuttingDown` after a cut
   (the server answers 503).
-- Setting `job.cancel` (client gone) makes the running generation stop at its next round
-  (`should_stop`), or skips the job if it is still waiting.
+- Setting `job.cancel` (client gone) makes its sequence stop at the next step, or skips the job
+  if it is still waiting.
 - A generation that runs out of memory (CUDA or CPU) fails with a 503 "out_of_memory" `Failed`;
-  what it held is released and the worker takes the next job.
-- `cut()` (shutdown) stops the running job at its next round and fails it and every waiting one
-  with a 503 `Failed` (SHUTTING_DOWN); `stop()` cuts, then joins the thread.
+  what it held is released and the others keep going (engine/scheduler.py says which fail).
+- `cut()` (shutdown) stops the running jobs at the next step and fails them and every waiting
+  one with a 503 `Failed` (SHUTTING_DOWN); `stop()` cuts, then joins the thread.
 
 Before taking jobs the thread runs `startup` (load the model, one 1-token generation): `ready`
 is set when it succeeded; when it raised, `startup_error` says why and `on_fatal` is called.
@@ -29,16 +33,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
+from engine.decode import GenerationConfig, GenerationResult
 from engine.memory_plan import is_out_of_memory
+from engine.scheduler import EngineLoop, Finished, Request
 from engine.server.text import TextAssembler
 
 log = logging.getLogger(__name__)
-
-# generate(prompt_ids, cfg, on_tokens=..., should_stop=...) -> GenerationResult: the engine
-# with its models bound (see engine.server.app.load_engine).
-GenerateFn = Callable[..., Any]
 
 
 SHUTTING_DOWN = "server shutting down"
@@ -59,7 +60,7 @@ class Delta:
 
 @dataclass(frozen=True)
 class Done:
-    result: Any  # engine.decode.GenerationResult; None when the job was skipped (cancelled early)
+    result: GenerationResult | None  # None when the job was cancelled before its first token
     queued_s: float = 0.0  # how long the job waited for the worker before its generation began
 
     @property
@@ -81,7 +82,7 @@ _CUT = Failed(SHUTTING_DOWN, status=503, code="shutting_down")
 @dataclass
 class Job:
     prompt_ids: list[int]
-    cfg: Any  # engine.decode.GenerationConfig
+    cfg: GenerationConfig
     text: TextAssembler
     emit: Callable[[Delta | Done | Failed], None]
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -92,28 +93,35 @@ _STOP = object()  # queue sentinel
 
 
 class GenerationWorker:
-    """Runs `startup`, then jobs from the queue through `generate`, on one daemon thread."""
+    """Runs `startup`, then the engine loop it returns over the queue's jobs, on one thread."""
 
     def __init__(self, max_waiting: int) -> None:
         self.max_waiting = max_waiting
         self.ready = threading.Event()
         self.startup_error: str | None = None
         self._jobs: queue.Queue = queue.Queue(maxsize=max_waiting)
-        self._generate: GenerateFn | None = None
-        self._current: Job | None = None
+        self._loop: EngineLoop | None = None
+        self._in_flight_jobs: dict[int, Job] = {}  # the jobs in the loop, by id
+        self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
     @property
     def waiting(self) -> int:
-        return self._jobs.qsize()
+        """Jobs not running yet (in the queue, or in the loop waiting for a slot)."""
+        loop_waiting = self._loop.counts[1] if self._loop is not None else 0
+        return self._jobs.qsize() + loop_waiting
+
+    @property
+    def running(self) -> int:
+        return self._loop.counts[0] if self._loop is not None else 0
 
     def start(
         self,
-        startup: Callable[[], GenerateFn],
+        startup: Callable[[], EngineLoop],
         on_fatal: Callable[[], None] = lambda: None,
     ) -> None:
-        """Start the thread; `startup` returns the generate function jobs will run through."""
+        """Start the thread; `startup` returns the engine loop jobs will run in."""
         self._thread = threading.Thread(
             target=self._main, args=(startup, on_fatal), name="engine-worker", daemon=True
         )
@@ -128,13 +136,14 @@ class GenerationWorker:
             raise QueueFull(f"{self.max_waiting} requests are already waiting") from None
 
     def cut(self) -> None:
-        """Take no more jobs; fail the waiting ones and stop the running one (each a 503)."""
+        """Take no more jobs; fail the waiting ones and stop the running ones (each a 503)."""
         self._stopping.set()
-        current = self._current
-        if current is not None:
-            current.cancel.set()
+        with self._lock:
+            running = list(self._in_flight_jobs.values())
+        for job in running:
+            job.cancel.set()
         self._fail_waiting_jobs()
-        with contextlib.suppress(queue.Full):  # then the thread sees _stopping after its next job
+        with contextlib.suppress(queue.Full):  # wake the thread if it waits for a job
             self._jobs.put_nowait(_STOP)
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -142,53 +151,74 @@ class GenerationWorker:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def _main(self, startup: Callable[[], GenerateFn], on_fatal: Callable[[], None]) -> None:
+    def _main(self, startup: Callable[[], EngineLoop], on_fatal: Callable[[], None]) -> None:
         try:
-            self._generate = startup()
+            loop = startup()
         except Exception as exc:  # any start-up failure is reported, then fatal
             log.exception("engine start-up failed")
             self.startup_error = f"{type(exc).__name__}: {exc}"
             on_fatal()
             return
+        self._loop = loop
         self.ready.set()
         while not self._stopping.is_set():
-            job = self._jobs.get()
-            if job is _STOP:
-                break
-            self._current = job
-            self._run(job)
-            self._current = None
+            self._take_jobs(loop)
+            if not loop.idle:
+                loop.step()
+        loop.cancel_all()  # what was running ends cut (a 503 each)
         self._fail_waiting_jobs()
 
-    def _run(self, job: Job) -> None:
+    def _take_jobs(self, loop: EngineLoop) -> None:
+        """Move queued jobs into the loop while it has room; wait for one when it is idle."""
+        block = loop.idle
+        while loop.room > 0 and not self._stopping.is_set():
+            try:
+                job = self._jobs.get() if block else self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if job is _STOP:
+                return
+            self._start(loop, job)
+
+    def _start(self, loop: EngineLoop, job: Job) -> None:
         if self._stopping.is_set():
             job.emit(_CUT)
             return
         if job.cancel.is_set():
             job.emit(Done(None))
             return
-        queued_s = time.monotonic() - job.submitted
-        try:
-            result = self._generate(
+        with self._lock:
+            self._in_flight_jobs[id(job)] = job
+        loop.add(
+            Request(
                 job.prompt_ids,
                 job.cfg,
                 on_tokens=lambda ids: _emit_text(job, job.text.add(ids)),
                 should_stop=lambda: job.cancel.is_set() or job.text.stopped,
+                on_finish=lambda finished: self._finish(job, finished),
             )
-        except Exception as exc:  # one failed generation must not end the worker
-            log.exception("generation failed")
-            failed = _failure(exc)
-        else:
-            failed = None
-        if failed is not None:
+        )
+
+    def _finish(self, job: Job, finished: Finished) -> None:
+        with self._lock:
+            self._in_flight_jobs.pop(id(job), None)
+        if finished.error is not None:
+            log.error("generation failed: %s", finished.error, exc_info=finished.error)
+            failed = _failure(finished.error)
             if failed.code == "out_of_memory":
-                release_memory()  # outside the except block: the traceback holding it is gone
+                release_memory()
             job.emit(failed)
             return
-        if result.finish_reason == "cancelled" and self._stopping.is_set() and not job.text.stopped:
+        result, cut = finished.result, self._stopping.is_set() and not job.text.stopped
+        if cut and (result is None or result.finish_reason == "cancelled"):
             job.emit(_CUT)  # cut short by the shutdown, not finished
             return
+        if result is None:
+            job.emit(Done(None))
+            return
         _emit_text(job, job.text.finish())
+        queued_s = (finished.admitted or job.submitted) - job.submitted
         job.emit(Done(result, queued_s))
 
     def _fail_waiting_jobs(self) -> None:
@@ -201,7 +231,7 @@ class GenerationWorker:
                 job.emit(_CUT)
 
 
-def _failure(exc: Exception) -> Failed:
+def _failure(exc: BaseException) -> Failed:
     if is_out_of_memory(exc):
         return Failed(
             f"out of memory during this generation ({type(exc).__name__}: {exc}); its memory "
