@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from ops.sim import nvidia, pct
+from ops.sim import kerneltools, nvidia, pct
 from ops.sim.launcher import write_launcher
 from ops.sim.processct import CT_ROOT_ENV
 from ops.sim.state import BIN_DIR, SBIN_DIR
@@ -27,6 +27,10 @@ HOST_TOOLS = {
     "lsmod": (SBIN_DIR, nvidia.lsmod),
     "nvidia-smi": (BIN_DIR, nvidia.nvidia_smi_host),
     "nvidia-modprobe": (BIN_DIR, nvidia.nvidia_modprobe),
+    "uname": (BIN_DIR, kerneltools.uname),
+    "modinfo": (SBIN_DIR, kerneltools.modinfo),
+    "dkms": (SBIN_DIR, kerneltools.dkms),
+    "proxmox-boot-tool": (SBIN_DIR, kerneltools.proxmox_boot_tool),
 }
 
 

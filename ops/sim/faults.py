@@ -7,6 +7,7 @@
     faults.kill_ct_process(root, 200, pid)            # a process inside CT 200 dies (SIGKILL)
     faults.remove_host_node(root, "nvidia-uvm")       # a /dev node vanishes on the host
     faults.unload_module(root, "nvidia_uvm")
+    faults.remove_kernel_module(root, "7.0.14-8-pve")  # its nvidia.ko gone (DKMS can rebuild it)
 
 Each acts on the sim's files and containers directly, as the fault itself would, not through ddops.
 """
@@ -17,7 +18,7 @@ import json
 import signal
 from pathlib import Path
 
-from ops.sim import kernel, pveconf
+from ops.sim import kernel, kernels, pveconf
 from ops.sim.nvidia import CT_USERSPACE_FILE
 from ops.sim.pct import Pct, PctError
 from ops.sim.state import host_lock, save_state
@@ -69,3 +70,9 @@ def unload_module(root: Path, name: str) -> None:
         state.modules = [m for m in state.modules if m not in gone]
         kernel.write_proc(root, state)
         save_state(root, state)
+
+
+def remove_kernel_module(root: Path, kernel: str) -> None:
+    """The NVIDIA modules gone from `kernel`'s modules directory (DKMS sources and headers stay:
+    `dkms autoinstall -k KERNEL` builds them again)."""
+    kernels.remove_module(root, kernel)

@@ -20,10 +20,11 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ops.errors import DdopsError
-from ops.sim import boot, hubservice, kernel, pveconf
+from ops.errors import DdopsError, InputError
+from ops.sim import boot, hubservice, kernel, kernels, pveconf
 from ops.sim.executables import install_host_tools
 from ops.sim.pct import Pct, PctError
+from ops.sim.release import DEFAULT_PVE_VERSION, open_module_default, release_for
 from ops.sim.state import (
     CT_CONF_DIR,
     NVIDIA_MODULES,
@@ -44,6 +45,7 @@ class BootReport:
 
     uvm_major_before: int
     uvm_major: int
+    kernel: str = ""  # the kernel this boot runs
     stopped: list[int] = field(default_factory=list)
     started: list[int] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)
@@ -73,8 +75,8 @@ def init_host(
     *,
     gpus: int = 1,
     uvm_major: int = 511,
-    pve_version: str = "8.2.4",
-    driver: str = "550.90.07",
+    pve_version: str = DEFAULT_PVE_VERSION,
+    driver: str | None = None,
     containers: str = "auto",
     ct: int | None = None,
     device_nodes: str | None = None,
@@ -83,6 +85,8 @@ def init_host(
     """Make `root` a healthy sim host; False (nothing touched) when it already is one.
 
     `device_nodes`: "mknod" (real nodes, needs root) or "file" (placeholders); default by euid.
+    `driver`: the NVIDIA driver (default: the release's, ops/sim/release.py); its module is the
+    open one from 560 on, as NVIDIA's installer builds it.
     """
     if is_sim_root(root):
         return False
@@ -92,9 +96,19 @@ def init_host(
         raise DdopsError(
             str(root), f"--uvm-major {uvm_major} outside {UVM_MAJOR_RANGE[0]}..{UVM_MAJOR_RANGE[1]}"
         )
+    try:
+        release = release_for(pve_version)
+    except ValueError as exc:
+        raise InputError("sim init", str(exc)) from None
+    driver = driver or release.driver
     state = SimState(
         pve_version=pve_version,
+        kernel=release.kernel,
         driver_version=driver,
+        installed_driver=driver,
+        open_module=open_module_default(driver),
+        gpu_name=release.gpu_name,
+        compute_cap=release.compute_cap,
         gpus=gpus,
         gpu_memory_mib=gpu_memory_mib,
         uvm_major=uvm_major,
@@ -107,6 +121,9 @@ def init_host(
         (root / sub).mkdir(parents=True, exist_ok=True)
     (root / "etc/hostname").write_text(state.node + "\n")
     install_host_tools(root)
+    kernels.install_kernel(root, state, state.kernel)
+    kernels.install_driver_sources(root, state, driver, state.open_module)
+    kernels.build_module(root, state, state.kernel)
     kernel.write_proc(root, state)
     kernel.load_module(root, state, "nvidia")
     kernel.create_uvm_nodes(root, state)
@@ -150,22 +167,36 @@ def reboot_host(root: Path, *, uvm_major: int | None = None) -> BootReport:
                 pct.cts.stop(vmid)
                 report.stopped.append(vmid)
         kernel.power_off(root, state)
+        state.kernel = report.kernel = kernels.boot_kernel(root)
+        (root / kernels.NEXT_BOOT_PIN_FILE).unlink(missing_ok=True)  # proxmox-boot-cleanup
         state.uvm_major = uvm_major if uvm_major is not None else _new_major(state.uvm_major)
         state.caps_major = _other_major(state.uvm_major)
         state.boots += 1
         report.uvm_major = state.uvm_major
-        for module in ["nvidia", *boot.modules_to_load(root)]:
-            if module in NVIDIA_MODULES:
-                kernel.load_module(root, state, module)
+        _load_boot_modules(root, state)
         save_state(root, state)
         report.modules = list(state.modules)
-    log(root, f"boot {state.boots}: uvm major {report.uvm_major_before} -> {report.uvm_major}")
+    log(
+        root,
+        f"boot {state.boots}: kernel {state.kernel}, "
+        f"uvm major {report.uvm_major_before} -> {report.uvm_major}",
+    )
     if hubservice.stop_hub(root):  # the host's services come back with it
         hubservice.ensure_hub(root)
     report.units = boot.run_boot_units(root, after_guests_started=False)
     _start_onboot(root, report)
     report.units += boot.run_boot_units(root, after_guests_started=True)
     return report
+
+
+def _load_boot_modules(root: Path, state: SimState) -> None:
+    """nvidia (udev, for the PCI device) and the modules-load.d names, where the kernel has them."""
+    for module in ["nvidia", *boot.modules_to_load(root)]:
+        if module in NVIDIA_MODULES:
+            try:
+                kernel.load_module(root, state, module)
+            except kernel.ModuleMissing:
+                log(root, f"boot: systemd-modules-load: Failed to find module '{module}'")
 
 
 def _new_major(old: int) -> int:
@@ -185,6 +216,55 @@ def _start_onboot(root: Path, report: BootReport) -> None:
                     report.failed[vmid] = str(exc).splitlines()[0]
                     log(root, f"CT {vmid}: onboot start failed: {report.failed[vmid]}")
         save_state(root, pct.state)
+
+
+@dataclass
+class UpgradeReport:
+    """What `ddops sim upgrade` installed, and what DKMS and the kernel hooks said."""
+
+    kernel: str | None = None
+    driver: str | None = None
+    built: dict[str, str] = field(default_factory=dict)  # kernel -> "ok" | dkms' first error line
+    hooks: list[str] = field(default_factory=list)
+
+
+def upgrade_host(
+    root: Path,
+    *,
+    kernel_version: str | None = None,
+    dkms_ok: bool = True,
+    driver: str | None = None,
+) -> UpgradeReport:
+    """Install a kernel (its DKMS build of the NVIDIA driver succeeding or failing, then the
+    postinst.d hooks), or a new driver (its module built for every installed kernel, loaded at the
+    next boot; the host's userspace is the new one at once)."""
+    if not is_sim_root(root):
+        raise DdopsError(str(root), "not a simulated host")
+    report = UpgradeReport(kernel=kernel_version, driver=driver)
+    with host_lock(root):
+        state = Pct(root).state
+        if driver:
+            kernels.install_driver_sources(root, state, driver, open_module_default(driver))
+            state.dkms_broken = []  # a new driver: its build is tried afresh on every kernel
+            targets = kernels.installed(root)
+            for target in targets:  # the old package's modules go with it (dkms remove --all)
+                kernels.remove_module(root, target)
+        else:
+            kernels.install_kernel(root, state, kernel_version)
+            if not dkms_ok and kernel_version not in state.dkms_broken:
+                state.dkms_broken.append(kernel_version)
+            targets = [kernel_version]
+        for target in targets:
+            error = kernels.build_module(root, state, target)
+            report.built[target] = error.splitlines()[0] if error else "ok"
+        save_state(root, state)
+    log(
+        root,
+        f"upgrade: {'driver ' + driver if driver else 'kernel ' + kernel_version}: {report.built}",
+    )
+    if kernel_version:
+        report.hooks = kernels.run_postinst_hooks(root, kernel_version)
+    return report
 
 
 def destroy_host(root: Path) -> list[int]:

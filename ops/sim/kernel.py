@@ -13,6 +13,7 @@ import os
 import stat
 from pathlib import Path
 
+from ops.sim import kernels
 from ops.sim.state import NVIDIA_MODULES, SimState
 
 NVIDIA_MAJOR = 195
@@ -77,16 +78,27 @@ def node_numbers(path: Path) -> tuple[int, int] | None:
     return None
 
 
+class ModuleMissing(Exception):
+    """The running kernel has no such module; the message is modprobe's."""
+
+
 def load_module(root: Path, state: SimState, name: str) -> None:
-    """Load `name` and what it depends on (idempotent, like modprobe)."""
+    """Load `name` and what it depends on (idempotent, like modprobe); ModuleMissing when the
+    running kernel's modules directory has no build of it."""
     if name not in NVIDIA_MODULES:
         raise ValueError(name)
     for dep in MODULE_DEPS.get(name, []):
         load_module(root, state, dep)
     if state.module_loaded(name):
         return
+    built = kernels.built_module(root, state.kernel)
+    if built is None:
+        raise ModuleMissing(
+            f"modprobe: FATAL: Module {name} not found in directory /lib/modules/{state.kernel}"
+        )
     state.modules.append(name)
     if name == "nvidia":
+        state.driver_version = built["version"]
         for node, (major, minor) in gpu_node_numbers(state).items():
             make_node(root / "dev" / node, major, minor, state.device_nodes)
     write_proc(root, state)
@@ -115,12 +127,25 @@ def write_proc(root: Path, state: SimState) -> None:
     (proc / "modules").write_text(_proc_modules(state))
     version = proc / "driver/nvidia/version"
     if state.module_loaded("nvidia"):
-        version.write_text(
-            f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {state.driver_version}  "
-            "Fri May 31 09:35:42 UTC 2024\nGCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n"
-        )
+        version.write_text(version_line(root, state))
     elif version.exists():
         version.unlink()
+
+
+def version_line(root: Path, state: SimState) -> str:
+    """/proc/driver/nvidia/version of the loaded module, in its flavour's words."""
+    built = kernels.built_module(root, state.kernel) or {}
+    if built.get("license") == kernels.OPEN_LICENSE:
+        first = (
+            f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {state.driver_version}  "
+            "Release Build  (dvs-builder@U22-I3-B17-02-5)  Tue Nov 18 20:24:10 UTC 2025"
+        )
+    else:
+        first = (
+            f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {state.driver_version}  "
+            "Fri May 31 09:35:42 UTC 2024"
+        )
+    return f"{first}\nGCC version:  gcc version 14.2.0 (Debian 14.2.0-19)\n"
 
 
 def _proc_devices(state: SimState) -> str:

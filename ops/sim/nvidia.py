@@ -16,10 +16,10 @@ import sys
 import uuid
 from pathlib import Path
 
-from ops.sim import kernel
+from ops.sim import kernel, kernels
+from ops.sim.release import release_for
 from ops.sim.state import NVIDIA_MODULES, SimState, host_lock, load_state, save_state
 
-GPU_NAME = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
 CUDA_VERSION = "12.4"
 CT_USERSPACE_FILE = "etc/ddops-sim/nvidia.json"
 NO_DRIVER = (
@@ -28,7 +28,8 @@ NO_DRIVER = (
 )
 QUERY_FIELDS = {
     "index": lambda g: str(g["index"]),
-    "name": lambda g: GPU_NAME,
+    "name": lambda g: g["name"],
+    "compute_cap": lambda g: g["compute_cap"],
     "uuid": lambda g: g["uuid"],
     "driver_version": lambda g: g["driver_version"],
     "memory.total": lambda g: f"{g['memory_mib']} MiB",
@@ -54,8 +55,16 @@ def nvidia_smi_host(root: Path, args: list[str]) -> int:
     if not state.module_loaded("nvidia"):
         print(NO_DRIVER)
         return 9
-    gpus = _gpus(state.node, state.gpus, state.driver_version, state.gpu_memory_mib)
+    if state.installed_driver != state.driver_version:  # upgraded, not yet rebooted
+        print("Failed to initialize NVML: Driver/library version mismatch")
+        print(f"NVML library version: {state.installed_driver}")
+        return 18
+    gpus = _gpus(state.node, state.gpus, state.driver_version, state.gpu_memory_mib, _model(state))
     return _print_gpus(gpus, args)
+
+
+def _model(state: SimState) -> dict[str, str]:
+    return {"name": state.gpu_name, "compute_cap": state.compute_cap}
 
 
 def nvidia_smi_ct(ct_root: Path, args: list[str]) -> int:
@@ -76,13 +85,25 @@ def nvidia_smi_ct(ct_root: Path, args: list[str]) -> int:
         print(f"NVML library version: {userspace['userspace_version']}")
         return 18
     memory = userspace.get("gpu_memory_mib", SimState.gpu_memory_mib)
-    gpus = _gpus(userspace["node"], userspace["gpus"], userspace["userspace_version"], memory)
+    model = {
+        "name": userspace.get("gpu_name", SimState.gpu_name),
+        "compute_cap": userspace.get("compute_cap", SimState.compute_cap),
+    }
+    gpus = _gpus(
+        userspace["node"], userspace["gpus"], userspace["userspace_version"], memory, model
+    )
     return _print_gpus(gpus, args)
 
 
-def _gpus(node: str, count: int, driver: str, memory_mib: int) -> list[dict]:
+def _gpus(node: str, count: int, driver: str, memory_mib: int, model: dict) -> list[dict]:
     return [
-        {"index": i, "uuid": gpu_uuid(node, i), "driver_version": driver, "memory_mib": memory_mib}
+        {
+            "index": i,
+            "uuid": gpu_uuid(node, i),
+            "driver_version": driver,
+            "memory_mib": memory_mib,
+            **model,
+        }
         for i in range(count)
     ]
 
@@ -94,7 +115,7 @@ def _print_gpus(gpus: list[dict], args: list[str]) -> int:
         return _print_apps([f.strip() for f in apps.split(",")], args)
     if "-L" in args or "--list-gpus" in args:
         for g in gpus:
-            print(f"GPU {g['index']}: {GPU_NAME} (UUID: {g['uuid']})")
+            print(f"GPU {g['index']}: {g['name']} (UUID: {g['uuid']})")
     elif query:
         fields = [f.strip() for f in query.split(",")]
         fmt = _csv_start(fields, QUERY_FIELDS, args)
@@ -113,7 +134,7 @@ def _print_gpus(gpus: list[dict], args: list[str]) -> int:
             f"| NVIDIA-SMI {driver}    Driver Version: {driver}    CUDA Version: {CUDA_VERSION} |"
         )
         for g in gpus:
-            print(f"|   {g['index']}  {GPU_NAME}  |  0MiB / {g['memory_mib']}MiB |")
+            print(f"|   {g['index']}  {g['name']}  |  0MiB / {g['memory_mib']}MiB |")
     return 0
 
 
@@ -139,12 +160,16 @@ def nvidia_modprobe(root: Path, args: list[str]) -> int:
     """`-u` loads nvidia_uvm and creates its nodes; `-c=N` the GPU node N; `-m` modeset."""
     with host_lock(root):
         state = load_state(root)
-        kernel.load_module(root, state, "nvidia")
-        if "-u" in args:
-            kernel.create_uvm_nodes(root, state)
-        if "-m" in args:
-            kernel.load_module(root, state, "nvidia_modeset")
-        save_state(root, state)
+        try:
+            kernel.load_module(root, state, "nvidia")
+            if "-u" in args:
+                kernel.create_uvm_nodes(root, state)
+            if "-m" in args:
+                kernel.load_module(root, state, "nvidia_modeset")
+        except kernel.ModuleMissing:
+            return 1  # nvidia-modprobe fails silently, as the real one does
+        finally:
+            save_state(root, state)
     return 0
 
 
@@ -159,13 +184,19 @@ def _modprobe(root: Path, names: list[str], *, remove: bool) -> int:
     for name in names:
         if name not in NVIDIA_MODULES:
             print(
-                f"modprobe: FATAL: Module {name} not found in directory /lib/modules/6.8.12-1-pve"
+                f"modprobe: FATAL: Module {name} not found in directory /lib/modules/{state.kernel}",
+                file=sys.stderr,
             )
             return 1
         if remove:
-            print(f"modprobe: FATAL: Module {name} is in use.")
+            print(f"modprobe: FATAL: Module {name} is in use.", file=sys.stderr)
             return 1
-        kernel.load_module(root, state, name)
+        try:
+            kernel.load_module(root, state, name)
+        except kernel.ModuleMissing as exc:
+            print(exc, file=sys.stderr)
+            save_state(root, state)
+            return 1
     save_state(root, state)
     return 0
 
@@ -180,7 +211,18 @@ def lsmod(root: Path, args: list[str]) -> int:
 
 def pveversion(root: Path, args: list[str]) -> int:
     state = load_state(root)
-    print(f"pve-manager/{state.pve_version}/faa83925c9641325 (running kernel: 6.8.12-1-pve)")
+    manager = f"{state.pve_version}/faa83925c9641325"
+    if "-v" not in args and "--verbose" not in args:
+        print(f"pve-manager/{manager} (running kernel: {state.kernel})")
+        return 0
+    release = release_for(state.pve_version)
+    major_minor = ".".join(state.pve_version.split(".")[:2])
+    print(f"proxmox-ve: {major_minor}.0 (running kernel: {state.kernel})")
+    print(f"pve-manager: {state.pve_version} (running version: {manager})")
+    for kernel_version in reversed(kernels.installed(root)):
+        print(f"proxmox-kernel-{kernel_version}: {kernel_version.removesuffix('-pve')}")
+    print(f"lxc-pve: {release.lxc}")
+    print(f"pve-container: {release.pve_container}")
     return 0
 
 
@@ -190,6 +232,8 @@ def ct_userspace(state: SimState, existing: dict | None) -> dict:
         "node": state.node,
         "gpus": state.gpus,
         "gpu_memory_mib": state.gpu_memory_mib,
-        "userspace_version": (existing or {}).get("userspace_version", state.driver_version),
+        "gpu_name": state.gpu_name,
+        "compute_cap": state.compute_cap,
+        "userspace_version": (existing or {}).get("userspace_version", state.installed_driver),
         "kernel_module_version": state.driver_version if state.module_loaded("nvidia") else None,
     }

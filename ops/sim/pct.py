@@ -27,6 +27,7 @@ from ops.sim.hookscript import HookError, run_hook
 from ops.sim.launcher import write_launcher
 from ops.sim.lxc import LxcContainers
 from ops.sim.processct import ProcessContainers
+from ops.sim.release import parse_pve_version, release_for
 from ops.sim.startplan import StartError, plan_start
 from ops.sim.state import CT_CONF_DIR, SimState, host_lock, load_state, save_state
 
@@ -112,6 +113,7 @@ class Pct:
         if self.cts.is_running(vmid):
             raise PctError(f"CT {vmid} already running")
         hook = pveconf.values(conf).get("hookscript")
+        self._warn_cgroup_v1_keys(conf)
         try:
             if hook:
                 run_hook(self.root, hook, vmid, "pre-start")
@@ -124,6 +126,18 @@ class Pct:
             raise PctError(f"{exc}\nstartup for container '{vmid}' failed") from None
         if hook:
             run_hook(self.root, hook, vmid, "post-start")
+
+    def _warn_cgroup_v1_keys(self, conf: str) -> None:
+        """PVE 9 has cgroup v2 only: pve-container warns on each `lxc.cgroup.*` key (LXC ignores it)."""
+        if parse_pve_version(self.state.pve_version)[0] < 9:
+            return
+        for key, _ in pveconf.entries(conf):
+            if key.startswith("lxc.cgroup."):
+                print(
+                    f"WARN: '{key}' is a cgroup v1 key, ignored on this cgroup v2 only host; "
+                    "this will be a hard error in the future",
+                    file=sys.stderr,
+                )
 
     def _install_ct_userspace(self, vmid: int) -> None:
         """The CT's driver userspace (a stand-in for libcuda) and its nvidia-smi, as a CT image has."""
@@ -172,6 +186,8 @@ class Pct:
             "ostype": "debian",
             "rootfs": f"local-lvm:vm-{vmid}-disk-0,size=8G",
         }
+        if release_for(self.state.pve_version).unprivileged_default:
+            settings["unprivileged"] = "1"  # PVE 9: `--unprivileged 0` asks for a privileged CT
         settings.update({k: v for k, v in options.items() if k not in ("start", "storage")})
         self.conf_path(vmid).parent.mkdir(parents=True, exist_ok=True)
         self.conf_path(vmid).write_text("".join(f"{k}: {v}\n" for k, v in sorted(settings.items())))

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ops.errors import DdopsError
+from ops.sim.release import DEFAULT_PVE_VERSION, release_for
 
 STATE_FILE = "var/lib/ddops-sim/state.json"
 LOG_FILE = "var/log/ddops-sim.log"
@@ -26,6 +27,7 @@ ROOTFS_DIR = "var/lib/ddops-sim/rootfs"
 BIN_DIR = "usr/bin"
 SBIN_DIR = "usr/sbin"
 
+_DEFAULT = release_for(DEFAULT_PVE_VERSION)
 # The nvidia modules a host loads, in dependency order.
 NVIDIA_MODULES = ("nvidia", "nvidia_modeset", "nvidia_uvm", "nvidia_drm")
 
@@ -42,8 +44,16 @@ class SimState:
     """What the simulated kernel and driver look like now."""
 
     node: str = "pve"
-    pve_version: str = "8.2.4"
-    driver_version: str = "550.90.07"
+    pve_version: str = DEFAULT_PVE_VERSION
+    kernel: str = (
+        _DEFAULT.kernel
+    )  # the running kernel (`uname -r`); ops/sim/kernels.py: the installed
+    driver_version: str = _DEFAULT.driver  # the loaded nvidia module's version
+    installed_driver: str = _DEFAULT.driver  # the driver package: host userspace + DKMS sources
+    open_module: bool = True  # the installed driver's module flavour: open or proprietary
+    dkms_broken: list[str] = field(default_factory=list)  # kernels the driver's DKMS build fails on
+    gpu_name: str = _DEFAULT.gpu_name
+    compute_cap: str = _DEFAULT.compute_cap
     gpus: int = 1
     gpu_memory_mib: int = 97887  # each GPU's memory.total, as nvidia-smi reports it (96 GB card)
     uvm_major: int = 511

@@ -39,10 +39,13 @@ dev3: /dev/nvidia-uvm-tools,gid=44
 """
 
 
-def sim_host(tmp_path: Path) -> Iterator[LocalTransport]:
+PVE8 = "8.2.4"  # the tests written against PVE 8 (its 550.90.07 driver, 6.8 kernel) keep it
+
+
+def sim_host(tmp_path: Path, pve_version: str = PVE8) -> Iterator[LocalTransport]:
     """For a fixture: `yield from sim_host(tmp_path)`."""
     root = tmp_path / "pve"
-    init_host(root, gpus=1, uvm_major=511, containers="lxc")
+    init_host(root, gpus=1, uvm_major=511, containers="lxc", pve_version=pve_version)
     yield LocalTransport(sysroot=str(root))
     destroy_host(root)
 

@@ -26,6 +26,7 @@ import yaml
 from ops.host.transport import LocalTransport
 from ops.sim.host import destroy_host, init_host
 from ops.sim.hub import LocalHub
+from tests.helpers.simhost import PVE8
 
 TARGET_REPO = "ddops/tiny-target"
 DRAFT_REPO = "ddops/tiny-draft"
@@ -146,7 +147,7 @@ def sim_site(
     hub_root: Path,
     *,
     uvm_major: int = 511,
-    pve_version: str = "8.2.4",
+    pve_version: str = PVE8,
     hub_token: str | None = None,
     gpu_memory_mib: int = 97887,
     **ct,

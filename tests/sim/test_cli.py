@@ -26,7 +26,9 @@ def ddops(*args: str) -> tuple[int, str]:
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     path = tmp_path / "pve"
-    rc, _ = ddops("sim", "init", str(path), "--gpus", "2", "--containers", "process")
+    rc, _ = ddops(
+        "sim", "init", str(path), "--gpus", "2", "--containers", "process", "--pve-version", "8.2.4"
+    )
     assert rc == 0
     return path
 
@@ -155,3 +157,54 @@ def test_reboot_runs_enabled_units_with_sim_commands_only(root: Path):
     assert (
         "boot: not-sim.service: skipped" in log and not Path("/tmp/ddops-sim-must-not-run").exists()
     )
+
+
+def test_init_defaults_to_pve_9_2_and_older_releases_keep_pve_8s_host(tmp_path: Path):
+    rc, _ = ddops("sim", "init", str(tmp_path / "nine"), "--containers", "process")
+    nine = LocalTransport(sysroot=str(tmp_path / "nine"))
+    assert rc == 0
+    assert nine.run(["pveversion"]).stdout == (
+        "pve-manager/9.2.11/faa83925c9641325 (running kernel: 7.0.14-8-pve)\n"
+    )
+    verbose = nine.run(["pveversion", "-v"]).stdout.splitlines()
+    assert "lxc-pve: 6.0.5-1" in verbose and "pve-container: 6.0.6" in verbose
+    assert nine.run(["uname", "-r"]).stdout == "7.0.14-8-pve\n"
+    assert nine.read_text("/proc/driver/nvidia/version").startswith(
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  590.48.01  "
+    )
+    query = ["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"]
+    assert nine.run(query).stdout == "NVIDIA RTX PRO 6000 Blackwell Workstation Edition, 12.0\n"
+    nine.run(["pct", "create", "201", "local:vztmpl/debian-13.tar.zst"]).check("create")
+    nine.run(["pct", "create", "202", "local:vztmpl/x.tar.zst", "--unprivileged", "0"]).check("")
+    assert "unprivileged: 1" in nine.run(["pct", "config", "201"]).stdout.splitlines()
+    assert "unprivileged: 0" in nine.run(["pct", "config", "202"]).stdout.splitlines()
+
+    rc, _ = ddops(
+        "sim", "init", str(tmp_path / "eight"), "--pve-version", "8.4.1", "--containers", "process"
+    )
+    eight = LocalTransport(sysroot=str(tmp_path / "eight"))
+    assert rc == 0 and eight.run(["uname", "-r"]).stdout == "6.8.12-1-pve\n"
+    assert "x86_64 Kernel Module  550.90.07" in eight.read_text("/proc/driver/nvidia/version")
+    eight.run(["pct", "create", "201", "local:vztmpl/debian-12.tar.zst"]).check("create")
+    assert "unprivileged" not in eight.run(["pct", "config", "201"]).stdout  # privileged
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (
+            ["init", "{p}", "--pve-version", "9.x"],
+            "--pve-version '9.x': expected MAJOR.MINOR.PATCH",
+        ),
+        (["init", "{p}", "--pve-version", "6.4.1"], "the sim plays Proxmox VE 7, 8 and 9"),
+        (["init", "{p}", "--driver", "latest"], "--driver 'latest': expected a version like"),
+        (["upgrade", "{root}"], "give one of --kernel VERSION or --driver VERSION"),
+        (["upgrade", "{root}", "--kernel", "7.1"], "--kernel '7.1': expected a version like"),
+    ],
+)
+def test_bad_sim_input_is_one_line_and_exit_2(root: Path, tmp_path: Path, args, said):
+    argv = [a.format(p=tmp_path / "new", root=root) for a in args]
+    result = CliRunner().invoke(cli, ["sim", *argv])
+    assert result.exit_code == 2
+    assert said in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "new").exists()
