@@ -63,6 +63,7 @@ class TemplateSpec:
 
     TEMPLATE: ClassVar[str]
     INSTALL_PATH: ClassVar[str]  # where the rendered file is installed
+    MODE: ClassVar[int] = 0o644  # its permission bits there
 
     def variables(self) -> dict[str, Any]:
         """The template's variables: every field, tuples as lists (as YAML would give them)."""
@@ -185,6 +186,21 @@ class RecoverUnit(TemplateSpec):
         _check_path(self.TEMPLATE, "inventory", self.inventory, optional=True)
         _check_int(self.TEMPLATE, "timeout_s", self.timeout_s, range(1, 86_401))
         _check_raw_path(self.TEMPLATE, "env_file", self.env_file, optional=True)
+
+
+@dataclass(frozen=True)
+class KernelHook(TemplateSpec):
+    """/etc/kernel/postinst.d/zz-ddops-nvidia: a kernel whose NVIDIA build failed never boots
+    next; the running one is pinned until it has the module (templates/ddops-kernel-hook.sh.j2)."""
+
+    TEMPLATE: ClassVar[str] = "ddops-kernel-hook.sh.j2"
+    INSTALL_PATH: ClassVar[str] = "/etc/kernel/postinst.d/zz-ddops-nvidia"
+    MODE: ClassVar[int] = 0o755
+
+    record: str  # ops/host/kernels.py PIN_RECORD, where the machine running the hook has it
+
+    def __post_init__(self) -> None:
+        _check_path(self.TEMPLATE, "record", self.record)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ when nothing can fix it automatically). A remedy takes `dry_run` and returns an 
 with the plan and any file diff; it raises DdopsError when it cannot act.
 
     host -> modules -> nodes -> gpu-majors -> ct-exists -> ct-config -> ct-running -> cuda -> model
-    -> service -> engine -> bench -> host-ddops
+    -> service -> engine -> boot-kernel -> bench -> host-ddops -> cgroup-keys
       (+ capacity, gpu-capacity, boot, hookscript, engine-installed, api-key under provision)
 
 The runner that applies them is ops/chain/runner.py. Tests: tests/integration/test_checks.py (one check at a time
@@ -21,6 +21,7 @@ import json
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 from ops.agents.staging import SHM_MODELS
@@ -41,7 +42,23 @@ from ops.host.gpu import (
     record_majors,
     unrecorded_majors,
 )
-from ops.host.lxcconf import GpuBlock, GpuDevice, find_stale_rules, plan_gpu_block
+from ops.host.kernels import (
+    PIN_RECORD,
+    KernelFacts,
+    PinRecord,
+    kernel_facts,
+    module_build,
+    pin_record_text,
+    read_pin_record,
+    running_kernel,
+)
+from ops.host.lxcconf import (
+    GpuBlock,
+    GpuDevice,
+    cgroup_v1_lines,
+    find_stale_rules,
+    plan_gpu_block,
+)
 from ops.host.pve import (
     ct_config,
     ct_config_lock,
@@ -60,6 +77,7 @@ from ops.results import find_stale_runs, quarantine_run
 from ops.site.inventory import ContainerSpec, EngineSpec, HostSpec, ModelRef, ModelSpec
 
 REQUIRED_MODULES = ("nvidia", "nvidia_uvm")
+DKMS_BUILD_TIMEOUT_S = 1800.0  # building the NVIDIA module for a kernel takes minutes
 PROBE_SCRIPT = (
     Path(__file__).parents[1] / "agents" / "probe.py"
 )  # stdlib only: runs in any CT python3
@@ -164,13 +182,122 @@ def probe_host(c: ChainContext) -> Finding:
 def probe_modules(c: ChainContext) -> Finding:
     loaded = loaded_modules(c.t)
     missing = [m for m in REQUIRED_MODULES if m not in loaded]
+    if "nvidia" in missing and (facts := _running_without_module(c)):
+        return _bad(
+            f"{c.t.label}: {facts.one_line()}: rebuild it (`dkms autoinstall -k {facts.running}`, "
+            f"with proxmox-headers-{facts.running}) or {way_back(facts)}"
+        )
     if missing:
         return _bad(f"{c.t.label}: kernel module(s) {', '.join(missing)} not loaded")
     return _ok(f"{', '.join(REQUIRED_MODULES)} loaded")
 
 
+def _running_without_module(c: ChainContext) -> KernelFacts | None:
+    """The host's kernel facts when the running kernel has no nvidia module (None: it has one)."""
+    if module_build(c.t, running_kernel(c.t)) is not None:
+        return None
+    return kernel_facts(c.t)
+
+
+def way_back(facts: KernelFacts) -> str:
+    """How to boot a kernel that has the module again, in the commands' own words."""
+    if previous := facts.previous_with_module():
+        return f"boot {previous} again: `proxmox-boot-tool kernel pin {previous} --next-boot` and reboot"
+    return "no installed kernel has it: reinstall the NVIDIA driver for this kernel"
+
+
 def load_modules(c: ChainContext, dry_run: bool) -> Outcome:
-    return _ran(c.t, ["modprobe", "-a", *REQUIRED_MODULES], dry_run, c.t.label)
+    modprobe = ["modprobe", "-a", *REQUIRED_MODULES]
+    if "nvidia" in loaded_modules(c.t) or not (facts := _running_without_module(c)):
+        return _ran(c.t, modprobe, dry_run, c.t.label)
+    rebuild = ["dkms", "autoinstall", "-k", facts.running]
+    if not c.t.exists(f"/lib/modules/{facts.running}/build"):
+        raise DdopsError(
+            c.t.label,
+            f"{facts.one_line()}: no headers to rebuild it (proxmox-headers-{facts.running}); "
+            f"{way_back(facts)}",
+        )
+    if dry_run:
+        return Outcome(True, f"would run `{shlex.join(rebuild)}`, then `{shlex.join(modprobe)}`")
+    built = c.t.run(rebuild, timeout=DKMS_BUILD_TIMEOUT_S)
+    if not built.ok or module_build(c.t, facts.running) is None:
+        said = [line for line in (built.stderr + built.stdout).splitlines() if line.strip()]
+        raise DdopsError(
+            c.t.label,
+            f"{facts.one_line()}: `{shlex.join(rebuild)}` failed "
+            f"({said[0] if said else f'exit {built.rc}'}); {way_back(facts)}",
+        )
+    return Outcome(
+        True, f"ran `{shlex.join(rebuild)}`; " + _ran(c.t, modprobe, False, c.t.label).detail
+    )
+
+
+# -- the kernel the host boots next has the module; the hook's pin -----------------------------
+def _ours(record: PinRecord | None, facts: KernelFacts) -> bool:
+    """Whether the kernel pinned now is the one ddops pinned (its record says so)."""
+    return record is not None and facts.selection.pinned == record.pinned
+
+
+def probe_boot_kernel(c: ChainContext) -> Finding:
+    facts, record = kernel_facts(c.t), read_pin_record(c.t)
+    named = f"{c.t.label}: running {facts.running}, next boot {facts.next_boot}"
+    if facts.without_module(facts.next_boot):
+        cts = ", ".join(map(str, c.host_vmids))
+        said = (
+            f"{named}, which has no nvidia module (driver {facts.driver() or '?'}; dkms status: "
+            f"{facts.dkms or 'nothing'}): a reboot now would leave CT(s) {cts} without CUDA"
+        )
+        if facts.without_module(facts.running):
+            return _bad(f"{said}; no installed kernel has the module to pin", fixable=False)
+        hand = facts.selection.next_boot_pin or facts.selection.pinned
+        if hand and not _ours(record, facts):
+            return _bad(
+                f"{said}; {hand} is pinned by hand: `proxmox-boot-tool kernel pin {facts.running}`"
+                " keeps the running kernel",
+                fixable=False,
+            )
+        return _bad(f"{said}; recover pins {facts.running} until {facts.next_boot} has one")
+    if _ours(record, facts) and not facts.without_module(facts.selection.unpinned):
+        return _bad(
+            f"{named}: ddops pinned {record.pinned} when {record.new} got no nvidia module; "
+            f"{facts.selection.unpinned} has one now: the pin can go"
+        )
+    if _ours(record, facts):
+        return _ok(
+            f"{named}; warning: {record.new} got no nvidia module, so ddops pinned "
+            f"{record.pinned} ({record.when}); recover lifts the pin once {record.new} has one"
+        )
+    return _ok(f"{named}, which has nvidia {facts.modules[facts.next_boot].version}")
+
+
+def pin_boot_kernel(c: ChainContext, dry_run: bool) -> Outcome:
+    """Pin the running kernel (recorded as ddops'), or lift ddops' pin once it is not needed."""
+    facts, record = kernel_facts(c.t), read_pin_record(c.t)
+    refresh = ["proxmox-boot-tool", "refresh"]
+    if facts.without_module(facts.next_boot):
+        pin = ["proxmox-boot-tool", "kernel", "pin", facts.running]
+        if dry_run:
+            return Outcome(True, f"would run `{shlex.join(pin)}` and record it in {PIN_RECORD}")
+        c.t.run(pin).check(c.t.label)
+        c.t.run(refresh).check(c.t.label)
+        when = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        c.t.write_file(PIN_RECORD, pin_record_text(PinRecord(facts.running, facts.next_boot, when)))
+        return Outcome(
+            True, f"ran `{shlex.join(pin)}` ({facts.next_boot} has no nvidia module); recorded"
+        )
+    unpin = ["proxmox-boot-tool", "kernel", "unpin"]  # it drops a next-boot pin too: put back
+    again = [unpin[0], "kernel", "pin", facts.selection.next_boot_pin, "--next-boot"]
+    steps = [unpin] + ([again] if facts.selection.next_boot_pin else []) + [refresh]
+    if dry_run:
+        return Outcome(True, "would run " + ", ".join(f"`{shlex.join(a)}`" for a in steps))
+    for argv in steps:
+        c.t.run(argv).check(c.t.label)
+    c.t.run(["rm", "-f", c.t.host_path(PIN_RECORD)]).check(c.t.label)
+    return Outcome(
+        True,
+        f"lifted ddops' pin of {record.pinned}: the next boot runs "
+        f"{facts.selection.next_boot_pin or facts.selection.unpinned}",
+    )
 
 
 # -- 3. device nodes -------------------------------------------------------------------------
@@ -265,14 +392,16 @@ def probe_gpu_capacity(c: ChainContext) -> Finding:
 
 
 def _boot_specs(c: ChainContext) -> list[TemplateSpec]:
-    return host_setup.boot_specs(c.ct.gpus, c.host_vmids)
+    return host_setup.boot_specs(c.ct.gpus, c.host_vmids, c.t.host_path(PIN_RECORD))
 
 
 def probe_boot(c: ChainContext) -> Finding:
     problems = host_setup.boot_problems(c.t, _boot_specs(c))
     if problems:
         return _bad(f"{c.t.label}: {'; '.join(problems)}")
-    return _ok("modules-load file, GPU-node and recover units installed and enabled")
+    return _ok(
+        "modules-load file, GPU-node and recover units installed and enabled; kernel hook installed"
+    )
 
 
 def install_boot(c: ChainContext, dry_run: bool) -> Outcome:
@@ -557,6 +686,29 @@ def restart_engine(c: ChainContext, dry_run: bool) -> Outcome:
     return dataclasses.replace(outcome, changed=True)
 
 
+# -- no cgroup v1 keys on a cgroup v2 only host (PVE 9) -----------------------------------------
+CGROUP_V2_ONLY_FROM = 9  # pve8to9: "support for the hybrid cgroup hierarchy is removed"
+
+
+def probe_cgroup_keys(c: ChainContext) -> Finding:
+    """A `lxc.cgroup.*` line in the CT's main section: ignored on PVE 7+, warned about by PVE 9's
+    pve-container ("will be a hard error"), refused by LXC 7. ddops never writes one; those of
+    the GPU block it owns go with the ct-config check, any other is the operator's to change."""
+    version = pve_version(c.t)
+    found = cgroup_v1_lines(c.t.read_text(_config_path(c)))
+    if not found:
+        return _ok(f"{c.name}: no lxc.cgroup.* key")
+    lines = "; ".join(f"line {line.number}: `{line.text}`" for line in found)
+    if version.major < CGROUP_V2_ONLY_FROM:
+        return _ok(f"{c.name}: cgroup v1 key(s), ignored on PVE {version} (cgroup v2): {lines}")
+    return _bad(
+        f"{c.name}: {lines}: cgroup v1 key(s) on PVE {version}, which has cgroup v2 only: LXC "
+        f"ignores them and pve-container will refuse them; write lxc.cgroup2.* instead (or drop "
+        f"them) in {_config_path(c)}",
+        fixable=False,
+    )
+
+
 # -- 10. no stale bench runs -----------------------------------------------------------------
 def probe_bench(c: ChainContext) -> Finding:
     if c.results_dir is None:
@@ -698,6 +850,13 @@ CHAIN: tuple[Check, ...] = (
     ),
     Check("service", "engine service running", probe_service, ensure_service, ("model", "cuda")),
     Check("engine", "engine answers a generation", probe_engine, restart_engine, ("service",)),
+    Check(
+        "boot-kernel",
+        "next boot's kernel has nvidia",
+        probe_boot_kernel,
+        pin_boot_kernel,
+        ("modules",),  # after the engine: the CTs first, the next boot then
+    ),
     Check("bench", "no stale bench runs", probe_bench, quarantine_runs),
     # Last, so that a stale host-side ddops never keeps recover from repairing the CT.
     Check(
@@ -707,6 +866,13 @@ CHAIN: tuple[Check, ...] = (
         install_host_ddops,
         ("host",),
         remedy_needs_provision=True,
+    ),
+    Check(
+        "cgroup-keys",
+        "no cgroup v1 keys in CT config",
+        probe_cgroup_keys,
+        None,
+        ("ct-exists",),  # last: an operator's key never keeps a repair from running
     ),
 )
 

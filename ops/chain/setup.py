@@ -2,10 +2,11 @@
 and the check that the CT's memory can hold the model at all.
 
     pct_create_argv(ct)                              # `pct create` from the inventory
-    specs = boot_specs(gpu_minors, vmids)            # what recovery at boot needs:
+    specs = boot_specs(gpu_minors, vmids, record)    # what recovery at boot needs:
         /etc/modules-load.d/ddops-nvidia.conf          nvidia + nvidia_uvm load at boot
         /etc/systemd/system/ddops-gpu-nodes.service    nvidia-modprobe, Before=pve-guests.service
         /etc/systemd/system/ddops-recover.service      `ddops recover --ct N`, After=pve-guests
+        /etc/kernel/postinst.d/zz-ddops-nvidia         a kernel without the module never boots next
       both units enabled (linked into multi-user.target.wants/, what `systemctl enable` does)
     boot_problems(t, specs); install_boot(t, specs, dry_run)
     capacity_problem(ct, models, endpoint, token)    # memory >= model + engine; /dev/shm >= model
@@ -31,6 +32,7 @@ from ops.host.transport import Transport
 from ops.render import (
     GpuNodesUnit,
     Hookscript,
+    KernelHook,
     NvidiaModules,
     RecoverUnit,
     TemplateSpec,
@@ -66,26 +68,31 @@ def pct_create_argv(ct: ContainerSpec) -> list[str]:
 
 
 # -- recovery at boot --------------------------------------------------------------------------
-def boot_specs(gpu_minors: tuple[int, ...], vmids: tuple[int, ...]) -> list[TemplateSpec]:
+def boot_specs(
+    gpu_minors: tuple[int, ...], vmids: tuple[int, ...], pin_record: str
+) -> list[TemplateSpec]:
     """The files that make a booted host recover its GPU CTs without a person: the recover unit
-    runs the host's own ddops on the host's own site file (ops/chain/install.py)."""
+    runs the host's own ddops on the host's own site file (ops/chain/install.py); the kernel hook
+    keeps a kernel whose NVIDIA build failed from booting next (`pin_record`: where the machine
+    running the hook finds ops/host/kernels.py's PIN_RECORD)."""
     return [
         NvidiaModules(),
         GpuNodesUnit(gpu_minors=gpu_minors),
         RecoverUnit(vmids=vmids, ddops=HOST_DDOPS, inventory=HOST_SITE, env_file=HF_TOKEN_FILE),
+        KernelHook(record=pin_record),
     ]
 
 
 def _boot_changes(
     t: Transport, specs: list[TemplateSpec]
-) -> tuple[list[tuple[str, str, str]], list[str]]:
-    """(files to write as (path, old, new), units to enable)."""
+) -> tuple[list[tuple[TemplateSpec, str, str]], list[str]]:
+    """(files to write as (spec, old, new), units to enable)."""
     files = []
     for spec in specs:
         new = render(spec)
         old = t.read_text(spec.INSTALL_PATH) if t.exists(spec.INSTALL_PATH) else ""
         if new != old:
-            files.append((spec.INSTALL_PATH, old, new))
+            files.append((spec, old, new))
     units = [s.INSTALL_PATH.rsplit("/", 1)[1] for s in specs if s.INSTALL_PATH.endswith(".service")]
     return files, [u for u in units if not t.exists(f"{WANTS_DIR}/{u}")]
 
@@ -93,19 +100,22 @@ def _boot_changes(
 def boot_problems(t: Transport, specs: list[TemplateSpec]) -> list[str]:
     """What is missing or different among the boot files ([] when all are in place)."""
     files, disabled = _boot_changes(t, specs)
-    problems = [f"{path} {'differs' if old else 'is missing'}" for path, old, _ in files]
+    problems = [
+        f"{spec.INSTALL_PATH} {'differs' if old else 'is missing'}" for spec, old, _ in files
+    ]
     return problems + [f"{unit} is not enabled" for unit in disabled]
 
 
 def install_boot(t: Transport, specs: list[TemplateSpec], dry_run: bool) -> Outcome:
     """Write the boot files that differ (backed up) and enable the units; the diff either way."""
     files, disabled = _boot_changes(t, specs)
-    diff = "".join(unified_diff(old, new, path) for path, old, new in files)
-    actions = [f"write {path}" for path, _, _ in files] + [f"enable {u}" for u in disabled]
+    diff = "".join(unified_diff(old, new, spec.INSTALL_PATH) for spec, old, new in files)
+    actions = [f"write {spec.INSTALL_PATH}" for spec, _, _ in files]
+    actions += [f"enable {u}" for u in disabled]
     if dry_run:
         return Outcome(True, "would " + ", ".join(actions), diff)
-    for path, _, new in files:
-        t.write_file(path, new)
+    for spec, _, new in files:
+        t.write_file(spec.INSTALL_PATH, new, mode=spec.MODE)
     for unit in disabled:
         _enable(t, unit)
     if t.sysroot is None:  # a real host's systemd; a simulated one reads the files at boot

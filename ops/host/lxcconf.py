@@ -269,6 +269,11 @@ def _entry_problems(line: Line, earlier: Line | None) -> Iterable[ConfigProblem]
         )
 
 
+def cgroup_v1_lines(text: str) -> list[Line]:
+    """The main section's `lxc.cgroup.*` lines (cgroup v1 keys; a snapshot's are not applied)."""
+    return [line for line in parse(text).main.entries() if line.key.startswith("lxc.cgroup.")]
+
+
 def _order_problems(section: Section) -> Iterable[ConfigProblem]:
     """Proxmox writes each section as sorted keys, then lxc.* keys. A line that breaks that
     order below a header was appended by hand or by a tool, most likely meant for the main

@@ -38,6 +38,7 @@ from ops.chain.checks import Policy, chain_for
 from ops.chain.deploy import SUPERVISED_UNIT
 from ops.chain.runner import contexts
 from ops.chain.setup import boot_specs
+from ops.host.kernels import PIN_RECORD
 from ops.cli import cli
 from ops.host.wheel import built_wheel, ddops_version
 from ops.resources import playbooks_dir
@@ -51,7 +52,7 @@ pytestmark = pytest.mark.ansible
 
 LOCAL, REMOTE = "pve-local", "pve-ssh"
 VMIDS = {LOCAL: 200, REMOTE: 201}  # distinct: both hosts' LXC containers live on this machine
-BOOT_UNITS = [spec.INSTALL_PATH for spec in boot_specs((0,), (200,))]
+BOOT_UNITS = [spec.INSTALL_PATH for spec in boot_specs((0,), (200,), PIN_RECORD)]
 
 
 # -- fast: inventories and events ----------------------------------------------------------------

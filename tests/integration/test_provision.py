@@ -103,8 +103,10 @@ def test_dry_run_from_nothing_plans_and_changes_nothing(site):
         "api-key": "skipped",
         "service": "skipped",
         "engine": "skipped",
+        "boot-kernel": "unchanged",
         "bench": "unchanged",
         "host-ddops": "would change",
+        "cgroup-keys": "skipped",
     }
     boot = check_of(document, "boot")
     assert "+Before=pve-guests.service" in boot["diff"]

@@ -156,17 +156,20 @@ ARGUMENT_SPEC = {
 def boot_files(containers: list[dict], sysroot: str | None) -> dict:
     """{name: {template, dest, unit, variables}} for the host's containers."""
     from ops.chain.setup import boot_specs
+    from ops.host.kernels import PIN_RECORD
     from ops.site.inventory import ContainerSpec
 
     cts = [ContainerSpec(**ct) for ct in containers]
     gpus = tuple(sorted({gpu for ct in cts for gpu in ct.gpus}))
     files = {}
-    for spec in boot_specs(gpus, tuple(ct.vmid for ct in cts)):
+    pin_record = f"{sysroot or ''}{PIN_RECORD}"  # where the hook, run on the host, finds it
+    for spec in boot_specs(gpus, tuple(ct.vmid for ct in cts), pin_record):
         unit = spec.INSTALL_PATH.rsplit("/", 1)[1]
         files[spec.TEMPLATE.removesuffix(".j2")] = {
             "template": spec.TEMPLATE,
             "dest": f"{sysroot or ''}{spec.INSTALL_PATH}",
             "unit": unit if unit.endswith(".service") else None,
+            "mode": f"{spec.MODE:04o}",
             "variables": spec.variables(),
         }
     return files
