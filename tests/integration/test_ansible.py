@@ -38,8 +38,8 @@ from ops.chain.checks import Policy, chain_for
 from ops.chain.deploy import SUPERVISED_UNIT
 from ops.chain.runner import contexts
 from ops.chain.setup import boot_specs
-from ops.host.kernels import PIN_RECORD
 from ops.cli import cli
+from ops.host.kernels import PIN_RECORD
 from ops.host.wheel import built_wheel, ddops_version
 from ops.resources import playbooks_dir
 from ops.sim.host import destroy_host, init_host, reboot_host
