@@ -115,7 +115,9 @@ def proxmox_boot_tool(root: Path, args: list[str]) -> int:
         print(f"Invalid/unknown command '{' '.join(args[:1])}'.", file=sys.stderr)
         return 1
     if args == ["refresh"]:
-        print("Running hook script 'proxmox-auto-removal'..\nRunning hook script 'zz-proxmox-boot'..")
+        print(
+            "Running hook script 'proxmox-auto-removal'..\nRunning hook script 'zz-proxmox-boot'.."
+        )
         print("No /etc/kernel/proxmox-boot-uuids found, skipping ESP sync.")
         return 0
     command, rest = args[1], args[2:]
