@@ -61,6 +61,7 @@ class Sample:
     reasoning_tokens: int | None = None  # tokens inside a <think> block (None: no block)
     start_s: float = 0.0  # when it was sent, from the start of its window (ops/bench/load.py)
     itl_s: list[float] | None = None  # gaps between tokens' arrivals (None: stored before 37)
+    served: str | None = None  # the method the server says it decoded with (`ddtree:15`)
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -326,6 +327,7 @@ class _StreamTally:
                 "reasoning_tokens"
             ),
             itl_s=self.inter_token_s(self.usage["completion_tokens"]),
+            served=served_label(self.speculative),
         )
         return Completion("".join(self.pieces), self.finish_reason, sample)
 
@@ -340,6 +342,15 @@ class _StreamTally:
             for _ in range(count)
         ]
         return [round(b - a, 6) for a, b in zip(times, times[1:], strict=False)]
+
+
+def served_label(speculative: dict) -> str | None:
+    """What a response's `speculative` field says was decoded: `ddtree:15`, `ar`; None when the
+    server does not say (a vLLM or llama.cpp server)."""
+    method, budget = speculative.get("method"), speculative.get("budget")
+    if not method:
+        return None
+    return f"{method}:{budget}" if budget and method == "ddtree" else str(method)
 
 
 def tokens_per_chunk(lengths: list[int], tokens: int) -> list[int]:

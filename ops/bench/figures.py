@@ -282,7 +282,9 @@ def _row(cell: dict) -> dict:
         "scenario": cell["cell"]["scenario"],
         "length": cell["cell"]["length"],
         "concurrency": _concurrency(cell),
+        "server": _server(cell["cell"]),
         **dict.fromkeys((*SPREAD_FIGURES, *POINT_FIGURES, *SERVING_FIGURES)),
+        **spread_fields("vs_first", None),
         **{f"{n}_{end}": None for n in SPREAD_FIGURES for end in ("low", "high")},
         "skipped": cell.get("skipped"),
         "turns": turn_figures(cell),
@@ -295,31 +297,49 @@ def _row(cell: dict) -> dict:
     return row
 
 
-def _speedups(row: dict, cell: dict, ar_cell: dict | None) -> None:
-    """The row's speedup over ar: paired by repeat when both have samples."""
-    if ar_cell is None or row["decode_tok_s"] is None:
-        return
-    if cell.get("samples") and ar_cell.get("samples"):
-        mine, base = cell_repeats(cell), cell_repeats(ar_cell)
-        ratios = paired_ratios(
-            {r: f.rate for r, f in mine.items()}, {r: f.rate for r, f in base.items()}
+def _paired(cell: dict, base: dict | None) -> Spread | None:
+    """The cell's rate over `base`'s, paired by repeat when both have samples (else the ratio
+    of their stored decode tok/s)."""
+    if base is None:
+        return None
+    if cell.get("samples") and base.get("samples"):
+        mine, theirs = cell_repeats(cell), cell_repeats(base)
+        return median_interval(
+            paired_ratios(
+                {r: f.rate for r, f in mine.items()}, {r: f.rate for r, f in theirs.items()}
+            )
         )
-        row |= spread_fields("speedup", median_interval(ratios))
-    else:
-        base_rate = (ar_cell.get("metrics") or {}).get("decode_tok_s")
-        ratio = row["decode_tok_s"] / base_rate if base_rate else None
-        row |= spread_fields("speedup", Spread(ratio, ratio, ratio, 1) if ratio else None)
+    rate, base_rate = ((c.get("metrics") or {}).get("decode_tok_s") for c in (cell, base))
+    ratio = rate / base_rate if rate and base_rate else None
+    return Spread(ratio, ratio, ratio, 1) if ratio else None
+
+
+def _server(cell_or_row: dict) -> int:
+    return cell_or_row.get("server", 0)
 
 
 def rows_from_cells(cells: list[dict]) -> list[dict]:
-    """One flat row per cell, every figure with its interval where it has one."""
-    ar_cells = {column_of(c["cell"]): c for c in cells if c["cell"]["method"] == BASELINE}
+    """One flat row per cell, every figure with its interval where it has one: `speedup` over
+    the same server's ar, and with several servers `vs_first` (the same method on the first
+    server) and a `label` naming the server."""
+    by_key = {(column_of(c["cell"]), _server(c["cell"]), c["cell"]["method"]): c for c in cells}
+    several = len({_server(c["cell"]) for c in cells}) > 1
     rows = []
     for cell in cells:
         row = _row(cell)
-        _speedups(row, cell, ar_cells.get(column_of(row)))
+        where, server = column_of(row), _server(row)
+        if row["decode_tok_s"] is not None:
+            row |= spread_fields("speedup", _paired(cell, by_key.get((where, server, BASELINE))))
+            if server:
+                first = by_key.get((where, 0, row["method"]))
+                row |= spread_fields("vs_first", _paired(cell, first))
+        row["label"] = f"{row['method']} @s{server + 1}" if several else row["method"]
         rows.append(row)
-    return sorted(rows, key=lambda r: (_column_order(r), _method_order(r["method"])))
+    return sorted(rows, key=lambda r: (_column_order(r), _label_order(r)))
+
+
+def _label_order(row: dict) -> tuple[int, int, int]:
+    return (*_method_order(row["method"]), _server(row))
 
 
 def spread_of(row: dict, name: str) -> Spread | None:
@@ -338,16 +358,48 @@ def methods(rows: list[dict]) -> list[str]:
     return sorted({r["method"] for r in rows}, key=_method_order)
 
 
+def labels(rows: list[dict]) -> list[str]:
+    """The rows' methods, each on each server (`ar @s2`) when several ran, in table order."""
+    found = {r["label"]: _label_order(r) for r in rows}
+    return sorted(found, key=found.get)
+
+
 def verdicts(rows: list[dict]) -> list[dict]:
-    """Per (scenario, length, concurrency): the verdict on the methods' speedups over ar."""
+    """Per (scenario, length, concurrency) and server: the verdict on the methods' speedups
+    over that server's ar."""
     found = []
+    servers = sorted({_server(r) for r in rows})
     for scenario, length, level in columns(rows):
-        column = [r for r in rows if column_of(r) == (scenario, length, level)]
-        if not any(r["method"] == BASELINE and r["decode_tok_s"] for r in column):
-            continue
-        spreads = {r["method"]: spread_of(r, "speedup") for r in column}
-        where = {"scenario": scenario, "length": length, "concurrency": level}
-        found.append({**where, "column": column_name(*where.values())} | verdict(spreads).to_json())
+        for server in servers:
+            column = [
+                r
+                for r in rows
+                if column_of(r) == (scenario, length, level) and _server(r) == server
+            ]
+            if not any(r["method"] == BASELINE and r["decode_tok_s"] for r in column):
+                continue
+            spreads = {r["method"]: spread_of(r, "speedup") for r in column}
+            where = {"scenario": scenario, "length": length, "concurrency": level}
+            name = column_name(scenario, length, level)
+            name += f" on s{server + 1}" if len(servers) > 1 else ""
+            found.append({**where, "server": server, "column": name} | verdict(spreads).to_json())
+    return found
+
+
+def server_verdicts(rows: list[dict]) -> list[dict]:
+    """With several servers, per column and method: which server was faster (each server's
+    rate over the first's, paired by repeat), a winner only when its interval clears."""
+    if len({_server(r) for r in rows}) < 2:
+        return []
+    found = []
+    for column in columns(rows):
+        for method in methods(rows):
+            same = [r for r in rows if column_of(r) == column and r["method"] == method]
+            spreads = {f"s{_server(r) + 1}": spread_of(r, "vs_first") for r in same if _server(r)}
+            if not any(spreads.values()):
+                continue
+            text = verdict(spreads, baseline="s1").to_json()
+            found.append({"column": column_name(*column), "method": method} | text)
     return found
 
 

@@ -18,6 +18,9 @@ Concurrency N: a method's turn in a repeat is a window of N clients at once, eac
 a second instead (open loop, at most N in flight), the same arrivals for every method of a
 repeat. `slo` (ttft_s, tpot_s) decides which requests count for goodput.
 
+Servers side by side: with `servers` > 1 every method runs on each server (`Cell.server`, 0 =
+the first `--url`), all of them interleaved in the same repeats.
+
 A method is `ar`, `linear` (a DFlash chain of the engine's default length) or `ddtree:B` (a tree
 of B nodes; `ddtree` alone means the engine's default budget). Scenarios: `decode` (one fixed
 prompt), `long` (a prompt filling max-model-len minus the output length), `agentic` (a multi-turn
@@ -157,12 +160,15 @@ class Cell:
     length: int
     method: Method
     concurrency: int = 1
+    server: int = 0  # which of the run's servers (0: the first or only one)
 
     @property
     def key(self) -> str:
-        """A stable name, safe as a file name: `decode-256-ddtree-15`, `decode-256-c4-ar`."""
+        """A stable name, safe as a file name: `decode-256-ddtree-15`, `decode-256-c4-ar`,
+        on a second server `decode-256-ar-s2`."""
         level = f"c{self.concurrency}-" if self.concurrency != 1 else ""
-        return f"{self.scenario}-{self.length}-{level}{self.method.label.replace(':', '-')}"
+        server = f"-s{self.server + 1}" if self.server else ""
+        return f"{self.scenario}-{self.length}-{level}{self.method.label.replace(':', '-')}{server}"
 
     @property
     def column(self) -> str:
@@ -209,12 +215,15 @@ class BenchConfig:
     requests_per_client: int = 1  # requests each client sends in a method's window
     request_rate: float | None = None  # requests a second, Poisson arrivals (None: closed loop)
     slo: Slo | None = None  # what a request must meet to count for goodput
+    servers: int = 1  # servers side by side (each method runs on each)
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.warmup < 0:
             raise DdopsError("bench", "repeats must be >= 1 and warmup >= 0")
         if self.requests_per_client < 1 or not all(c >= 1 for c in self.concurrency):
             raise DdopsError("bench", "concurrency and requests per client must be >= 1")
+        if self.servers < 1:
+            raise DdopsError("bench", "name at least one server")
         if self.request_rate is not None and not self.request_rate > 0:
             raise DdopsError("bench", "the request rate must be above 0")
         if self.max_repeats < self.repeats or self.time_budget_s < 0:
@@ -224,14 +233,15 @@ class BenchConfig:
 
     def cells(self) -> list[Cell]:
         """Scenario-major, then length, then concurrency, then method in the order given (ar
-        first when named)."""
+        first when named), then server."""
         methods = sorted(self.methods, key=lambda m: m.name != "ar")
         return [
-            Cell(scenario, length, method, level)
+            Cell(scenario, length, method, level, server)
             for scenario in self.scenarios
             for length in self.lengths
             for level in self.concurrency
             for method in methods
+            for server in range(self.servers)
         ]
 
     def groups(self) -> list[Group]:
@@ -245,8 +255,8 @@ class BenchConfig:
         data = asdict(self)
         data["methods"] = [m.label for m in self.methods]
         serial = self.concurrency == (1,) and self.requests_per_client == 1
-        if serial and self.request_rate is None and self.slo is None:
-            for name in ("concurrency", "requests_per_client", "request_rate", "slo"):
+        if serial and self.request_rate is None and self.slo is None and self.servers == 1:
+            for name in ("concurrency", "requests_per_client", "request_rate", "slo", "servers"):
                 data.pop(name)  # one request at a time: the config (and its resume) as before
         return data
 
@@ -267,4 +277,5 @@ class BenchConfig:
             requests_per_client=data.get("requests_per_client", 1),
             request_rate=data.get("request_rate"),
             slo=Slo(**data["slo"]) if data.get("slo") else None,
+            servers=data.get("servers", 1),
         )

@@ -33,11 +33,13 @@ from ops.bench.figures import (
     basis_rate,
     column_of,
     columns,
-    methods,
+    labels,
     rows_from_cells,
+    server_verdicts,
     spread_of,
     verdicts,
 )
+from ops.bench.load import CLIENT_SATURATED
 from ops.bench.matrix import column_name, parse_method
 from ops.results import RunStore
 
@@ -63,6 +65,22 @@ class ReportFiles:
 
 def load_rows(run_dir: Path) -> list[dict]:
     return rows_from_cells(RunStore.load(run_dir).cells())
+
+
+def run_servers(store: RunStore) -> list[dict]:
+    """The run's servers as its manifest names them (url, model), each with the methods it
+    answered that it decoded with (the responses' `speculative` field)."""
+    servers = [dict(s) for s in (store.manifest.get("versions") or {}).get("servers") or []]
+    for index, server in enumerate(servers):
+        said = {
+            sample["served"]
+            for cell in store.cells()
+            if cell["cell"].get("server", 0) == index
+            for sample in cell.get("samples") or []
+            if sample.get("served")
+        }
+        server["served"] = sorted(said)
+    return servers
 
 
 def _number(value: float | None, digits: int, scale: float = 1.0, suffix: str = "") -> str:
@@ -98,12 +116,12 @@ def _not_measured(row: dict) -> str | None:
 
 def summary_table(rows: list[dict]) -> list[str]:
     """Method x (scenario, length): decode tok/s and speedup vs ar with its interval."""
-    by_key = {(r["method"], *column_of(r)): r for r in rows}
+    by_key = {(r["label"], *column_of(r)): r for r in rows}
     body = []
-    for method in methods(rows):
-        line = [method]
+    for label in labels(rows):
+        line = [label]
         for column in columns(rows):
-            row = by_key.get((method, *column))
+            row = by_key.get((label, *column))
             if row is None:
                 line.append("-")
             elif missing := _not_measured(row):
@@ -121,12 +139,30 @@ def verdict_lines(rows: list[dict]) -> list[str]:
     return [f"- {v['column']}: {v['text']}" for v in verdicts(rows)]
 
 
+def servers_lines(rows: list[dict], servers: list[dict] | None) -> list[str]:
+    """With several servers: what each one is and answered, and each method's verdict between
+    them (paired by repeat)."""
+    found = server_verdicts(rows)
+    if not found:
+        return []
+    lines = []
+    for index, server in enumerate(servers or []):
+        answered = ", ".join(server.get("served") or []) or "no `speculative` field"
+        lines.append(
+            f"- s{index + 1}: {server['url']}: model {server.get('model')}, answered {answered}"
+        )
+    return [*lines, "", *(f"- {v['column']}, {v['method']}: {v['text']}" for v in found)]
+
+
 def details_table(rows: list[dict]) -> list[str]:
-    """Every figure of every cell; a skipped cell says why."""
+    """Every figure of every cell; a skipped cell says why. A `clients` column when some cell
+    ran at a concurrency above 1."""
+    several = any(r.get("concurrency", 1) != 1 for r in rows)
     header = [
         "method",
         "scenario",
         "length",
+        *(["clients"] if several else []),
         "decode tok/s",
         "speedup",
         "TTFT ms",
@@ -140,9 +176,10 @@ def details_table(rows: list[dict]) -> list[str]:
     ]
     body = []
     for r in rows:
-        line = [r["method"], r["scenario"], str(r["length"])]
+        line = [r["label"], r["scenario"], str(r["length"])]
+        line += [str(r["concurrency"])] if several else []
         if r["skipped"]:
-            line += [f"skipped: {r['skipped']}"] + [""] * (len(header) - 4)
+            line += [f"skipped: {r['skipped']}"] + [""] * (len(header) - len(line) - 1)
         else:
             thought = r["reasoning_tokens"]
             line += [
@@ -158,7 +195,7 @@ def details_table(rows: list[dict]) -> list[str]:
                 _number(r["others_cpu"], 0, 100, "%"),
             ]
         body.append(line)
-    return _table(header, body, right_from=3)
+    return _table(header, body, right_from=4 if several else 3)
 
 
 def _percentiles(row: dict, name: str) -> str:
@@ -186,7 +223,7 @@ def serving_table(rows: list[dict]) -> list[str]:
     ]
     body = [
         [
-            r["method"],
+            r["label"],
             column_name(*column_of(r)),
             _spread(r, "output_tok_s", 1),
             _number(r["requests_per_s"], 2),
@@ -198,7 +235,15 @@ def serving_table(rows: list[dict]) -> list[str]:
         ]
         for r in served  # rows_from_cells' order: by column, then method
     ]
-    return _table(header, body, right_from=2)
+    lines = _table(header, body, right_from=2)
+    busiest = max((r["client_cpu"] or 0 for r in served), default=0)
+    if busiest > CLIENT_SATURATED:
+        lines += [
+            "",
+            f"WARNING: the bench's client used {busiest:.0%} of a core in a window (one event",
+            "loop: one core at most): it may have set the pace, not the server.",
+        ]
+    return lines
 
 
 def turns_table(rows: list[dict]) -> list[str]:
@@ -218,7 +263,7 @@ def turns_table(rows: list[dict]) -> list[str]:
             on, off = (Spread.from_json(turn[k]) for k in ("ttft_on_s", "ttft_off_s"))
             body.append(
                 [
-                    r["method"],
+                    r["label"],
                     str(r["length"]),
                     str(turn["turn"] + 1),
                     str(turn["prompt_tokens"]),
@@ -270,9 +315,13 @@ SERVING_NOTE = (
 
 
 def markdown_report(
-    rows: list[dict], title: str = "ddops bench", machine: dict | None = None
+    rows: list[dict],
+    title: str = "ddops bench",
+    machine: dict | None = None,
+    servers: list[dict] | None = None,
 ) -> str:
     turns, serving = turns_table(rows), serving_table(rows)
+    side_by_side = servers_lines(rows, servers)
     lines = [
         f"# {title}",
         "",
@@ -282,6 +331,7 @@ def markdown_report(
         "",
         *verdict_lines(rows),
         "",
+        *(["## Servers side by side", "", *side_by_side, ""] if side_by_side else []),
         "## All figures",
         "",
         "Decode tok/s counts every generated token, reasoning (`<think>`) included; TTFT",
@@ -318,12 +368,14 @@ def render_report(run_dir: Path) -> ReportFiles:
     store = RunStore.load(run_dir)
     rows = rows_from_cells(store.cells())
     machine = store.manifest.get("machine")
+    servers = run_servers(store)
     markdown = run_dir / "report.md"
-    markdown.write_text(markdown_report(rows, f"ddops bench {run_dir.name}", machine))
+    markdown.write_text(markdown_report(rows, f"ddops bench {run_dir.name}", machine, servers))
     table = run_dir / "results.csv"
     table.write_text(csv_text(rows))
     document = run_dir / "results.json"
     body = {"run": store.manifest, "rows": rows, "verdicts": verdicts(rows), "machine": machine}
+    body |= {"servers": servers, "server_verdicts": server_verdicts(rows)}
     document.write_text(json.dumps(body, indent=1) + "\n")
     return ReportFiles(markdown, table, document, tuple(plot(rows, run_dir / "plots")))
 
@@ -344,8 +396,9 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     paths = []
     if any(r["speedup"] and r["method"] != "ar" for r in measured):
         paths.append(_plot_speedup(measured, out_dir / "speedup_by_method_length.png"))
-    if any(parse_method(r["method"]).budget for r in measured):
-        paths.append(_plot_by_budget(measured, out_dir / "tau_tok_s_by_budget.png"))
+    first = [r for r in measured if not r["server"]]  # the budget curve: the first server's
+    if any(parse_method(r["method"]).budget for r in first):
+        paths.append(_plot_by_budget(first, out_dir / "tau_tok_s_by_budget.png"))
     if any(r.get("turns") for r in measured):
         paths.append(_plot_turns(measured, out_dir / "agentic_ttft_by_turn.png"))
     served = [r for r in measured if r.get("output_tok_s")]
@@ -359,7 +412,7 @@ def _series(rows: list[dict]) -> dict[tuple[str, str, int], list[dict]]:
     """Rows by (method, scenario, length), each list by concurrency: one curve each."""
     curves: dict[tuple[str, str, int], list[dict]] = {}
     for row in sorted(rows, key=lambda r: r["concurrency"]):
-        curves.setdefault((row["method"], row["scenario"], row["length"]), []).append(row)
+        curves.setdefault((row["label"], row["scenario"], row["length"]), []).append(row)
     return curves
 
 
@@ -453,9 +506,9 @@ def _plot_speedup(rows: list[dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     pairs = columns(rows)
-    rivals = [m for m in methods(rows) if m != "ar"]
-    by_key = {(r["method"], *column_of(r)): r for r in rows}
-    ar_rate = {column_of(r): basis_rate(r) for r in rows if r["method"] == "ar"}
+    rivals = [label for label in labels(rows) if label != "ar"]
+    by_key = {(r["label"], *column_of(r)): r for r in rows}
+    ar_rate = {column_of(r): basis_rate(r) for r in rows if r["label"] == "ar"}
     width = 0.8 / len(rivals)
     figure, axes = plt.subplots(figsize=(max(7, 1.2 * len(pairs) * len(rivals) ** 0.5), 4.5))
     top = 1.2
@@ -566,7 +619,7 @@ def _plot_turns(rows: list[dict], path: Path) -> Path:
                 [1000 * (s.high - s.median) if s else 0 for s in spreads],
             ]
             axes.errorbar(xs, ys, yerr=errors, fmt=style, color=f"C{index}", capsize=3)
-        handles.append(Line2D([], [], color=f"C{index}", marker="o", label=row["method"]))
+        handles.append(Line2D([], [], color=f"C{index}", marker="o", label=row["label"]))
         axes.set_xticks(xs)
     handles += [
         Line2D([], [], color="grey", marker="o", label="prefix cache on"),

@@ -1,4 +1,4 @@
-"""Run the bench matrix against one engine: `run_bench(config, client, store, progress, watch)`.
+"""Run the bench matrix against engines: `run_bench(config, clients, store, progress, watch)`.
 
     with EngineClient(url) as client:
         store = RunStore.open(results_dir, run_config_json, versions)
@@ -22,6 +22,10 @@ At a concurrency above 1 (or with a request rate) a method's turn in a repeat is
 requests sent at once (ops/bench/load.py): the gate measures the window as a whole, each of its
 requests a sample (with `request`, its place in the window, and `client_cpu`, the bench's own
 CPU over the window), and the tau check compares the windows' aggregate output tok/s.
+
+Servers side by side (`config.servers`, one client each, `clients[cell.server]`): every
+method runs on every server, all interleaved in the same repeats; each server's methods are
+held to its own ar for the tau check. Prompts are sized with the first server's /tokenize.
 
 The agentic scenario runs one session per method and repeat (its own conversation, so no session
 reuses another's prefix cache); each turn is sent with the prefix cache on (decoded to the
@@ -51,7 +55,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from engine.bench_stats import RepeatSchedule, rotated
 from engine.machine_state import MachineWatch, QuietGate, summary
 from ops.bench.client import CompletionRequest, EngineClient, Sample
-from ops.bench.figures import CACHE_OFF, disturbed_methods, repeat_figures, summarize
+from ops.bench.figures import (
+    CACHE_OFF,
+    RepeatFigure,
+    disturbed_methods,
+    repeat_figures,
+    summarize,
+)
 from ops.bench.load import Sleep, Window
 from ops.bench.matrix import BenchConfig, Cell, Group, Method
 from ops.bench.prompts import AgenticTranscript, decode_prompt, long_prompt
@@ -120,12 +130,16 @@ class RunResult:
 
 def run_bench(
     config: BenchConfig,
-    client: EngineClient,
+    clients: EngineClient | Sequence[EngineClient],
     store: RunStore,
     progress: BenchProgress,
     watch: MachineWatch | None = None,
 ) -> RunResult:
-    """Measure every group of `config` missing from `store`, then mark the run complete."""
+    """Measure every group of `config` missing from `store`, then mark the run complete;
+    `clients`: one per server (config.servers), or the one."""
+    clients = [clients] if isinstance(clients, EngineClient) else list(clients)
+    if len(clients) != config.servers:
+        raise ValueError(f"{config.servers} servers configured, {len(clients)} clients given")
     watch = watch or MachineWatch()
     pending = [g for g in config.groups() if not all(store.has_cell(c.key) for c in g.cells)]
     done = len(config.cells()) - sum(len(g.cells) for g in pending)  # a group is redone whole
@@ -138,7 +152,7 @@ def run_bench(
             spent = readings[-1].at - readings[0].at
             share = max(0.0, config.time_budget_s - spent) / (len(pending) - index)
             progress.cell_started(group.cells[0])
-            cells = measure_group(config, client, group, store.record_sample, gate, share)
+            cells = measure_group(config, clients, group, store.record_sample, gate, share)
             readings.append(watch.reading())
             for cell in group.cells:
                 store.write_cell(cell.key, cells[cell.key])
@@ -156,8 +170,8 @@ def run_bench(
 
 # -- one group -------------------------------------------------------------------------------------
 Record = Callable[[str, dict], None]  # (cell key, sample) -> kept in the cell's partial file
-Taken = dict[Method, list[dict]]  # a repeat's stored samples per method (with where)
-Measured = Iterator[tuple[Method, Sample, dict]]  # each request of a repeat as it finishes
+Taken = dict[Cell, list[dict]]  # a repeat's stored samples per cell (with where)
+Measured = Iterator[tuple[Cell, Sample, dict]]  # each request of a repeat as it finishes
 
 
 class Skipped(Exception):
@@ -166,51 +180,51 @@ class Skipped(Exception):
 
 def measure_group(
     config: BenchConfig,
-    client: EngineClient,
+    clients: Sequence[EngineClient],
     group: Group,
     record: Record,
     gate: QuietGate,
     share_s: float,
 ) -> dict[str, dict]:
-    """Warm up each method, then measure the group in interleaved repeats, each request in a
-    quiet moment of the machine (`gate`); each cell's data."""
-    methods = [cell.method for cell in group.cells]
-    keys = {cell.method: cell.key for cell in group.cells}
-    samples: dict[Method, list[dict]] = {method: [] for method in methods}
+    """Warm up each method on each server, then measure the group in interleaved repeats, each
+    request in a quiet moment of the machine (`gate`); each cell's data."""
+    cells = list(group.cells)
+    samples: dict[Cell, list[dict]] = {cell: [] for cell in cells}
     max_repeats = config.max_repeats if config.time_budget_s else config.repeats
     schedule = RepeatSchedule(config.repeats, max_repeats, share_s)
     try:
-        scenario = SCENARIO_RUNS[group.scenario](config, client, gate, group)
-        for method in methods:
+        scenario = SCENARIO_RUNS[group.scenario](config, clients, gate, group)
+        for cell in cells:
             for _ in range(config.warmup):
-                _request(config, client, method, decode_prompt(), min(group.length, WARMUP_TOKENS))
+                tokens = min(group.length, WARMUP_TOKENS)
+                _request(config, clients[cell.server], cell.method, decode_prompt(), tokens)
         while schedule.more():
             repeat, started = schedule.attempts, gate.watch.clock()
-            taken: Taken = {method: [] for method in methods}
-            for method, sample, where in scenario.run_repeat(repeat, rotated(methods, repeat)):
+            taken: Taken = {cell: [] for cell in cells}
+            for cell, sample, where in scenario.run_repeat(repeat, rotated(cells, repeat)):
                 entry = {"repeat": repeat, **where, **sample.to_json()}  # others_cpu: the gate's
-                record(keys[method], entry)
-                taken[method].append(entry)
+                record(cell.key, entry)
+                taken[cell].append(entry)
             disturbed = _disturbed(taken, repeat, group.concurrency)
-            for method, entries in taken.items():  # kept, marked with the repeat's verdict
-                samples[method] += [{**entry, "disturbed": disturbed} for entry in entries]
+            for cell, entries in taken.items():  # kept, marked with the repeat's verdict
+                samples[cell] += [{**entry, "disturbed": disturbed} for entry in entries]
             schedule.record(gate.watch.clock() - started, disturbed=disturbed)
     except Skipped as why:
         return {cell.key: _cell_data(cell, [], {"skipped": str(why)}) for cell in group.cells}
     notes = {**scenario.notes(), "disturbed_repeats": schedule.disturbed}
     if config.slo is not None:
         notes["slo"] = asdict(config.slo)
-    return {cell.key: _cell_data(cell, samples[cell.method], notes) for cell in group.cells}
+    return {cell.key: _cell_data(cell, samples[cell], notes) for cell in group.cells}
 
 
 def _disturbed(taken: Taken, repeat: int, concurrency: int) -> bool:
-    """Whether a method's speedup over ar in this repeat exceeds its tau."""
-    figures = {
-        method.label: repeat_figures(entries, concurrency)[repeat]
-        for method, entries in taken.items()
-        if entries
-    }
-    return bool(disturbed_methods(figures))
+    """Whether a method's speedup over its server's ar in this repeat exceeds its tau."""
+    by_server: dict[int, dict[str, RepeatFigure]] = {}
+    for cell, entries in taken.items():
+        if entries:
+            figure = repeat_figures(entries, concurrency)[repeat]
+            by_server.setdefault(cell.server, {})[cell.method.label] = figure
+    return any(disturbed_methods(figures) for figures in by_server.values())
 
 
 def cell_json(cell: Cell) -> dict:
@@ -220,6 +234,7 @@ def cell_json(cell: Cell) -> dict:
         "length": cell.length,
         "method": cell.method.label,
         "concurrency": cell.concurrency,
+        "server": cell.server,
     }
 
 
@@ -285,25 +300,31 @@ class _OnePrompt:
     concurrency above 1 (or a request rate), a window of requests of it."""
 
     def __init__(
-        self, config: BenchConfig, client: EngineClient, gate: QuietGate, length: int, prompt: str
+        self,
+        config: BenchConfig,
+        clients: Sequence[EngineClient],
+        gate: QuietGate,
+        length: int,
+        prompt: str,
     ) -> None:
-        self.config, self.client, self.gate = config, client, gate
+        self.config, self.clients, self.gate = config, clients, gate
         self.length, self.prompt = length, prompt
         self.concurrency = 1
         self.extra: dict = {}
 
-    def run_repeat(self, repeat: int, order: Sequence[Method]) -> Measured:
+    def run_repeat(self, repeat: int, order: Sequence[Cell]) -> Measured:
         config = self.config
         if self.concurrency == 1 and config.request_rate is None:
-            for method in order:
-                request = (config, self.client, method, self.prompt, self.length)
+            for cell in order:
+                request = (config, self.clients[cell.server], cell.method, self.prompt, self.length)
                 response, machine = _quiet_request(self.gate, *request)
-                yield method, response.sample, machine
+                yield cell, response.sample, machine
             return
         count = self.concurrency * config.requests_per_client
-        for method in order:
+        for cell in order:
+            client = self.clients[cell.server]
             request = CompletionRequest(
-                self.prompt, self.length, method, config.temperature, config.seed, False
+                self.prompt, self.length, cell.method, config.temperature, config.seed, False
             )
             window = Window(
                 [request] * count,
@@ -312,10 +333,10 @@ class _OnePrompt:
                 seed=config.seed + repeat,
                 sleep=window_sleep(self.gate.watch),
             )
-            sent, machine = self.gate.measure(lambda window=window: window.run(self.client))
+            sent, machine = self.gate.measure(lambda w=window, c=client: w.run(c))
             for index, done in enumerate(sent.completions):
                 where = {**machine, "request": index, "client_cpu": _rounded(sent.client_cpu)}
-                yield method, done.sample, where
+                yield cell, done.sample, where
 
     def notes(self) -> dict:
         return self.extra
@@ -325,25 +346,30 @@ def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
+def _max_model_len(clients: Sequence[EngineClient]) -> int:
+    """The shortest context of the servers: what every one of them takes."""
+    return min(client.max_model_len() for client in clients)
+
+
 def _decode_run(
-    config: BenchConfig, client: EngineClient, gate: QuietGate, group: Group
+    config: BenchConfig, clients: Sequence[EngineClient], gate: QuietGate, group: Group
 ) -> _OnePrompt:
-    limit, tokens = client.max_model_len(), client.count_tokens(decode_prompt())
+    limit, tokens = _max_model_len(clients), clients[0].count_tokens(decode_prompt())
     if tokens + group.length > limit:
         raise Skipped(_too_long(tokens, group.length, limit))
-    run = _OnePrompt(config, client, gate, group.length, decode_prompt())
+    run = _OnePrompt(config, clients, gate, group.length, decode_prompt())
     run.concurrency = group.concurrency
     return run
 
 
 def _long_run(
-    config: BenchConfig, client: EngineClient, gate: QuietGate, group: Group
+    config: BenchConfig, clients: Sequence[EngineClient], gate: QuietGate, group: Group
 ) -> _OnePrompt:
-    limit, length = client.max_model_len(), group.length
-    fitted = long_prompt(client.count_tokens, max_model_len=limit, max_tokens=length)
+    limit, length = _max_model_len(clients), group.length
+    fitted = long_prompt(clients[0].count_tokens, max_model_len=limit, max_tokens=length)
     if fitted.skipped:
         raise Skipped(fitted.skipped)
-    run = _OnePrompt(config, client, gate, length, fitted.prompt)
+    run = _OnePrompt(config, clients, gate, length, fitted.prompt)
     run.concurrency = group.concurrency
     run.extra = {"prompt": {"tokens": fitted.tokens, "max_tokens": length, "max_model_len": limit}}
     return run
@@ -355,12 +381,12 @@ class _AgenticRun:
     cache-on turn is sent once (sent again it would find itself cached), in a quiet moment."""
 
     def __init__(
-        self, config: BenchConfig, client: EngineClient, gate: QuietGate, group: Group
+        self, config: BenchConfig, clients: Sequence[EngineClient], gate: QuietGate, group: Group
     ) -> None:
-        self.config, self.client, self.gate, self.length = config, client, gate, group.length
+        self.config, self.clients, self.gate, self.length = config, clients, gate, group.length
         if group.concurrency > 1:
             raise Skipped("the agentic scenario runs one agent at a time (concurrency 1)")
-        self.limit = client.max_model_len()
+        self.limit = _max_model_len(clients)
         self.final_context = 0
         probe = self._transcript("probe")
         if probe.skipped:
@@ -369,30 +395,35 @@ class _AgenticRun:
     def _transcript(self, session: str) -> AgenticTranscript:
         shape = self.config.agentic
         return AgenticTranscript(
-            self.client.count_tokens, shape, self.length, self.limit, session=session
+            self.clients[0].count_tokens, shape, self.length, self.limit, session=session
         )
 
-    def run_repeat(self, repeat: int, order: Sequence[Method]) -> Measured:
-        sessions = {m: self._transcript(f"{repeat}-{m.label}") for m in order}
+    def run_repeat(self, repeat: int, order: Sequence[Cell]) -> Measured:
+        sessions = {cell: self._transcript(_session(repeat, cell)) for cell in order}
         answers = dict.fromkeys(order, "")
         for turn in range(self.config.agentic.turns):
-            for method in order:
-                fitted = sessions[method].prompt_for_turn(turn, answers[method])
+            for cell in order:
+                fitted = sessions[cell].prompt_for_turn(turn, answers[cell])
                 if fitted.tokens + self.length > self.limit:
                     what = f"turn {turn}'s transcript"
                     raise Skipped(_too_long(fitted.tokens, self.length, self.limit, what))
-                request = (self.config, self.client, method, fitted.prompt)
+                request = (self.config, self.clients[cell.server], cell.method, fitted.prompt)
                 on, on_machine = _quiet_request(self.gate, *request, self.length, True, retry=False)
                 off, off_machine = _quiet_request(self.gate, *request, 1, False)
-                answers[method] = on.text
-                yield method, on.sample, {"turn": turn, **on_machine}
-                yield method, off.sample, {"turn": turn, "cache": CACHE_OFF, **off_machine}
+                answers[cell] = on.text
+                yield cell, on.sample, {"turn": turn, **on_machine}
+                yield cell, off.sample, {"turn": turn, "cache": CACHE_OFF, **off_machine}
                 context = fitted.tokens + on.sample.completion_tokens
                 self.final_context = max(self.final_context, context)
 
     def notes(self) -> dict:
         shape = {"turns": self.config.agentic.turns, "context": self.config.agentic.context}
         return {"agentic": {**shape, "final_context_tokens": self.final_context}}
+
+
+def _session(repeat: int, cell: Cell) -> str:
+    """An agentic session's name: its own conversation per repeat, method and server."""
+    return f"{repeat}-{cell.method.label}" + (f"-s{cell.server + 1}" if cell.server else "")
 
 
 SCENARIO_RUNS = {"decode": _decode_run, "long": _long_run, "agentic": _AgenticRun}

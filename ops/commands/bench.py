@@ -25,6 +25,7 @@ The engine's API key: a CT's own (read from the CT); for --url, DDOPS_API_KEY.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -37,7 +38,7 @@ import click
 from engine.machine_state import MachineWatch
 from ops.bench.client import EngineClient
 from ops.bench.endpoint import Endpoint, site_endpoint, url_endpoint
-from ops.bench.figures import rows_from_cells, verdicts
+from ops.bench.figures import rows_from_cells, server_verdicts, verdicts
 from ops.bench.matrix import (
     DEFAULT_MAX_REPEATS,
     DEFAULT_METHODS,
@@ -52,8 +53,9 @@ from ops.bench.matrix import (
     parse_slo,
 )
 from ops.bench.report import (
-    markdown_report,
     render_report,
+    run_servers,
+    servers_lines,
     summary_table,
     verdict_lines,
 )
@@ -78,7 +80,12 @@ def _parsed(parse):
 
 @click.group("bench", invoke_without_command=True)
 @click.option("--ct", "vmid", type=VMID, help="The CT whose engine.")
-@click.option("--url", help="Bench the engine at this URL instead (no site, no chain).")
+@click.option(
+    "--url",
+    "urls",
+    multiple=True,
+    help="Bench the engine at this URL instead (no site, no chain); again for servers side by side.",
+)
 @click.option(
     "--methods",
     default=DEFAULT_METHODS,
@@ -153,34 +160,39 @@ def _parsed(parse):
 @click.option("--no-recover", is_flag=True, help="Fail when a health check fails; repair nothing.")
 @VIA
 @click.pass_context
-def bench_command(ctx: click.Context, vmid, url, out, no_recover, via, **matrix) -> None:
+def bench_command(ctx: click.Context, vmid, urls, out, no_recover, via, **matrix) -> None:
     """Measure decoding methods x output lengths x scenarios; write results and a report."""
     if ctx.invoked_subcommand:
         return
     if matrix["max_repeats"] < matrix["repeats"]:
         raise click.BadParameter("must be >= --repeats", param_hint="--max-repeats")
-    config = bench_config(matrix)
+    config = bench_config(matrix, servers=max(1, len(urls)))
     if via == "ansible":
-        if url:
+        if urls:
             raise click.UsageError("--via ansible benches the site's CTs (--ct), not a --url")
         from ops.commands.via_ansible import bench_via_ansible
 
         return bench_via_ansible(ctx, vmid, config, out, no_recover)
-    if (vmid is None) == (url is None):
+    if (vmid is None) == (not urls):
         raise click.UsageError("name the engine: --ct VMID (with a site) or --url URL")
+    if len(set(urls)) < len(urls):
+        raise click.BadParameter("each server once", param_hint="--url")
     results = Path(out) if out else _default_results()
-    if url:
-        endpoint = url_endpoint(url, os.environ.get(API_KEY_ENV) or None)
-    else:
-        endpoint = site_endpoint(ctx.obj, vmid=vmid, results=results, recover_first=not no_recover)
-    with endpoint as reached, EngineClient(reached.url, reached.api_key) as client:
-        store = RunStore.open(results, _run_config(reached, config), _versions(client))
-        result = run_bench(config, client, store, RichProgress(), _watch(reached, client))
+    with contextlib.ExitStack() as stack:
+        if urls:
+            key = os.environ.get(API_KEY_ENV) or None
+            reached = [stack.enter_context(url_endpoint(url, key)) for url in urls]
+        else:
+            site = site_endpoint(ctx.obj, vmid=vmid, results=results, recover_first=not no_recover)
+            reached = [stack.enter_context(site)]
+        clients = [stack.enter_context(EngineClient(e.url, e.api_key)) for e in reached]
+        store = RunStore.open(results, _run_config(reached, config), _versions(reached, clients))
+        result = run_bench(config, clients, store, RichProgress(), _watch(reached, clients))
     files = render_report(result.run_dir)
     _print_outcome(ctx.obj.json, reached, result.run_dir, result.resumed, files)
 
 
-def bench_config(matrix: dict) -> BenchConfig:
+def bench_config(matrix: dict, servers: int = 1) -> BenchConfig:
     """The BenchConfig of `ddops bench`'s matrix options (Click's parameter values)."""
     return BenchConfig(
         methods=matrix["methods"],
@@ -195,6 +207,7 @@ def bench_config(matrix: dict) -> BenchConfig:
         requests_per_client=matrix["requests_per_client"],
         request_rate=matrix["request_rate"],
         slo=matrix["slo"],
+        servers=servers,
     )
 
 
@@ -209,22 +222,25 @@ def report_command(ctx: click.Context, run_dir: str) -> None:
     if ctx.obj.json:
         document = {"run_dir": run_dir, "files": _paths(files), "rows": rows}
         document |= {"verdicts": verdicts(rows), "machine": machine}
+        document |= {"servers": run_servers(store), "server_verdicts": server_verdicts(rows)}
         click.echo(json.dumps(document, indent=1))
     else:
-        click.echo(markdown_report(rows, f"ddops bench {Path(run_dir).name}", machine))
+        click.echo(files.markdown.read_text())  # what render_report just wrote
 
 
-def _watch(endpoint: Endpoint, client: EngineClient) -> MachineWatch:
-    """Readings of the engine's machine; "own" CPU is the engine's (its /metrics) and, when
-    the bench runs on the same machine, the bench's."""
+def _watch(endpoints: list[Endpoint], clients: list[EngineClient]) -> MachineWatch:
+    """Readings of the (first) engine's machine; "own" CPU is the engines' (their /metrics)
+    and, when the bench runs on the same machine, the bench's."""
 
     def own_cpu_s() -> float | None:
-        engine = client.engine_cpu_seconds()
-        if engine is None:
+        engines = [client.engine_cpu_seconds() for client in clients]
+        if None in engines:
             return None
-        return engine + (time.process_time() if endpoint.here else 0.0)
+        here = any(endpoint.here for endpoint in endpoints)
+        return sum(engines) + (time.process_time() if here else 0.0)
 
-    return MachineWatch(endpoint.read_text, endpoint.run, own_cpu_s)
+    first = endpoints[0]
+    return MachineWatch(first.read_text, first.run, own_cpu_s)
 
 
 def _default_results() -> Path:
@@ -233,19 +249,29 @@ def _default_results() -> Path:
     return results_dir()
 
 
-def _run_config(endpoint: Endpoint, config: BenchConfig) -> dict:
+def _target(endpoints: list[Endpoint]) -> str:
+    return " + ".join(endpoint.target for endpoint in endpoints)
+
+
+def _run_config(endpoints: list[Endpoint], config: BenchConfig) -> dict:
     """What a run measures; a rerun with an equal dict resumes it."""
-    return {"target": endpoint.target, "bench": config.to_json()}
+    return {"target": _target(endpoints), "bench": config.to_json()}
 
 
-def _versions(client: EngineClient) -> dict:
-    card = client.model_card()
-    return {
+def _versions(endpoints: list[Endpoint], clients: list[EngineClient]) -> dict:
+    cards = [client.model_card() for client in clients]
+    versions = {
         "ddops": importlib.metadata.version("ddops"),
         "python": platform.python_version(),
-        "model": card.get("id"),
-        "max_model_len": card.get("max_model_len"),
+        "model": cards[0].get("id"),
+        "max_model_len": cards[0].get("max_model_len"),
     }
+    if len(clients) > 1:
+        versions["servers"] = [
+            {"url": e.url, "model": card.get("id"), "max_model_len": card.get("max_model_len")}
+            for e, card in zip(endpoints, cards, strict=True)
+        ]
+    return versions
 
 
 def _paths(files) -> dict:
@@ -257,27 +283,32 @@ def _paths(files) -> dict:
     }
 
 
-def _print_outcome(as_json: bool, endpoint: Endpoint, run_dir: Path, resumed: bool, files) -> None:
+def _print_outcome(
+    as_json: bool, endpoints: list[Endpoint], run_dir: Path, resumed: bool, files
+) -> None:
     store = RunStore.load(run_dir)
     rows, manifest = rows_from_cells(store.cells()), store.manifest
     machine = manifest.get("machine") or {}
     if as_json:
         document = {
-            "target": endpoint.target,
+            "target": _target(endpoints),
             "run_dir": str(run_dir),
             "state": manifest["state"],
             "resumed": resumed,
-            "preflight": endpoint.preflight,
+            "preflight": endpoints[0].preflight,
             "files": _paths(files),
             "rows": rows,
             "verdicts": verdicts(rows),
+            "server_verdicts": server_verdicts(rows),
             "machine": machine,
         }
         click.echo(json.dumps(document, indent=1))
         return
-    click.echo(f"bench of {endpoint.target}" + (" (resumed a crashed run)" if resumed else ""))
+    click.echo(f"bench of {_target(endpoints)}" + (" (resumed a crashed run)" if resumed else ""))
     click.echo("\n".join(summary_table(rows)))
     click.echo("\n".join(["", *verdict_lines(rows)]))
+    if side_by_side := servers_lines(rows, run_servers(store)):
+        click.echo("\n".join(["", *side_by_side]))
     if machine.get("warning"):
         click.echo(f"\nwarning: {machine['warning']}")
     click.echo(f"\nreport: {files.markdown} (CSV, JSON and plots beside it)")

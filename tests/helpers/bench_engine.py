@@ -159,7 +159,12 @@ class BenchEngine:
             self.cached.append(prompt + "".join(words))
         usage = {"prompt_tokens": word_count(prompt), "completion_tokens": tokens}
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
-        spec = {"rounds": rounds, "mean_acceptance_length": (done - 1) / rounds if rounds else 0}
+        spec = {
+            "method": spec["method"],
+            "budget": spec.get("budget"),
+            "rounds": rounds,
+            "mean_acceptance_length": (done - 1) / rounds if rounds else 0,
+        }
         yield sse(
             {"choices": [{"text": "", "finish_reason": "length"}], "speculative": spec},
             {"choices": [], "usage": usage},

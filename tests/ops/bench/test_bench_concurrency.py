@@ -166,3 +166,54 @@ def test_the_report_has_the_serving_table_csv_and_plots(tmp_path):
         assert name in header
     shown = CliRunner().invoke(cli, ["bench", "report", str(result.run_dir)])
     assert shown.exit_code == 0 and "decode 16 c2" in shown.output
+
+
+# -- servers side by side ------------------------------------------------------------------------
+def test_two_servers_run_interleaved_in_one_report_with_a_verdict_between_them(tmp_path):
+    clock, sent = ScriptedClock(), []
+
+    def engine(name: str, ar_step: float) -> BenchEngine:
+        def log(n: int, body: dict) -> float:
+            sent.append(f"{body['speculative']['method']}@{name}")
+            return 1.0
+
+        steps = {**STEPS, "ar": ar_step}
+        return BenchEngine(clock=clock, step_s=steps, tau=TAUS, slowdown=log)
+
+    first, second = engine("s1", 0.020), engine("s2", 0.015)  # s2's ar is 4/3 as fast
+    config = config_of(servers=2, concurrency=(1, 2))
+    store = RunStore.open(tmp_path / "results", {"bench": config.to_json()}, {})
+    store.manifest["versions"] = {
+        "servers": [{"url": "http://a", "model": "m"}, {"url": "http://b", "model": "m"}]
+    }
+    watch = ScriptedMachine(first, others=0.02).watch()
+    result = run_bench(config, [first.client(), second.client()], store, NullProgress(), watch)
+    # One repeat at c=1: every method on every server, back to back, rotated.
+    assert sent[:8] == [
+        *("ar@s1", "ar@s2", "ddtree@s1", "ddtree@s2"),
+        *("ar@s2", "ddtree@s1", "ddtree@s2", "ar@s1"),
+    ]
+    rows = {(r["label"], r["concurrency"]): r for r in rows_from_cells(result.cells)}
+    assert set(rows) == {(m, c) for m in ("ar @s1", "ar @s2", "ddtree:15 @s1", "ddtree:15 @s2")
+                         for c in (1, 2)}  # fmt: skip
+    assert rows[("ar @s2", 1)]["vs_first"] == pytest.approx(4 / 3, rel=0.01)
+    assert rows[("ddtree:15 @s2", 1)]["vs_first"] == pytest.approx(1.0, rel=0.01)
+    # Each server's speedups are over its own ar.
+    assert rows[("ddtree:15 @s1", 1)]["speedup"] == pytest.approx(2.0, rel=0.01)
+    assert rows[("ddtree:15 @s2", 1)]["speedup"] == pytest.approx(1.5, rel=0.01)
+    files = render_report(result.run_dir)
+    text = files.markdown.read_text()
+    assert "## Servers side by side" in text
+    assert "- s2: http://b: model m, answered ar, ddtree:15" in text
+    assert "- decode 16, ar: s2 wins: 1.33x over s1, clear of the rest" in text
+    assert "- decode 16, ddtree:15: no clear winner at this noise" in text
+    document = json.loads(files.json.read_text())
+    assert [v["method"] for v in document["server_verdicts"]] == ["ar", "ddtree:15"] * 2
+
+
+def test_ddops_bench_takes_each_url_once():
+    twice = CliRunner().invoke(cli, ["bench", "--url", "http://x", "--url", "http://x"])
+    assert twice.exit_code == 2 and "each server once" in twice.output
+    gone = ["--url", "http://127.0.0.1:9", "--url", "http://127.0.0.1:10"]
+    down = CliRunner().invoke(cli, ["bench", *gone])
+    assert down.exit_code == 1 and "not ready" in down.output

@@ -212,9 +212,9 @@ def test_own_cpu_is_the_engines_from_its_metrics_and_the_benchs_when_it_runs_the
     engine.cpu_s = 2.5
     with engine.client() as client:
         assert client.engine_cpu_seconds() == 2.5
-        remote = _watch(Endpoint("http://engine", "engine"), client)
+        remote = _watch([Endpoint("http://engine", "engine")], [client])
         assert remote.own_cpu_s() == 2.5 and remote.reading().busy_jiffies is None
-        here = _watch(Endpoint("http://engine", "engine", read_text=local_read), client)
+        here = _watch([Endpoint("http://engine", "engine", read_text=local_read)], [client])
         before = time.process_time()
         assert here.own_cpu_s() >= 2.5 + before > 2.5
     silent = httpx.Client(
@@ -223,7 +223,9 @@ def test_own_cpu_is_the_engines_from_its_metrics_and_the_benchs_when_it_runs_the
     with EngineClient("http://engine", http=silent) as client:
         assert client.engine_cpu_seconds() is None
         assert (
-            _watch(Endpoint("http://engine", "engine", read_text=local_read), client).own_cpu_s()
+            _watch(
+                [Endpoint("http://engine", "engine", read_text=local_read)], [client]
+            ).own_cpu_s()
             is None
         )
 
