@@ -4,6 +4,7 @@
     -> sim reboot (the incident: the uvm major moves, /dev/shm empties; the boot units repair it)
     -> health (shows what the boot-time recovery did) -> recover (nothing left) -> bench
     -> bench agentic (an agent's turns with the engine's prefix cache on and off)
+    -> bench serving (ar, ddtree:15 and the server's default with 1 and 4 clients at once)
 
 Every stage runs the real `ddops --json` command in-process against a site file the demo writes
 (WORKDIR/site.yml), so what the demo shows is exactly what a user runs; the demo reads each
@@ -48,6 +49,12 @@ AGENTIC_ARGS = ("--methods", "ar,ddtree:15", "--scenario", "agentic", "--lengths
                 "--agentic-context", "1536", "--agentic-turns", "4", "--repeats", "3",
                 "--time-budget", "0")  # fmt: skip
 AGENTIC_METHOD = "ddtree:15"
+# The serving stage: 1 and 4 clients at once, short answers: aggregate tok/s and p50 TTFT.
+SERVING_METHODS = ("ar", "ddtree:15", "default")
+SERVING_LEVELS = (1, 4)
+SERVING_ARGS = ("--methods", ",".join(SERVING_METHODS), "--lengths", "32",
+                "--concurrency", ",".join(map(str, SERVING_LEVELS)), "--repeats", "3",
+                "--time-budget", "0")  # fmt: skip
 WIDTH = 100
 
 
@@ -120,6 +127,7 @@ def stages(workdir: Path, site: Path) -> list[Stage]:
                         "--lengths", BENCH_LENGTHS, "--repeats", BENCH_REPEATS,
                         "--time-budget", BENCH_BUDGET_S]),
         Stage("bench agentic", [*inv, "bench", "--ct", ct, *AGENTIC_ARGS]),
+        Stage("bench serving", [*inv, "bench", "--ct", ct, *SERVING_ARGS]),
     ]  # fmt: skip
 
 
@@ -224,6 +232,9 @@ def stage_line(stage: Stage) -> str:
             f"{len(doc.get('rows', []))} methods x {BENCH_LENGTHS} new tokens, "
             f"{repeats} interleaved repeats"
         )
+    elif stage.name == "bench serving":
+        levels = " and ".join(map(str, SERVING_LEVELS))
+        what = f"{len(SERVING_METHODS)} methods x {levels} clients at once, 32 new tokens"
     elif stage.name == "bench agentic":
         turns = _agentic_turns(doc)
         cached = "/".join(
@@ -287,7 +298,26 @@ def bench_story(result: DemoResult) -> list[str]:
     warning = (doc.get("machine") or {}).get("warning")
     if warning:
         lines += textwrap.wrap(f"Warning: {warning}.", WIDTH)
-    return lines + prefix_cache_line(result)
+    return lines + prefix_cache_line(result) + serving_line(result)
+
+
+def serving_line(result: DemoResult) -> list[str]:
+    """One line: each serving method's aggregate output tok/s and p50 TTFT at each level."""
+    stage = result.stage("bench serving")
+    rows = ((stage.document or {}) if stage else {}).get("rows", [])
+    cells = {(r["method"], r["concurrency"]): r for r in rows if r.get("output_tok_s")}
+    if not cells:
+        return []
+
+    def figures(method: str) -> str:
+        found = [cells.get((method, level)) for level in SERVING_LEVELS]
+        return " / ".join(
+            f"{r['output_tok_s']:.0f} ({1000 * r['ttft_p50_s']:.0f})" if r else "-" for r in found
+        )
+
+    levels = " / ".join(f"c{level}" for level in SERVING_LEVELS)
+    parts = "; ".join(f"{method} {figures(method)}" for method in SERVING_METHODS)
+    return ["", *textwrap.wrap(f"Serving, tok/s (p50 TTFT ms) at {levels}: {parts}", WIDTH)]
 
 
 def _agentic_turns(document: dict, method: str = AGENTIC_METHOD) -> list[dict]:

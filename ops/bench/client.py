@@ -110,7 +110,7 @@ class CompletionRequest:
             "seed": self.seed,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "speculative": self.method.speculative(),
+            **({"speculative": spec} if (spec := self.method.speculative()) else {}),
             **({} if self.cache_prompt else {"cache_prompt": False}),
         }
 

@@ -34,8 +34,7 @@ from engine.bench_stats import (
     verdict,
 )
 from ops.bench.client import Sample
-from ops.bench.matrix import SCENARIOS, Slo, column_name, parse_method
-from ops.methods import METHODS
+from ops.bench.matrix import BENCH_METHODS, SCENARIOS, Slo, column_name, parse_method
 
 BASELINE = "ar"
 CACHE_OFF = "off"  # a sample's "cache" field: the agentic turn re-sent with the cache off
@@ -148,7 +147,7 @@ def disturbed_methods(by_method: dict[str, RepeatFigure]) -> dict[str, float]:
 # -- rows ------------------------------------------------------------------------------------------
 def _method_order(label: str) -> tuple[int, int]:
     method = parse_method(label)
-    return METHODS.index(method.name), method.budget or 0
+    return BENCH_METHODS.index(method.name), method.budget or 0
 
 
 def _column_order(row: dict) -> tuple[int, int, int]:

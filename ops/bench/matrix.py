@@ -21,8 +21,9 @@ repeat. `slo` (ttft_s, tpot_s) decides which requests count for goodput.
 Servers side by side: with `servers` > 1 every method runs on each server (`Cell.server`, 0 =
 the first `--url`), all of them interleaved in the same repeats.
 
-A method is `ar`, `linear` (a DFlash chain of the engine's default length) or `ddtree:B` (a tree
-of B nodes; `ddtree` alone means the engine's default budget). Scenarios: `decode` (one fixed
+A method is `ar`, `linear` (a DFlash chain of the engine's default length), `ddtree:B` (a tree
+of B nodes; `ddtree` alone means the engine's default budget) or `default` (the request names
+no method: whatever the server is set to decode with, as any OpenAI client sends). Scenarios: `decode` (one fixed
 prompt), `long` (a prompt filling max-model-len minus the output length), `agentic` (a multi-turn
 tool-use pipeline at ~4k context, measured end to end). Pure data: no I/O here.
 """
@@ -33,6 +34,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from ops.errors import DdopsError
+from ops.methods import METHODS
 
 SCENARIOS = ("decode", "long", "agentic")
 DEFAULT_METHODS = "ar,linear,ddtree:15"
@@ -41,7 +43,9 @@ DEFAULT_REPEATS = 3
 DEFAULT_MAX_REPEATS = 20
 DEFAULT_TIME_BUDGET_S = 600.0
 MAX_CONCURRENCY = 1024
-_METHOD = re.compile(r"^(ar|linear|ddtree)(?::([0-9]+))?$")
+SERVER_DEFAULT = "default"  # the method a request that names none gets
+BENCH_METHODS = (*METHODS, SERVER_DEFAULT)  # in table order
+_METHOD = re.compile(r"^(ar|linear|ddtree|default)(?::([0-9]+))?$")
 _SLO_PART = re.compile(r"^(ttft|tpot)=([0-9]*\.?[0-9]+)(ms|s)$")
 
 
@@ -56,16 +60,20 @@ class Method:
     def label(self) -> str:
         return f"{self.name}:{self.budget}" if self.budget is not None else self.name
 
-    def speculative(self) -> dict:
-        """The request body's `speculative` field."""
+    def speculative(self) -> dict | None:
+        """The request body's `speculative` field (None: the server's default, no field)."""
+        if self.name == SERVER_DEFAULT:
+            return None
         return {"method": self.name, **({"budget": self.budget} if self.budget else {})}
 
 
 def parse_method(text: str) -> Method:
-    """`ar`, `linear`, `ddtree` or `ddtree:B` (B >= 1), or DdopsError."""
+    """`ar`, `linear`, `ddtree`, `ddtree:B` (B >= 1) or `default`, or DdopsError."""
     match = _METHOD.match(text.strip())
     if not match:
-        raise DdopsError(f"method {text!r}", "expected ar, linear, ddtree or ddtree:BUDGET")
+        raise DdopsError(
+            f"method {text!r}", "expected ar, linear, ddtree, ddtree:BUDGET or default"
+        )
     name, budget = match.group(1), match.group(2)
     if budget is not None and (name != "ddtree" or not 1 <= int(budget) <= 1024):
         raise DdopsError(f"method {text!r}", "only ddtree takes a budget, 1..1024")

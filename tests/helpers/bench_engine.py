@@ -31,6 +31,8 @@ import httpx
 from engine.machine_state import MachineWatch
 from ops.bench.client import EngineClient
 
+SERVED_BY_DEFAULT = {"method": "ddtree", "budget": 15}  # a request naming no method gets it
+
 
 def word_count(text: str) -> int:
     """A tokenizer stand-in: words, single punctuation and single whitespace are tokens."""
@@ -135,7 +137,7 @@ class BenchEngine:
             self.in_flight -= 1
 
     def _events(self, body: dict, number: int):
-        spec = body["speculative"]
+        spec = body.get("speculative") or SERVED_BY_DEFAULT
         label = f"{spec['method']}:{spec['budget']}" if "budget" in spec else spec["method"]
         step = self.step_s.get(label, self.step_s[spec["method"]])
         per_round = max(1, round(self.tau.get(label, self.tau[spec["method"]])))

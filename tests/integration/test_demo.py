@@ -9,7 +9,7 @@ tokens committed per round (tau, deterministic at temperature 0) for larger DDTr
 for the DFlash chain, and for the chain than for autoregressive decoding. The bench is honest:
 every speedup has its interval, none exceeds its tau, and the verdict names a winner only when
 its interval clears the others'. The agentic stage reports each turn's time to first token with
-the prefix cache on and off. Speeds are printed, not asserted: tokens/s are measured by
+the prefix cache on and off; the serving stage, aggregate tok/s and p50 TTFT at 1 and 4 clients. Speeds are printed, not asserted: tokens/s are measured by
 benchmarks (see README), never by timed tests.
 """
 
@@ -57,10 +57,10 @@ def test_demo_tells_the_incident_in_one_screen_and_ddtree_wins(demo_dir):
     lines = proc.stdout.splitlines()
     assert len(lines) <= 60 and max(map(len, lines)) <= 100
     assert not proc.stderr.strip(), proc.stderr  # no progress bars or tables in a pipe
-    stages = [line.split()[0:2] for line in lines[1:9]]
+    stages = [line.split()[0:2] for line in lines[1:10]]
     assert [" ".join(words) for words in stages] == [
         "sim init", "provision CT", "health CT", "sim reboot", "health after", "recover CT",
-        "bench 6", "bench agentic",
+        "bench 6", "bench agentic", "bench serving",
     ]  # fmt: skip
     story = "\n".join(lines)
     assert "uvm 511 -> 509" in story
@@ -88,3 +88,5 @@ def test_demo_tells_the_incident_in_one_screen_and_ddtree_wins(demo_dir):
     turns = next(r for r in load_rows(agentic.parent) if r["method"] == "ddtree:15")["turns"]
     assert len(turns) == 4 and all(t["ttft_on_s"] and t["ttft_off_s"] for t in turns)
     assert re.search(r"^Prefix cache, ddtree:15, TTFT by turn: (\d+/){3}\d+ ms", story, re.M)
+    serving = r"Serving, tok/s \(p50 TTFT ms\) at c1 / c4: ar \d+ \(\d+\) / \d+ \(\d+\); ddtree:15"
+    assert re.search(serving, " ".join(lines)), story

@@ -78,6 +78,17 @@ def test_demo_story_tells_the_boot_repair_and_the_bench_winner_in_one_screen(tmp
     turn = {"cached_tokens": 0, "ttft_on_s": {"median": 0.09}, "ttft_off_s": {"median": 0.1}}
     later = {"cached_tokens": 830, "ttft_on_s": {"median": 0.05}, "ttft_off_s": {"median": 0.3}}
     agentic = {"rows": [{"method": "ddtree:15", "turns": [turn, later]}]}
+
+    def served(method: str, level: int, tok_s: float, ttft_s: float) -> dict:
+        return {"method": method, "concurrency": level, "output_tok_s": tok_s, "ttft_p50_s": ttft_s}
+
+    serving = {
+        "rows": [
+            *(served("ar", 1, 40.2, 0.031), served("ar", 4, 39.6, 0.95)),
+            *(served("ddtree:15", 1, 81.0, 0.03), served("ddtree:15", 4, 80.4, 0.47)),
+            *(served("default", 1, 80.6, 0.03), served("default", 4, 79.9, 0.48)),
+        ]
+    }
     reboot = {"uvm_major_before": 511, "uvm_major": 509, "units": ["a", "b"]}
     result = DemoResult(
         tmp_path,
@@ -87,6 +98,7 @@ def test_demo_story_tells_the_boot_repair_and_the_bench_winner_in_one_screen(tmp
             Stage("health after reboot", [], seconds=3.4, document=health),
             Stage("bench", [], seconds=60.0, document=bench),
             Stage("bench agentic", [], seconds=30.0, document=agentic),
+            Stage("bench serving", [], seconds=40.0, document=serving),
         ],
         report=tmp_path / "run" / "report.md",
     )
@@ -107,5 +119,10 @@ def test_demo_story_tells_the_boot_repair_and_the_bench_winner_in_one_screen(tmp
     assert "Warning: the machine was busy: other processes used 43% of the CPU." in lines
     assert "Prefix cache, ddtree:15, TTFT by turn: 90/50 ms; cache off: 100/300 ms" in lines
     assert any("tokens cached by turn 0/830" in line for line in lines)
+    assert "3 methods x 1 and 4 clients at once, 32 new tokens" in lines[5]
+    assert (
+        "Serving, tok/s (p50 TTFT ms) at c1 / c4: ar 40 (31) / 40 (950); ddtree:15 81 (30) / 80 "
+        "(470); default 81 (30) / 80 (480)"
+    ) in " ".join(lines)
     assert f"report:    {tmp_path / 'run' / 'report.md'}" in lines
     assert lines[-1] == f"  ddops sim destroy {tmp_path / 'host'}"

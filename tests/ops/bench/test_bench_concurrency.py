@@ -217,3 +217,15 @@ def test_ddops_bench_takes_each_url_once():
     gone = ["--url", "http://127.0.0.1:9", "--url", "http://127.0.0.1:10"]
     down = CliRunner().invoke(cli, ["bench", *gone])
     assert down.exit_code == 1 and "not ready" in down.output
+
+
+def test_the_servers_default_method_sends_no_speculative_field(tmp_path):
+    engine = BenchEngine(step_s=STEPS, tau=TAUS)
+    config = BenchConfig(parse_methods("default,ar"), lengths=(16,), repeats=1, warmup=0,
+                         time_budget_s=0)  # fmt: skip
+    result = bench(tmp_path, config, engine)
+    assert [b.get("speculative") for b in engine.completions] == [{"method": "ar"}, None]
+    rows = rows_from_cells(result.cells)
+    assert [r["method"] for r in rows] == ["ar", "default"]
+    served = {s["served"] for c in result.cells for s in c["samples"]}
+    assert served == {"ar", "ddtree:15"}  # what the scripted server decodes by default
