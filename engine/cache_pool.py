@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from engine.memory_plan import is_out_of_memory
+from engine.kv_blocks import KVBlockPool
+from engine.memory_plan import BLOCK_TOKENS, is_out_of_memory
 from engine.prefix_cache import Capture, PrefixCache, has_states
 
 log = logging.getLogger(__name__)
@@ -48,12 +49,37 @@ def chunk_bounds(
 class CachePool:
     """A server's sequence caches and static passes, and its prefix cache (or None)."""
 
-    def __init__(self, target, drafter, max_len: int, prefix_cache: PrefixCache | None = None):
+    def __init__(
+        self,
+        target,
+        drafter,
+        max_len: int,
+        prefix_cache: PrefixCache | None = None,
+        block_tokens: int = BLOCK_TOKENS,
+        paged: bool = True,
+        spare_blocks: int = 0,
+    ):
         self.target, self.drafter, self.max_len = target, drafter, max_len
-        self.cache = target.new_cache(max_len)
-        self.draft_cache = drafter.new_cache(max_len) if drafter is not None else None
+        self.block_tokens, self.spare_blocks = block_tokens, spare_blocks
+        self.paged = paged
+        self.target_blocks, self.cache = self._caches(target, max_len, max_len)
+        self.draft_blocks, self.draft_cache = None, None
+        if drafter is not None:
+            tokens = max_len + drafter.block_size  # its cache holds a block beyond the context
+            self.draft_blocks, self.draft_cache = self._caches(drafter, max_len, tokens)
         self.passes: dict[Any, Any] = {}  # engine/decode.py's static passes, by kind
         self.prefix_cache = prefix_cache
+
+    def _caches(self, model, max_len: int, tokens: int) -> tuple[KVBlockPool | None, Any]:
+        """`model`'s KV block pool for a sequence of `tokens` and `spare_blocks` more
+        (engine/kv_blocks.py), and the sequence's cache over it; a model without a block layout
+        (tensor parallel, a test's drafter) or a pool made unpaged has no pool and a contiguous
+        cache."""
+        if not self.paged or not hasattr(model, "kv_layout"):
+            return None, model.new_cache(max_len)
+        layout = model.kv_layout()
+        blocks = KVBlockPool.for_tokens(layout, tokens, self.block_tokens, self.spare_blocks)
+        return blocks, model.new_cache(max_len, blocks)
 
     @classmethod
     def for_server(cls, target, drafter, max_len: int, cache_bytes: int) -> CachePool:

@@ -421,6 +421,7 @@ class _Sequence:
         if not self.static_draft or count > self.width or needed > cache.max_len:
             return self.drafter.draft(self.target, cache, self.context, self.bonus)
         keys = key_window(needed, cache.max_len)
+        cache.check_room(self.width + self.drafter.block_size)  # a paged cache's blocks, ahead
         rows = self.width if self.graphs else count  # padding serves a captured graph only
         step = self.passes.get(("draft", rows), keys, partial(self._draft_pass, rows=rows))
         scalars = staged(np.array([cache.length, count, self.bonus], np.int64), self.device)
@@ -454,6 +455,7 @@ class _Sequence:
         ids[0], ids[1 : tree.size + 1] = self.bonus, tree.tokens
         parents = padded_parents(tree.verify_parents(), self.width)
         keys = key_window(self.cache.length + self.width, self.cache.max_len)
+        self.cache.check_room(self.width)  # a paged cache's blocks, ahead of the pass
         step = self.passes.get(("verify", self.width, self.layers), keys, self._verify_pass)
         packed = staged(pack_pass(ids, parents, self.cache.length), self.device)
         return step(packed=packed)

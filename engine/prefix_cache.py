@@ -335,8 +335,7 @@ class PrefixCache:
         """A copy of slots start..end-1 of `cache` (a target's or a drafter's) within the
         budget, or None when it cannot fit."""
         kv = _attention(cache)
-        per_slot = 2 * _nbytes(kv.k[:, :1])
-        if not self._make_room(per_slot * (end - start), protect):
+        if not self._make_room(kv.slot_bytes * (end - start), protect):
             return None
         saved = kv.read(start, end)
         self.used_bytes += _nbytes(saved)

@@ -94,6 +94,26 @@ def tree_attention(
     return impl.tree_attention(q, k, v, prefix_len, tree_visible, scale)
 
 
+def paged_tree_attention(
+    q: torch.Tensor,  # [N, Hq, D] the pending tokens of B sequences, concatenated
+    k_blocks: torch.Tensor,  # [blocks, block_tokens, Hkv, D] one layer of a KV block pool
+    v_blocks: torch.Tensor,  # [blocks, block_tokens, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int64
+    query_starts: torch.Tensor,  # [B + 1] int64
+    prefix_lens: torch.Tensor,  # [B] int64
+    tree_visible: torch.Tensor | None,  # [N, Tmax] bool, None = causal
+    scale: float,
+) -> torch.Tensor:  # [N, Hq, D]
+    """See `reference.paged_tree_attention`."""
+    impl = _implementation("triton_attention", q)
+    return impl.paged_tree_attention(
+        q, k_blocks, v_blocks, block_tables, query_starts, prefix_lens, tree_visible, scale
+    )
+
+
+sequence_slots = reference.sequence_slots
+
+
 def tree_gated_delta_rule(
     q: torch.Tensor,  # [T, H, Dk]
     k: torch.Tensor,  # [T, H, Dk]
@@ -165,7 +185,9 @@ __all__ = [
     "apply_rotary",
     "backend_for",
     "chain_gated_delta_rule",
+    "paged_tree_attention",
     "rms_norm",
+    "sequence_slots",
     "silu_mul",
     "tree_attention",
     "tree_causal_conv1d",

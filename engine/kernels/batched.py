@@ -244,6 +244,22 @@ def tree_attention(
     return out
 
 
+def paged_tree_attention(
+    q: torch.Tensor,  # [N, Hq, D]
+    k_blocks: torch.Tensor,  # [blocks, block_tokens, Hkv, D]
+    v_blocks: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int64
+    query_starts: torch.Tensor,  # [B + 1] int64
+    prefix_lens: torch.Tensor,  # [B] int64
+    tree_visible: torch.Tensor | None,  # [N, Tmax] bool; None = causal
+    scale: float,
+) -> torch.Tensor:  # [N, Hq, D]
+    """Same contract as `reference.paged_tree_attention`: each sequence's keys gathered from
+    its blocks, then `tree_attention` above."""
+    args = (q, k_blocks, v_blocks, block_tables, query_starts, prefix_lens, tree_visible)
+    return reference.attend_each_sequence(tree_attention, *args, scale=scale)
+
+
 def _attend(q, k, v, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q [T, Hq, D] over k, v [S, Hkv, D] under mask [T, S]: [T, Hq, D]."""
     # [1, heads, tokens, D] views: without the batch dimension torch falls back to its math
@@ -255,6 +271,7 @@ def _attend(q, k, v, mask: torch.Tensor, scale: float) -> torch.Tensor:
 
 __all__ = [
     "chain_gated_delta_rule",
+    "paged_tree_attention",
     "solve_tree",
     "tree_attention",
     "tree_causal_conv1d",

@@ -1,13 +1,16 @@
 """Plain-torch references for the tree kernels: these functions ARE the specification.
 
 Each Triton kernel in engine/kernels/ must match the function of the same name here (tests
-compare them). The tree kernels' shapes carry no batch dimension: the engine decodes one
-sequence at a time. The fused layer pieces at the end (RMSNorm, RoPE, SiLU-multiply) take any
-leading dimensions, as the model layers do.
+compare them). The tree kernels' shapes carry no batch dimension (one sequence a call). The
+fused layer pieces at the end (RMSNorm, RoPE, SiLU-multiply) take any leading dimensions, as the
+model layers do.
 
 A "tree" of T pending tokens is given by `parents` [T] (int64): parents[i] < i is the index
 of token i's parent among the T tokens, or -1 when its parent is the last committed token.
 A chain (prefill, DFlash chain) is parents = [-1, 0, 1, ..., T-2].
+
+`paged_tree_attention` is the exception: several sequences at once, each reading its keys from
+a pool of fixed-size KV blocks through its block table (engine/kv_blocks.py).
 """
 
 from __future__ import annotations
@@ -68,6 +71,65 @@ def tree_attention(
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hts,shd->thd", probs, vf).to(q.dtype)
+
+
+def sequence_slots(
+    block_table: torch.Tensor,  # [max_blocks] int64: the pool block holding each block of a sequence
+    slots: torch.Tensor,  # [...] int64 slots of the sequence
+    block_tokens: int,
+) -> torch.Tensor:  # [...] int64 slots of the pool, flattened to [blocks * block_tokens]
+    """Where a sequence's slots live in a KV block pool (engine/kv_blocks.py)."""
+    return block_table[slots // block_tokens] * block_tokens + slots % block_tokens
+
+
+def paged_sequences(
+    q: torch.Tensor,  # [N, Hq, D]
+    k_blocks: torch.Tensor,  # [blocks, block_tokens, Hkv, D]
+    v_blocks: torch.Tensor,  # [blocks, block_tokens, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int64
+    query_starts: torch.Tensor,  # [B + 1] int64
+    prefix_lens: torch.Tensor,  # [B] int64
+    tree_visible: torch.Tensor | None,  # [N, Tmax] bool; None = causal
+):
+    """Each sequence of a `paged_tree_attention` call as (rows, q, k, v, prefix_len, visible)
+    for `tree_attention`: its queries, its first prefix_len + T slots gathered from the pool."""
+    block_tokens = k_blocks.shape[1]
+    keys, values = k_blocks.flatten(0, 1), v_blocks.flatten(0, 1)
+    starts, prefixes = query_starts.tolist(), prefix_lens.tolist()
+    for b, prefix in enumerate(prefixes):
+        rows = slice(starts[b], starts[b + 1])
+        T = rows.stop - rows.start
+        positions = torch.arange(prefix + T, device=block_tables.device)
+        slots = sequence_slots(block_tables[b], positions, block_tokens).to(k_blocks.device)
+        visible = None if tree_visible is None else tree_visible[rows, :T]
+        yield rows, q[rows], keys[slots], values[slots], prefix, visible
+
+
+def paged_tree_attention(
+    q: torch.Tensor,  # [N, Hq, D] the pending tokens of B sequences, concatenated
+    k_blocks: torch.Tensor,  # [blocks, block_tokens, Hkv, D] one layer of a KV block pool
+    v_blocks: torch.Tensor,  # [blocks, block_tokens, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int64: sequence b's slot s is in block
+    #   block_tables[b, s // block_tokens] at offset s % block_tokens
+    query_starts: torch.Tensor,  # [B + 1] int64: sequence b's queries are rows
+    #   query_starts[b] .. query_starts[b + 1] - 1 of q (its T_b pending tokens)
+    prefix_lens: torch.Tensor,  # [B] int64: committed slots of each sequence
+    tree_visible: torch.Tensor | None,  # [N, Tmax] bool: row r of sequence b sees its pending
+    #   token j when tree_visible[r, j] (each sequence's own [T_b, T_b] mask); None = causal
+    scale: float,
+) -> torch.Tensor:  # [N, Hq, D]
+    """`tree_attention` of several sequences at once, each over its own blocks read in place:
+    sequence b's pending K/V are already stored at its slots prefix_lens[b] .. + T_b - 1."""
+    args = (q, k_blocks, v_blocks, block_tables, query_starts, prefix_lens, tree_visible)
+    return attend_each_sequence(tree_attention, *args, scale=scale)
+
+
+def attend_each_sequence(attend, q: torch.Tensor, *paged, scale: float) -> torch.Tensor:
+    """`paged_tree_attention` by `attend` (a `tree_attention`) on each sequence in turn."""
+    out = torch.empty_like(q)
+    for rows, *args in paged_sequences(q, *paged):
+        out[rows] = attend(*args, scale)
+    return out
 
 
 def tree_gated_delta_rule(

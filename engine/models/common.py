@@ -2,7 +2,8 @@
 
 - `RMSNorm`, `SwiGLU`, `Rotary` (RoPE with an optional partial rotary factor);
 - `KVCache`: a preallocated per-layer K/V store with pending tokens and `commit`; `read` and
-  `place` copy committed slots out and back (the prefix cache, engine/prefix_cache.py);
+  `place` copy committed slots out and back; `new_kv_cache` makes it, or the same interface over
+  a pool of KV blocks (engine/kv_blocks.py);
 - static-shape attention (`key_window`, `WindowPass`): a pass reads a fixed window of cache
   slots whatever the committed length, which lives on the device, so one CUDA graph serves
   every length inside the window;
@@ -30,6 +31,7 @@ from torch import nn
 
 from engine import kernels
 from engine.kernels import tree_attention
+from engine.kv_blocks import KVBlockPool, KVLayout, PagedKVCache
 from engine.tree import on_device, tree_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -164,6 +166,8 @@ class KVCache:
 
     A forward writes its T pending tokens at slots length .. length+T-1 without advancing
     `length`; `commit(accepted)` moves the accepted pending slots into place and advances it.
+    engine/kv_blocks.py's `PagedKVCache` has the same interface over a pool of blocks; a model's
+    `new_cache(max_len, blocks)` makes one over `blocks` (see `new_kv_cache`).
     """
 
     def __init__(
@@ -178,28 +182,48 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[1]
 
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one token's K and V over every layer."""
+        return 2 * self.k[:, :1].numel() * self.k.element_size()
+
     def check_room(self, pending: int) -> None:
         if self.length + pending > self.max_len:
             raise ValueError(
                 f"KV cache full: {self.length} committed + {pending} pending > max_len {self.max_len}"
             )
 
-    def write(
-        self, layer: int, offset: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [T, Hkv, D] at slots offset.. and return the layer's K/V up to them."""
+    def store(self, layer: int, offset: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, Hkv, D] at slots offset.."""
         end = offset + k.shape[0]
         self.k[layer, offset:end] = k
         self.v[layer, offset:end] = v
-        return self.k[layer, :end], self.v[layer, :end]  # [end, Hkv, D]
 
-    def write_at(
-        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: int
+    def write(
+        self, layer: int, offset: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [T, Hkv, D] at device `slots` [T]; return the layer's first `keys` slots."""
+        """`store`, then the layer's K/V up to the stored slots [end, Hkv, D]."""
+        self.store(layer, offset, k, v)
+        end = offset + k.shape[0]
+        return self.k[layer, :end], self.v[layer, :end]
+
+    def store_at(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, Hkv, D] at device `slots` [T]."""
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
-        return self.k[layer, :keys], self.v[layer, :keys]
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        prefix_len: int | torch.Tensor,
+        visible: torch.Tensor | None,  # [T, T] bool; None = causal
+        scale: float,
+        keys: int,  # slots that may be read (>= prefix_len + T)
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Tree attention of the pending tokens' queries over the layer's first `keys` slots."""
+        k, v = self.k[layer, :keys], self.v[layer, :keys]
+        return tree_attention(q, k, v, prefix_len, visible, scale)
 
     def reset(self) -> None:
         """Empty: nothing committed (a pooled cache starting its next sequence)."""
@@ -233,6 +257,18 @@ class KVCache:
         self.length = end
 
 
+def new_kv_cache(layout: KVLayout, max_len: int, blocks: KVBlockPool | None = None):
+    """A sequence's K/V for `max_len` tokens of a model of `layout`: a block table over the pool
+    `blocks` (its layout must be the model's), or a contiguous `KVCache` without one."""
+    if blocks is None:
+        return KVCache(
+            layout.layers, max_len, layout.kv_heads, layout.head_dim, layout.dtype, layout.device
+        )
+    if blocks.layout != layout:
+        raise ValueError(f"a pool of {blocks.layout} for a model of {layout}")
+    return PagedKVCache(blocks, max_len)
+
+
 KEY_WINDOW_STEP = 4096
 
 
@@ -255,8 +291,9 @@ class GrowingPass:
     visible: torch.Tensor | None  # [T, T] bool among the pending; None = causal
 
     def attend(self, cache: KVCache, layer: int, q, k, v, scale: float) -> torch.Tensor:
-        keys, values = cache.write(layer, cache.length, k, v)  # [S, Hkv, D]
-        return tree_attention(q, keys, values, cache.length, self.visible, scale)
+        cache.store(layer, cache.length, k, v)
+        keys = cache.length + k.shape[0]
+        return cache.attend(layer, q, cache.length, self.visible, scale, keys)
 
 
 @dataclass
@@ -271,8 +308,8 @@ class WindowPass:
     keys: int
 
     def attend(self, cache: KVCache, layer: int, q, k, v, scale: float) -> torch.Tensor:
-        keys, values = cache.write_at(layer, self.slots, k, v, self.keys)
-        return tree_attention(q, keys, values, self.length, self.visible, scale)
+        cache.store_at(layer, self.slots, k, v)
+        return cache.attend(layer, q, self.length, self.visible, scale, self.keys)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.kernels import tree_attention
+from engine.kv_blocks import KVBlockPool, KVLayout
 from engine.models.common import (
     KVCache,
     QKNormProjections,
@@ -41,6 +41,7 @@ from engine.models.common import (
     WindowPass,
     compute_dtype,
     finish_loading,
+    new_kv_cache,
     read_config,
     rope_theta,
 )
@@ -182,17 +183,21 @@ class DFlashDrafter(nn.Module):
     def target_layer_ids(self) -> tuple[int, ...]:
         return self.config.target_layer_ids
 
-    def new_cache(self, max_len: int) -> KVCache:
-        """Context K/V for up to max_len committed tokens, plus room for one block."""
+    def kv_layout(self) -> KVLayout:
+        """The K/V geometry of every layer (a KV block pool's, engine/kv_blocks.py)."""
         cfg, weight = self.config, self.fc.weight
-        return KVCache(
+        return KVLayout(
             cfg.num_hidden_layers,
-            max_len + cfg.block_size,
             cfg.num_key_value_heads,
             cfg.head_dim,
             weight.dtype,
             weight.device,
         )
+
+    def new_cache(self, max_len: int, blocks: KVBlockPool | None = None) -> KVCache:
+        """Context K/V for up to max_len committed tokens, plus room for one block: a block
+        table over `blocks`, else contiguous."""
+        return new_kv_cache(self.kv_layout(), max_len + self.config.block_size, blocks)
 
     def _positions_rope(self, positions: torch.Tensor):
         return self.rotary.tables(positions, self.fc.weight.dtype)
@@ -217,13 +222,14 @@ class DFlashDrafter(nn.Module):
         x = self._embed(target, ids)  # [B, H]
         for index, layer in enumerate(self.layers):
             q, k, v = layer.block_qkv(x, block_rope)
-            keys, values = cache.write(index, start, k, v)  # [start + B, Hkv, D]
             causal, window = self.config.attention_kind(index)
             if window is None:  # the fast kernel: whole context visible
+                cache.store(index, start, k, v)
                 in_block = torch.ones(B, B, dtype=torch.bool, device=device)
                 in_block = in_block.tril() if causal else in_block
-                attn = tree_attention(q, keys, values, start, in_block, self._scale)
+                attn = cache.attend(index, q, start, in_block, self._scale, start + B)
             else:  # keys before `first` are out of every query's window
+                keys, values = cache.write(index, start, k, v)  # [start + B, Hkv, D]
                 first = max(0, start - window + 1)
                 key_pos = torch.arange(first, start + B, device=device)
                 visible = torch.ones(B, len(key_pos), dtype=torch.bool, device=device)
@@ -263,7 +269,7 @@ class DFlashDrafter(nn.Module):
             for causal in {self.config.attention_kind(i)[0] for i in range(len(self.layers))}
         }
         for index, layer in enumerate(self.layers):
-            cache.write_at(index, context_slots, *layer.self_attn.key_values(ctx, ctx_rope), keys)
+            cache.store_at(index, context_slots, *layer.self_attn.key_values(ctx, ctx_rope))
             q, k, v = layer.block_qkv(x, block_rope)
             block = passes[self.config.attention_kind(index)[0]]
             x = layer.finish(x, block.attend(cache, index, q, k, v, self._scale))
@@ -289,7 +295,7 @@ class DFlashDrafter(nn.Module):
         ctx = self.hidden_norm(self.fc(context.to(self.fc.weight.dtype)))  # [n, H]
         rope = self._positions_rope(positions)
         for index, layer in enumerate(self.layers):
-            cache.write(index, first, *layer.self_attn.key_values(ctx, rope))
+            cache.store(index, first, *layer.self_attn.key_values(ctx, rope))
 
     def _embed(self, target: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return target.embed_tokens(ids) * self.config.input_embedding_scale

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.kv_blocks import KVBlockPool, KVLayout
 from engine.models.common import (
     GrowingPass,
     KVCache,
@@ -41,6 +42,7 @@ from engine.models.common import (
     WindowPass,
     compute_dtype,
     finish_loading,
+    new_kv_cache,
     read_config,
     rope_theta,
     score_positions,
@@ -127,17 +129,20 @@ class Qwen3Model(nn.Module):
                 self.embed_tokens.weight
             )  # (a tensor-parallel shard may have none)
 
-    def new_cache(self, max_len: int) -> KVCache:
-        weight = self.embed_tokens.weight
-        cfg = self.config
-        return KVCache(
+    def kv_layout(self) -> KVLayout:
+        """The K/V geometry of every layer (a KV block pool's, engine/kv_blocks.py)."""
+        weight, cfg = self.embed_tokens.weight, self.config
+        return KVLayout(
             cfg.num_hidden_layers,
-            max_len,
             cfg.num_key_value_heads,
             cfg.head_dim,
             weight.dtype,
             weight.device,
         )
+
+    def new_cache(self, max_len: int, blocks: KVBlockPool | None = None) -> KVCache:
+        """K/V for max_len tokens: a block table over `blocks`, else contiguous."""
+        return new_kv_cache(self.kv_layout(), max_len, blocks)
 
     @torch.no_grad()
     def forward(

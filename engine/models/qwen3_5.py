@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from engine import kernels
+from engine.kv_blocks import KVBlockPool, KVLayout
 from engine.memory_plan import FULL, LINEAR, hybrid_layer_types
 from engine.models.common import (
     GrowingPass,
@@ -47,6 +48,7 @@ from engine.models.common import (
     WindowPass,
     compute_dtype,
     finish_loading,
+    new_kv_cache,
     read_config,
     rope_theta,
     score_positions,
@@ -158,6 +160,9 @@ class HybridCache:
     @property
     def max_len(self) -> int:
         return self.kv.max_len
+
+    def check_room(self, pending: int) -> None:
+        self.kv.check_room(pending)
 
     def reset(self) -> None:
         """Empty: no token committed, every GDN state zero (a pooled cache's next sequence)."""
@@ -309,17 +314,16 @@ class Qwen3_5Model(nn.Module):
     def _layers_of(self, layer_type: str) -> list[HybridDecoderLayer]:
         return [layer for layer in self.layers if layer.layer_type == layer_type]
 
-    def new_cache(self, max_len: int) -> HybridCache:
+    def kv_layout(self) -> KVLayout:
+        """The K/V geometry of the attention layers (a KV block pool's, engine/kv_blocks.py)."""
         c, weight = self.config, self.embed_tokens.weight
-        attention_layers = len(self._layers_of(FULL))
-        kv = KVCache(
-            attention_layers,
-            max_len,
-            c.num_key_value_heads,
-            c.head_dim,
-            weight.dtype,
-            weight.device,
-        )
+        layers = len(self._layers_of(FULL))
+        return KVLayout(layers, c.num_key_value_heads, c.head_dim, weight.dtype, weight.device)
+
+    def new_cache(self, max_len: int, blocks: KVBlockPool | None = None) -> HybridCache:
+        """K/V for max_len tokens (a block table over `blocks`, else contiguous), GDN states."""
+        c, weight = self.config, self.embed_tokens.weight
+        kv = new_kv_cache(self.kv_layout(), max_len, blocks)
         gdn = self._layers_of(LINEAR)
         recurrent = [layer.linear_attn.new_state(weight.dtype, weight.device) for layer in gdn]
         keep = choose_keep(c.gdn_shape(), len(gdn), weight)

@@ -29,7 +29,7 @@ def decode_keeping(target, drafter, keep: str, monkeypatch) -> tuple[list[int], 
     monkeypatch.setattr(qwen3_5, "choose_keep", lambda *args: keep)
     caches = []
     new_cache = target.new_cache
-    monkeypatch.setattr(target, "new_cache", lambda n: caches.append(new_cache(n)) or caches[-1])
+    monkeypatch.setattr(target, "new_cache", lambda *a: caches.append(new_cache(*a)) or caches[-1])
     cfg = GenerationConfig(method="ddtree", budget=6, max_new_tokens=24)
     result = generate(target, drafter, [5, 9, 17, 4, 30, 8, 11], cfg)
     assert caches[0].keep == keep

@@ -32,9 +32,10 @@ def _shared_bytes(*cases: str) -> dict[str, int]:
 
 @pytest.mark.parametrize("capability", [90, 120])
 def test_attention_compiles_within_shared_memory(capability: int) -> None:
-    """A verify reading the length on the device, as a captured graph does, and a decode step
-    with a host length."""
-    cases = [f"attention-{shape}-{capability}" for shape in ("verify-graph", "decode")]
+    """A verify reading the length on the device, as a captured graph does, a decode step with
+    a host length, and a verify over block tables (paged KV)."""
+    shapes = ("verify-graph", "decode", "paged-verify")
+    cases = [f"attention-{shape}-{capability}" for shape in shapes]
     for case, shared in _shared_bytes(*cases).items():
         assert 0 < shared <= SHARED_MEMORY[capability], case
 

@@ -289,6 +289,95 @@ def test_attention_qwen36_head_shape(dtype: torch.dtype) -> None:
     _check_attention(_parents("two_level"), 20, 6, 1, 256, dtype, num_splits=2, block_n=16)
 
 
+# --- paged attention: block tables, several sequences a launch -------------------------------
+
+PAGED_SEQUENCES = [(5, "two_level"), (0, "chain"), (13, "forest"), (9, "single")]  # prefix, tree
+
+
+def _paged_inputs(sequences, Hq, Hkv, D, dtype, block_tokens=4, causal=False, seed=5):
+    """q of every sequence concatenated, a pool whose blocks each sequence holds scattered
+    (tables in a shuffled order, unused entries 0), and the other paged arguments."""
+    gen = torch.Generator().manual_seed(seed)
+    trees = [_parents(tree) for _, tree in sequences]
+    lengths = [prefix + len(tree) for (prefix, _), tree in zip(sequences, trees, strict=True)]
+    needed = [-(-n // block_tokens) for n in lengths]
+    order = torch.randperm(sum(needed) + 3, generator=gen)  # 3 blocks no one holds
+    table_len = max(needed) + 1
+    tables = torch.zeros(len(sequences), table_len, dtype=torch.int64)
+    taken = 0
+    for b, count in enumerate(needed):
+        tables[b, :count] = order[taken : taken + count]
+        taken += count
+    blocks = len(order)
+    k = _randn(blocks, block_tokens, Hkv, D, dtype=dtype, gen=gen)
+    v = _randn(blocks, block_tokens, Hkv, D, dtype=dtype, gen=gen)
+    T = [len(tree) for tree in trees]
+    q = _randn(sum(T), Hq, D, dtype=dtype, gen=gen)
+    starts = torch.tensor([0, *torch.tensor(T).cumsum(0).tolist()])
+    prefixes = torch.tensor([prefix for prefix, _ in sequences])
+    visible = None
+    if not causal:
+        visible = torch.zeros(sum(T), max(T), dtype=torch.bool)
+        for b, tree in enumerate(trees):
+            visible[starts[b] : starts[b + 1], : T[b]] = _ancestor_mask(tree)
+    return q, k, v, tables, starts, prefixes, visible
+
+
+def _contiguous_expected(q, k, v, tables, starts, prefixes, visible, scale):
+    """Each sequence alone through `reference.tree_attention` over its keys copied in order."""
+    out, block_tokens = [], k.shape[1]
+    for b, prefix in enumerate(prefixes.tolist()):
+        rows = slice(int(starts[b]), int(starts[b + 1]))
+        T = rows.stop - rows.start
+        used = tables[b, : -(-(prefix + T) // block_tokens)]
+        keys, values = k[used].flatten(0, 1), v[used].flatten(0, 1)
+        mask = None if visible is None else visible[rows, :T]
+        out.append(reference.tree_attention(q[rows], keys, values, prefix, mask, scale))
+    return torch.cat(out)
+
+
+def test_paged_reference_is_each_sequence_over_its_blocks() -> None:
+    args = _paged_inputs(PAGED_SEQUENCES, 4, 2, 16, torch.float64)
+    expected = _contiguous_expected(*args, 0.25)
+    for impl in (reference, batched):
+        _assert_matches(impl.paged_tree_attention(*args, 0.25), expected, torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_paged_attention_matches_reference_over_scattered_blocks(dtype: torch.dtype) -> None:
+    args = _paged_inputs(PAGED_SEQUENCES, 4, 2, 16, dtype)
+    out = triton_attention.paged_tree_attention(*args, 16**-0.5)
+    _assert_matches(out, reference.paged_tree_attention(*args, 16**-0.5), dtype)
+
+
+@pytest.mark.parametrize(("num_splits", "block_n", "block_tokens"), [(1, 16, 4), (3, 16, 8)])
+def test_paged_attention_splits_and_blocks_of_other_sizes(num_splits, block_n, block_tokens):
+    """Key splits merged, and key steps that span several blocks or a part of one."""
+    sequences = [(41, "forest"), (3, "wide"), (20, "chain")]
+    args = _paged_inputs(sequences, 6, 2, 16, torch.float32, block_tokens=block_tokens)
+    out = triton_attention.paged_tree_attention(*args, 0.3, num_splits=num_splits, block_n=block_n)
+    _assert_matches(out, reference.paged_tree_attention(*args, 0.3), torch.float32)
+
+
+def test_paged_attention_causal_prefill_chunks() -> None:
+    """Without a mask each sequence's queries are a causal chain (prefill chunks)."""
+    sequences = [(7, "chain"), (0, "chain"), (2, "single")]
+    args = _paged_inputs(sequences, 4, 1, 32, torch.float32, causal=True)
+    out = triton_attention.paged_tree_attention(*args, 0.2)
+    _assert_matches(out, reference.paged_tree_attention(*args, 0.2), torch.float32)
+
+
+def test_one_paged_sequence_equals_the_contiguous_kernel() -> None:
+    """A lone sequence over its block table gives what the contiguous kernel gives over the
+    same keys in order (the engine's batch-1 pass either way)."""
+    q, k, v, tables, starts, prefixes, visible = _paged_inputs(
+        [(10, "two_level")], 4, 2, 16, torch.float32
+    )
+    expected = _contiguous_expected(q, k, v, tables, starts, prefixes, visible, 0.25)
+    out = triton_attention.paged_tree_attention(q, k, v, tables, starts, prefixes, visible, 0.25)
+    _assert_matches(out, expected, torch.float32)
+
+
 # --- float64, empty trees, dispatch -----------------------------------------------------------
 
 

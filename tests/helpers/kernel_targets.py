@@ -23,7 +23,12 @@ from tests.helpers.kernel_cases import compiled_copy
 
 Q_HEADS, KV_HEADS, HEAD_DIM, HIDDEN, ROTARY_DIM = 24, 4, 256, 5120, 64  # Qwen3.6-27B
 GDN_HEAD_DIM, CONV_KERNEL = 128, 4
-ATTENTION_SHAPES = {"verify-graph": (96, True), "decode": (6, False)}  # rows, device prefix
+# rows, device prefix, paged (block tables and per-sequence lengths)
+ATTENTION_SHAPES = {
+    "verify-graph": (96, True, False),
+    "decode": (6, False, False),
+    "paged-verify": (96, True, True),
+}
 
 
 def _compile(kernel, types: dict[str, str], constexprs: dict, capability: int, **options) -> int:
@@ -40,15 +45,18 @@ def _compile(kernel, types: dict[str, str], constexprs: dict, capability: int, *
 
 def attention_shared(capability: int, shape: str) -> int:
     """A verify (16 tokens x 6 query heads a kv head) reading the length on the device, as a
-    captured graph does, or a decode step (6 rows) with a host length."""
+    captured graph does, a decode step (6 rows) with a host length, or a verify over block
+    tables (paged KV, several sequences a launch)."""
     attention = compiled_copy("engine.kernels.triton_attention")
-    rows, device_prefix = ATTENTION_SHAPES[shape]
+    rows, device_prefix, paged = ATTENTION_SHAPES[shape]
     cfg = attention.attention_config(divmod(capability, 10), HEAD_DIM, rows)
     types = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), "*bf16")
     types |= {"visible_ptr": "*i8", "partial_ptr": "*fp32", "lse_ptr": "*fp32", "scale": "fp32"}
     types["prefix"] = "*i64" if device_prefix else "i32"
+    types |= dict.fromkeys(("table_ptr", "starts_ptr"), "*i64" if paged else "*bf16")
     constexprs = dict(
         D=HEAD_DIM, GROUP=Q_HEADS // KV_HEADS, CAUSAL=False, PREFIX_ON_DEVICE=device_prefix,
+        PAGED=paged,
         COMPUTE=tl.float32, DOT=tl.bfloat16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=HEAD_DIM,
     )  # fmt: skip

@@ -1,0 +1,347 @@
+"""Paged KV: one pool of fixed-size K/V blocks per model, and a sequence's cache as a block table.
+
+`KVBlockPool(layout, capacity)` holds K and V as [L, blocks, block_tokens, Hkv, D] for every
+attention layer of one model (the target's attention layers; the drafter's layers), with a
+reference count per block. A block is taken by `allocate` (the lowest free one, so a lone
+sequence's blocks lie in order and read as one slice), shared by `share` (the prefix cache and
+the sequences that resume from it) and given back by `release`; at count 0 it is free again.
+
+`PagedKVCache(pool, max_len)` is one sequence's cache: the interface of
+engine/models/common.py's `KVCache` (`length`, `max_len`, `check_room`, `store` / `store_at`,
+`attend`, `write`, `advance`, `commit`, `reset`, `read` / `place`) over a block table, so the
+models, engine/decode.py and a scheduler use either without changing their calls. Slot s of the
+sequence lives at slot s % block_tokens of block table[s // block_tokens].
+
+- `check_room(pending)` allocates the blocks for slots length .. length + pending - 1 (the pending
+  tokens of a pass: a prefill chunk, a verify tree, a draft block) before the pass writes them,
+  and copies a shared block among them first (copy on write: a prefix-cache hit's partly filled
+  tail block is written only in the sequence's own copy). Every writer calls it first, outside
+  any captured graph: the device table a graph reads changes only there.
+- `blocks` (host) and `table` (device, [ceil(max_len / block_tokens)]) name the blocks; entries
+  past the allocated ones point at block 0 (never read: the kernels stop at length + pending).
+- `adopt(blocks, length)` starts the sequence from shared blocks (a prefix-cache hit): a
+  reference on each, nothing copied.
+
+Storage: on CUDA the whole pool is allocated at once (the memory plan sizes it, captured graphs
+read it in place); elsewhere it grows by doubling up to `capacity` as blocks are first used (a
+CPU server's plan may leave the prefix cache most of the RAM, which it should not take at start).
+Unwritten storage is zeros: a masked key must still be finite (0 * NaN is NaN).
+
+When no block is free, `reclaim` (set by the prefix cache) is asked to let go of one; a pool that
+still has none raises `PoolExhausted`, an out-of-memory error (engine/memory_plan.py).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.kernels import paged_tree_attention, sequence_slots, tree_attention
+from engine.memory_plan import BLOCK_TOKENS
+from engine.tree import on_device, to_device
+
+
+class PoolExhausted(MemoryError):
+    """No free block is left in a KV block pool, even after the prefix cache let go of its own."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The K/V geometry of one model's attention layers."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def block_bytes(self, block_tokens: int = BLOCK_TOKENS) -> int:
+        """Bytes of one block: K and V of every layer for `block_tokens` tokens."""
+        width = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.layers * block_tokens * self.kv_heads * self.head_dim * width
+
+
+class KVBlockPool:
+    """Fixed-size K/V blocks with reference counts (see the module docstring)."""
+
+    def __init__(self, layout: KVLayout, capacity: int, block_tokens: int = BLOCK_TOKENS) -> None:
+        if capacity < 1 or block_tokens < 1:
+            raise ValueError("a KV block pool needs at least one block of at least one token")
+        self.layout, self.capacity, self.block_tokens = layout, capacity, block_tokens
+        self.device = torch.device(layout.device)
+        allocated = capacity if self.device.type == "cuda" else min(capacity, 4)
+        self.k = self._zeros(allocated)
+        self.v = self._zeros(allocated)
+        self.refs = [0] * capacity
+        self._free = list(range(allocated))  # a heap: the lowest free block first
+        self.reclaim: Callable[[], bool] | None = None
+
+    @classmethod
+    def for_tokens(
+        cls, layout: KVLayout, tokens: int, block_tokens: int = BLOCK_TOKENS, spare: int = 0
+    ) -> KVBlockPool:
+        """A pool for `tokens` tokens of sequences (whole blocks) plus `spare` blocks."""
+        return cls(layout, -(-tokens // block_tokens) + spare, block_tokens)
+
+    def _zeros(self, blocks: int) -> torch.Tensor:
+        L, H, D = self.layout.layers, self.layout.kv_heads, self.layout.head_dim
+        shape = (L, blocks, self.block_tokens, H, D)
+        return torch.zeros(shape, dtype=self.layout.dtype, device=self.device)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layout.block_bytes(self.block_tokens)
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks free now or not yet allocated."""
+        return len(self._free) + self.capacity - self.k.shape[1]
+
+    def allocate(self) -> int:
+        """A free block (its count 1); asks `reclaim` for one, then raises PoolExhausted."""
+        while not self._free:
+            if self.k.shape[1] < self.capacity:
+                self._grow()
+            elif self.reclaim is None or not self.reclaim():
+                raise PoolExhausted(
+                    f"KV block pool exhausted: {self.capacity} blocks of {self.block_tokens} "
+                    f"tokens ({self.capacity * self.block_bytes} bytes) all in use"
+                )
+        block = heapq.heappop(self._free)
+        self.refs[block] = 1
+        return block
+
+    def _grow(self) -> None:
+        """Twice the storage (at most `capacity` blocks), the blocks kept in place."""
+        old = self.k.shape[1]
+        new = min(self.capacity, 2 * old)
+        for name in ("k", "v"):
+            grown = self._zeros(new)
+            grown[:, :old] = getattr(self, name)
+            setattr(self, name, grown)
+        for block in range(old, new):
+            heapq.heappush(self._free, block)
+
+    def share(self, block: int) -> int:
+        """One more reference to `block` (which must be in use); returns it."""
+        if self.refs[block] < 1:
+            raise ValueError(f"block {block} is free: nothing to share")
+        self.refs[block] += 1
+        return block
+
+    def release(self, block: int) -> None:
+        """One reference fewer; the block is free at none."""
+        if self.refs[block] < 1:
+            raise ValueError(f"block {block} released more often than taken")
+        self.refs[block] -= 1
+        if not self.refs[block]:
+            heapq.heappush(self._free, block)
+
+    def copy_of(self, block: int) -> int:
+        """A new block holding what `block` holds (copy on write)."""
+        copy = self.allocate()
+        self.k[:, copy] = self.k[:, block]
+        self.v[:, copy] = self.v[:, block]
+        return copy
+
+
+class PagedKVCache:
+    """One sequence's K/V as a block table over a pool (see the module docstring)."""
+
+    def __init__(self, pool: KVBlockPool, max_len: int) -> None:
+        self.pool, self._max_len = pool, max_len
+        self.blocks: list[int] = []
+        self._length = 0
+        table_len = -(-max_len // pool.block_tokens)
+        self.table = torch.zeros(table_len, dtype=torch.long, device=pool.device)
+        self._slots: tuple[tuple[int, int], torch.Tensor] | None = None  # the last `physical`
+        self._device_scalars: dict[tuple[str, int], torch.Tensor] = {}  # attend's, on CUDA
+
+    # -- lengths and room ------------------------------------------------------------------
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        if not 0 <= value <= len(self.blocks) * self.pool.block_tokens:
+            raise ValueError(f"length {value} beyond the {len(self.blocks)} blocks held")
+        self._length = value
+
+    @property
+    def max_len(self) -> int:
+        return self._max_len
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one token's K and V over every layer."""
+        return self.pool.block_bytes // self.pool.block_tokens
+
+    def check_room(self, pending: int) -> None:
+        """Raise if `pending` more slots do not fit max_len; else hold writable blocks for them."""
+        if self._length + pending > self._max_len:
+            raise ValueError(
+                f"KV cache full: {self._length} committed + {pending} pending > max_len "
+                f"{self._max_len}"
+            )
+        self._hold(self._length, self._length + pending)
+
+    def _hold(self, start: int, end: int) -> None:
+        """Blocks for slots start..end-1, each this sequence's own (a shared one is copied)."""
+        B, changed = self.pool.block_tokens, False
+        while len(self.blocks) * B < end:
+            self.blocks.append(self.pool.allocate())
+            changed = True
+        for index in range(start // B, -(-end // B)):
+            block = self.blocks[index]
+            if self.pool.refs[block] > 1:
+                self.blocks[index] = self.pool.copy_of(block)
+                self.pool.release(block)
+                changed = True
+        if changed:
+            self._table_changed()
+
+    def _table_changed(self) -> None:
+        self._slots = None
+        held = torch.tensor(self.blocks, dtype=torch.long)
+        self.table[: len(self.blocks)].copy_(on_device(held, self.table.device))
+        self.table[len(self.blocks) :] = 0
+
+    # -- writing and reading ---------------------------------------------------------------
+
+    def physical(self, start: int, end: int) -> torch.Tensor:
+        """Pool slots (block * block_tokens + offset) of sequence slots start..end-1 [end-start],
+        kept while the table stands (every layer of a pass asks for the same range)."""
+        if self._slots is None or self._slots[0] != (start, end):
+            slots = torch.arange(start, end, device=self.pool.device)
+            physical = sequence_slots(self.table, slots, self.pool.block_tokens)
+            self._slots = ((start, end), physical)
+        return self._slots[1]
+
+    def _flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V as [blocks * block_tokens, Hkv, D] views."""
+        k, v = self.pool.k[layer], self.pool.v[layer]
+        return k.flatten(0, 1), v.flatten(0, 1)
+
+    def _all_layers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every layer as [L, blocks * block_tokens, Hkv, D] views."""
+        return self.pool.k.flatten(1, 2), self.pool.v.flatten(1, 2)
+
+    def store(self, layer: int, offset: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, Hkv, D] at slots offset.. (held by check_room)."""
+        slots = self.physical(offset, offset + k.shape[0])
+        keys, values = self._flat(layer)
+        keys.index_copy_(0, slots, k)
+        values.index_copy_(0, slots, v)
+
+    def store_at(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, Hkv, D] at device `slots` [T] (a static pass: no host reads)."""
+        physical = sequence_slots(self.table, slots, self.pool.block_tokens)
+        keys, values = self._flat(layer)
+        keys.index_copy_(0, physical, k)
+        values.index_copy_(0, physical, v)
+
+    def keys(self, layer: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K/V of slots 0..count-1 [count, Hkv, D]: a view of the pool when their
+        blocks lie in order, else a gathered copy."""
+        B = self.pool.block_tokens
+        used = self.blocks[: -(-count // B)]
+        first = used[0] if used else 0
+        if used == list(range(first, first + len(used))):
+            keys, values = self._flat(layer)
+            return keys[first * B : first * B + count], values[first * B : first * B + count]
+        slots = self.physical(0, count)
+        keys, values = self._flat(layer)
+        return keys.index_select(0, slots), values.index_select(0, slots)
+
+    def write(
+        self, layer: int, offset: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`store`, then the layer's K/V up to the stored slots (see `keys`)."""
+        self.store(layer, offset, k, v)
+        return self.keys(layer, offset + k.shape[0])
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, Hq, D] the pending tokens' queries
+        prefix_len: int | torch.Tensor,  # committed slots before them
+        visible: torch.Tensor | None,  # [T, T] bool among the pending; None = causal
+        scale: float,
+        keys: int,  # slots that may be read (>= prefix_len + T)
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Tree attention of `q` over the blocks in place: the paged kernel on CUDA; elsewhere
+        the contiguous kernel over `keys` (a view when the blocks lie in order)."""
+        if q.is_cuda:
+            k, v = self.pool.k[layer], self.pool.v[layer]
+            starts = self._on_device("starts", q.shape[0], [0, q.shape[0]])
+            if isinstance(prefix_len, torch.Tensor):
+                prefix = prefix_len.view(1)
+            else:
+                prefix = self._on_device("prefix", prefix_len, [prefix_len])
+            return paged_tree_attention(q, k, v, self.table[None], starts, prefix, visible, scale)
+        keys = min(keys, len(self.blocks) * self.pool.block_tokens)
+        return tree_attention(q, *self.keys(layer, keys), prefix_len, visible, scale)
+
+    def _on_device(self, name: str, value: int, values: list[int]) -> torch.Tensor:
+        """A small int64 tensor on the device, made once per value (every layer asks)."""
+        key = (name, value)
+        if key not in self._device_scalars:
+            if len(self._device_scalars) > 64:
+                self._device_scalars.clear()
+            self._device_scalars[key] = to_device(np.array(values, np.int64), self.pool.device)
+        return self._device_scalars[key]
+
+    # -- committing ------------------------------------------------------------------------
+
+    def advance(self, count: int) -> None:
+        """The `count` pending slots after the committed ones are committed (a prefill chunk)."""
+        self.check_room(count)
+        self._length += count
+
+    def commit(self, accepted: torch.Tensor) -> None:
+        """Pending slots length + accepted[i] become committed slot length + i."""
+        count = accepted.shape[0]
+        self.check_room(count)
+        start = self._length
+        source = sequence_slots(
+            self.table, start + on_device(accepted, self.table.device), self.pool.block_tokens
+        )
+        target = self.physical(start, start + count)
+        for flat in self._all_layers():
+            flat[:, target] = flat[:, source]  # advanced indexing gathers a copy first
+        self._length = start + count
+
+    def reset(self) -> None:
+        """Empty: every block given back (those the prefix cache shares stay with it)."""
+        for block in self.blocks:
+            self.pool.release(block)
+        self.blocks = []
+        self._length = 0
+        self._table_changed()
+
+    def adopt(self, blocks: list[int], length: int) -> None:
+        """Start from shared `blocks` (a reference on each) holding `length` tokens."""
+        if self.blocks:
+            raise ValueError("adopt needs an empty cache")
+        self.blocks = [self.pool.share(block) for block in blocks]
+        self._table_changed()
+        self.length = length
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        """A copy of slots start..end-1 of every layer: [2, L, end - start, Hkv, D] (K, V)."""
+        slots = self.physical(start, end)
+        return torch.stack([flat[:, slots] for flat in self._all_layers()])
+
+    def place(self, start: int, saved: torch.Tensor) -> None:
+        """Write a `read` copy back at slots start..; `length` is the caller's to set."""
+        end = start + saved.shape[2]
+        self._hold(start, end)
+        slots = self.physical(start, end)
+        for flat, part in zip(self._all_layers(), saved, strict=True):
+            flat[:, slots] = part
