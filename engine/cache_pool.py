@@ -9,9 +9,11 @@ every chunk's end (`after_chunk`: chunk boundaries, the request's checkpoints, s
 a chat's messages end before the generation prompt, and the prompt's end); at the end it gives
 the drafter the last features and stores what it committed for the next request (`finish`).
 
-One sequence decodes in the pool at a time (batch 1). A batch > 1 scheduler would hold a slot
-like this per running sequence, or read the prefix cache's blocks in place: they are already
-fixed-size blocks, a cached sequence a list of them (engine/prefix_cache.py).
+The caches are block tables (engine/kv_blocks.py) over one KV block pool per model, sized for
+the sequence and grown by the prefix cache's budget in blocks: a hit hands the sequence the
+cached blocks by reference (engine/prefix_cache.py), a store keeps the sequence's own. One
+sequence decodes in the pool at a time (batch 1); a scheduler opens a view per running sequence
+over the same pools. `paged=False` (and a tensor-parallel target) keeps contiguous caches.
 
 `generate` without a pool makes a throwaway one sized for the request, without a prefix cache.
 `pool.run` retries a request that ran out of memory before its first token once with the prefix
@@ -68,7 +70,28 @@ class CachePool:
             tokens = max_len + drafter.block_size  # its cache holds a block beyond the context
             self.draft_blocks, self.draft_cache = self._caches(drafter, max_len, tokens)
         self.passes: dict[Any, Any] = {}  # engine/decode.py's static passes, by kind
+        pools = (self.target_blocks, self.draft_blocks)
+        self._sequence_blocks = [(p, p.capacity) for p in pools if p is not None]
+        self._prefix_cache: PrefixCache | None = None
         self.prefix_cache = prefix_cache
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self._prefix_cache
+
+    @prefix_cache.setter
+    def prefix_cache(self, cache: PrefixCache | None) -> None:
+        """The prefix cache holds blocks of the pools: each grows by the blocks its budget
+        holds (a cached token has a target block's and a drafter block's share), and asks it
+        for blocks back when it has none free."""
+        if cache is not None and self.target_blocks is None:
+            raise ValueError("the prefix cache shares KV blocks: it needs paged caches")
+        self._prefix_cache = cache
+        per_block = sum(blocks.block_bytes for blocks, _ in self._sequence_blocks)
+        for blocks, sequence in self._sequence_blocks:
+            blocks.reclaim = cache.reclaim if cache is not None else None
+            if cache is not None:  # and a block for a copy on write
+                blocks.reserve(sequence + cache.budget_bytes // per_block + 1)
 
     def _caches(self, model, max_len: int, tokens: int) -> tuple[KVBlockPool | None, Any]:
         """`model`'s KV block pool for a sequence of `tokens` and `spare_blocks` more
@@ -82,12 +105,21 @@ class CachePool:
         return blocks, model.new_cache(max_len, blocks)
 
     @classmethod
-    def for_server(cls, target, drafter, max_len: int, cache_bytes: int) -> CachePool:
+    def for_server(
+        cls, target, drafter, max_len: int, cache_bytes: int, block_tokens: int = BLOCK_TOKENS
+    ) -> CachePool:
         """The pool of a server: caches for `max_len` tokens plus a draft block, and a prefix
         cache of `cache_bytes` (none when 0)."""
-        pool = cls(target, drafter, max_len + (drafter.block_size if drafter is not None else 1))
+        pool = cls(
+            target,
+            drafter,
+            max_len + (drafter.block_size if drafter is not None else 1),
+            block_tokens=block_tokens,
+        )
         if cache_bytes:
-            pool.prefix_cache = PrefixCache(cache_bytes, recurrent=has_states(pool.cache))
+            pool.prefix_cache = PrefixCache(
+                cache_bytes, recurrent=has_states(pool.cache), block_tokens=block_tokens
+            )
         return pool
 
     def slots(self, count: int) -> list[CachePool]:

@@ -87,6 +87,15 @@ class KVBlockPool:
         """A pool for `tokens` tokens of sequences (whole blocks) plus `spare` blocks."""
         return cls(layout, -(-tokens // block_tokens) + spare, block_tokens)
 
+    def reserve(self, capacity: int) -> None:
+        """At least `capacity` blocks (a prefix cache's share added); on CUDA allocated now."""
+        if capacity <= self.capacity:
+            return
+        self.refs += [0] * (capacity - self.capacity)
+        self.capacity = capacity
+        if self.device.type == "cuda":
+            self._grow(capacity)
+
     def _zeros(self, blocks: int) -> torch.Tensor:
         L, H, D = self.layout.layers, self.layout.kv_heads, self.layout.head_dim
         shape = (L, blocks, self.block_tokens, H, D)
@@ -115,10 +124,10 @@ class KVBlockPool:
         self.refs[block] = 1
         return block
 
-    def _grow(self) -> None:
-        """Twice the storage (at most `capacity` blocks), the blocks kept in place."""
+    def _grow(self, blocks: int | None = None) -> None:
+        """Storage for `blocks` (default: twice as many, at most `capacity`), the blocks kept."""
         old = self.k.shape[1]
-        new = min(self.capacity, 2 * old)
+        new = blocks or min(self.capacity, 2 * old)
         for name in ("k", "v"):
             grown = self._zeros(new)
             grown[:, :old] = getattr(self, name)

@@ -1,14 +1,18 @@
 """The server's prefix cache: what a token sequence left in the engine, keyed by its token ids, so a
 request whose prompt starts with a cached sequence prefills only the rest.
 
-What is kept (every tensor a copy, outside the caches sequences decode in):
+What is kept:
 - **KV blocks** of `block_tokens` tokens: the target's attention K/V and, when a speculative run
-  made them, the DFlash drafter's context K/V. The blocks form a trie keyed by their token ids, so
-  a cached sequence is the list of blocks on its path and sequences with a common prefix share
-  its blocks (the layout a batch > 1 scheduler reads: fixed-size blocks, a sequence = a list).
+  made them, the DFlash drafter's context K/V. They are the sequences' own blocks of the KV block
+  pools (engine/kv_blocks.py), held by reference: storing takes a reference on the blocks a
+  sequence wrote, a hit gives the next sequence references to them (`PagedKVCache.adopt`), and
+  nothing is copied either way. The blocks form a trie keyed by their token ids, so a cached
+  sequence is the list of blocks on its path and sequences with a common prefix share them.
 - **Snapshots** at exact positions: the Gated DeltaNet layers' conv windows and recurrent states
-  (valid at that position only), the K/V of the tokens after the last whole block (the tail),
-  and at a prompt's end its last token's logits. Taken at prefill chunk boundaries, at the
+  (valid at that position only; copies, since a sequence's state is overwritten in place every
+  token, so the copy restored into its slot is its copy on write), the block holding the tokens
+  after the last whole block (the tail: shared too, and copied by the sequence that resumes from
+  it before its first write into it), and at a prompt's end its last token's logits. Taken at prefill chunk boundaries, at the
   prompt's end and at the generation's end (the next turn usually extends prompt + answer), so a
   history that diverges inside an earlier answer resumes from the last snapshot before it.
 
@@ -17,8 +21,10 @@ A prompt resumes at its longest resume point: a snapshot whose path and tail it 
 snapshot there kept logits (a token is left to prefill, whose logits choose the first output). A
 speculative request also needs the drafter's K/V of every reused token.
 
-Memory: a byte budget (the memory plan's, engine/memory_plan.py) over blocks and snapshots,
-allocated as they are stored; the least recently used go first. A hit touches its snapshot and
+Memory: a byte budget (the memory plan's, engine/memory_plan.py) over the blocks it holds (a
+whole block each, a tail's too) and the snapshots' states; the least recently used go first, and
+a pool out of free blocks asks for the same (`reclaim`): a request that would fit without the
+cache always gets its blocks. A hit touches its snapshot and
 its path; a store touches what it stored, its chunk-boundary snapshots oldest, so under pressure
 those go before the snapshots a next turn resumes from, and a block goes before its ancestors
 (evicting a block evicts what hangs below it). On a hybrid target a block that no snapshot needs
@@ -29,7 +35,7 @@ runs out of memory gets it back, engine/cache_pool.py).
 
     cache = PrefixCache(budget_bytes=8 << 30, recurrent=True)  # a hybrid target
     hit = cache.lookup(prompt_ids, drafted=True)
-    cache.restore(hit, target_cache, draft_cache)  # target_cache.length == hit.position
+    cache.restore(hit, target_cache, draft_cache)  # target_cache.length == hit.position, shared
     ...prefill from hit.position, capture() at chunk boundaries and the prompt's end...
     cache.store(committed_ids, target_cache, draft_cache, captures)
 """
@@ -42,6 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.kv_blocks import KVBlockPool
 from engine.memory_plan import BLOCK_TOKENS
 
 
@@ -72,6 +79,28 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+@dataclass(eq=False)
+class _Held:
+    """A reference the cache holds on one block of a KV block pool."""
+
+    pool: KVBlockPool
+    block: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.block_bytes
+
+
+def _held_bytes(*held: _Held | None) -> int:
+    return sum(h.nbytes for h in held if h is not None)
+
+
+def _release(*held: _Held | None) -> None:
+    for h in held:
+        if h is not None:
+            h.pool.release(h.block)
+
+
 def _attention(cache):
     """The KVCache of a target's cache (a dense target's cache is one)."""
     return getattr(cache, "kv", cache)
@@ -84,13 +113,13 @@ def has_states(cache) -> bool:
 
 @dataclass(eq=False)
 class _Block:
-    """A trie node: K/V of tokens start .. start + len(tokens) - 1 (the root: none)."""
+    """A trie node: the pool blocks of tokens start .. start + len(tokens) - 1 (the root: none)."""
 
     tokens: tuple[int, ...]
     parent: _Block | None
     start: int
-    target: torch.Tensor | None = None  # [2, L, n, Hkv, D]
-    draft: torch.Tensor | None = None  # the drafter's, same layout
+    target: _Held | None = None
+    draft: _Held | None = None  # the drafter's
     children: dict[tuple[int, ...], _Block] = field(default_factory=dict)
     snapshots: dict[tuple[int, ...], _Snapshot] = field(default_factory=dict)
 
@@ -100,7 +129,7 @@ class _Block:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.target, self.draft)
+        return _held_bytes(self.target, self.draft)
 
 
 @dataclass(eq=False)
@@ -118,13 +147,14 @@ class Capture:
 
 @dataclass(eq=False)
 class _Snapshot:
-    """A resume point at node.end + len(tail): the tail's K/V, the recurrent states there."""
+    """A resume point at node.end + len(tail): the block holding the tail's K/V, the recurrent
+    states there."""
 
     node: _Block
     tail: tuple[int, ...]
     capture: Capture
-    target_tail: torch.Tensor | None = None
-    draft_tail: torch.Tensor | None = None
+    target_tail: _Held | None = None
+    draft_tail: _Held | None = None
 
     @property
     def position(self) -> int:
@@ -137,7 +167,7 @@ class _Snapshot:
 
     @property
     def nbytes(self) -> int:
-        return self.capture.nbytes + _nbytes(self.target_tail, self.draft_tail)
+        return self.capture.nbytes + _held_bytes(self.target_tail, self.draft_tail)
 
 
 @dataclass
@@ -200,24 +230,18 @@ class PrefixCache:
             path.append(node)
 
     def restore(self, hit: Hit, cache, draft_cache=None) -> None:
-        """Copy the hit's K/V (and the drafter's, into `draft_cache` if given) and recurrent
-        states into a sequence's caches; their lengths become hit.position."""
-        kv = _attention(cache)
-        for block in hit.path:
-            kv.place(block.start, block.target)
-            if draft_cache is not None and block.draft is not None:
-                draft_cache.place(block.start, block.draft)
+        """Give a sequence's empty caches the hit's blocks (and the drafter's, to `draft_cache`
+        if given) by reference, and copy its recurrent states in; their lengths become
+        hit.position."""
         snapshot = hit.snapshot
-        if snapshot is not None:
-            if snapshot.target_tail is not None:
-                kv.place(snapshot.node.end, snapshot.target_tail)
-            if draft_cache is not None and snapshot.draft_tail is not None:
-                draft_cache.place(snapshot.node.end, snapshot.draft_tail)
-            if snapshot.capture.states is not None:
-                cache.place_states(snapshot.capture.states)
-        kv.length = hit.position
+        tails = (snapshot.target_tail, snapshot.draft_tail) if snapshot else (None, None)
+        blocks = [block.target for block in hit.path] + [tails[0]]
+        _attention(cache).adopt([h.block for h in blocks if h is not None], hit.position)
         if draft_cache is not None:
-            draft_cache.length = hit.position
+            drafts = [block.draft for block in hit.path] + [tails[1]]
+            draft_cache.adopt([h.block for h in drafts if h is not None], hit.position)
+        if snapshot is not None and snapshot.capture.states is not None:
+            cache.place_states(snapshot.capture.states)
         self._touch([hit.snapshot] if hit.snapshot else [], hit.path[-1] if hit.path else None)
 
     # -- storing -------------------------------------------------------------------------
@@ -265,22 +289,22 @@ class PrefixCache:
             self._prune(path[-1], protect=set())
 
     def _store_blocks(self, tokens: Sequence[int], cache, draft_cache) -> list[_Block]:
-        """The path of whole blocks of `tokens`, new ones copied from the caches."""
-        B, kv = self.block_tokens, _attention(cache)
+        """The path of whole blocks of `tokens`, new ones the caches' own blocks, shared."""
+        B = self.block_tokens
         drafted = draft_cache.length if draft_cache is not None else 0
         node, path, protect = self._root, [], set()
         for start in range(0, len(tokens) - B + 1, B):
             key = tuple(tokens[start : start + B])
             child = node.children.get(key)
             if child is None:
-                saved = self._allocate(kv, start, start + B, protect)
-                if saved is None:
+                held = self._share(cache, start, protect)
+                if held is None:
                     break
-                child = _Block(key, node, start, target=saved)
+                child = _Block(key, node, start, target=held)
                 node.children[key] = child
                 self._lru[id(child)] = child
             if child.draft is None and drafted >= start + B:
-                child.draft = self._allocate(draft_cache, start, start + B, protect | {id(child)})
+                child.draft = self._share(draft_cache, start, protect | {id(child)})
             node = child
             path.append(node)
             protect.add(id(node))
@@ -316,14 +340,12 @@ class PrefixCache:
             return None  # a dense target resumes at a block boundary without one
         snapshot = _Snapshot(node, tail, capture)
         if tail:
-            snapshot.target_tail = self._allocate(cache, node.end, capture.position, protect)
+            snapshot.target_tail = self._share(cache, node.end, protect)
             if snapshot.target_tail is None:
                 self.release([capture])
                 return None
             if drafted:
-                snapshot.draft_tail = self._allocate(
-                    draft_cache, node.end, capture.position, protect
-                )
+                snapshot.draft_tail = self._share(draft_cache, node.end, protect)
         if existing is not None and node.snapshots.get(tail) is existing:  # still there
             self._evict(existing, protect)
         del self._pending[id(capture)]  # its bytes are the snapshot's from here
@@ -331,17 +353,30 @@ class PrefixCache:
         self._lru[id(snapshot)] = snapshot
         return snapshot
 
-    def _allocate(self, cache, start: int, end: int, protect: set[int]) -> torch.Tensor | None:
-        """A copy of slots start..end-1 of `cache` (a target's or a drafter's) within the
-        budget, or None when it cannot fit."""
+    def _share(self, cache, start: int, protect: set[int]) -> _Held | None:
+        """A reference on the block of `cache` (a target's or a drafter's paged cache) that
+        holds slot `start` (a block's first), within the budget; None when it cannot fit."""
         kv = _attention(cache)
-        if not self._make_room(kv.slot_bytes * (end - start), protect):
+        if kv.pool.block_tokens != self.block_tokens:
+            raise ValueError(
+                f"prefix-cache blocks of {self.block_tokens} tokens over a KV pool's of "
+                f"{kv.pool.block_tokens}"
+            )
+        if not self._make_room(kv.pool.block_bytes, protect):
             return None
-        saved = kv.read(start, end)
-        self.used_bytes += _nbytes(saved)
-        return saved
+        held = _Held(kv.pool, kv.pool.share(kv.blocks[start // self.block_tokens]))
+        self.used_bytes += held.nbytes
+        return held
 
     # -- eviction ------------------------------------------------------------------------
+
+    def reclaim(self) -> bool:
+        """Let go of the least recently used entry (a KV pool out of free blocks asks);
+        False when nothing is stored."""
+        if not self._lru:
+            return False
+        self._evict(next(iter(self._lru.values())), set())
+        return True
 
     def clear(self) -> None:
         """Evict everything stored (captures in flight keep their bytes until stored)."""
@@ -399,9 +434,11 @@ class PrefixCache:
             unit = below.pop()
             if isinstance(unit, _Snapshot):
                 del unit.node.snapshots[unit.tail]
+                _release(unit.target_tail, unit.draft_tail)
             else:
                 below += [*unit.children.values(), *unit.snapshots.values()]
                 del unit.parent.children[unit.tokens]
+                _release(unit.target, unit.draft)
             self.used_bytes -= unit.nbytes
             del self._lru[id(unit)]
 

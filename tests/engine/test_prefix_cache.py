@@ -19,6 +19,7 @@ import torch
 
 from engine.cache_pool import CachePool, chunk_bounds
 from engine.decode import GenerationConfig, generate
+from engine.kv_blocks import KVBlockPool, KVLayout, PagedKVCache
 from engine.prefix_cache import PrefixCache
 from tests.helpers.oracle_drafter import OracleDrafter
 from tests.helpers.tiny_pairs import KINDS, load_tiny_pair
@@ -52,7 +53,7 @@ def config(method: str, budget: int, temperature: float, **changes) -> Generatio
 
 def server_pool(pair, budget_bytes: int = 1 << 30) -> CachePool:
     target, drafter = pair
-    pool = CachePool(target, drafter, 256)
+    pool = CachePool(target, drafter, 256, block_tokens=BLOCK)
     pool.prefix_cache = PrefixCache(
         budget_bytes, recurrent=hasattr(pool.cache, "recurrent"), block_tokens=BLOCK
     )
@@ -294,21 +295,24 @@ def test_the_cache_keeps_the_output_but_its_last_token_when_a_stop_ends_a_path(p
     assert pool.cache.length == len(prompt) + len(result.output_ids) - 1
 
 
+def paged_kv(length: int, block_tokens: int) -> PagedKVCache:
+    """A cache of `length` committed tokens over its own pool: 8 bytes a slot (K and V of one
+    float32)."""
+    layout = KVLayout(1, 1, 1, torch.float32, torch.device("cpu"))
+    cache = PagedKVCache(KVBlockPool.for_tokens(layout, length, block_tokens), length)
+    cache.advance(length)
+    return cache
+
+
 def test_a_drafted_snapshot_replaces_one_evicted_to_make_room_for_it():
     """An ar turn's snapshot (no drafter K/V) is replaced by a ddtree turn's at the same
     position; under a tight budget the replacement's own tail evicts the old one first."""
-    from engine.models.common import KVCache
-
-    def kv(length):  # 8 bytes a slot (K and V of one float32)
-        cache = KVCache(1, 16, 1, 1, torch.float32, "cpu")
-        cache.length = length
-        return cache
-
-    cache = PrefixCache(80, recurrent=False, block_tokens=4)
+    cache = PrefixCache(128, recurrent=False, block_tokens=4)
     tokens = [1, 2, 3, 4, 5, 6]
-    cache.store(tokens, kv(6), None, [])  # a block (32 bytes), a 2-token tail (16)
-    cache.store(tokens, kv(6), kv(6), [])  # + the block's draft (32): the old tail must go
-    assert cache.used_bytes == 80
+    cache.store(tokens, paged_kv(6, 4), None, [])  # a block (32 bytes), a 2-token tail's (32)
+    # + the block's draft (32), the tail's (32), the draft tail's (32): the old tail must go
+    cache.store(tokens, paged_kv(6, 4), paged_kv(6, 4), [])
+    assert cache.used_bytes == 128
     hit = cache.lookup([*tokens, 7], drafted=False)
     assert hit.position == 6 and hit.snapshot.target_tail is not None
 
@@ -317,11 +321,8 @@ def test_a_path_deeper_than_the_recursion_limit_is_cleared():
     """Qwen3.6's 262144-token context is 1024 blocks deep: clearing drops it without recursion."""
     import sys
 
-    from engine.models.common import KVCache
-
     depth = sys.getrecursionlimit() + 100
-    kv = KVCache(1, depth, 1, 1, torch.float32, "cpu")
-    kv.length = depth
+    kv = paged_kv(depth, 1)
     cache = PrefixCache(1 << 20, recurrent=False, block_tokens=1)
     cache.store(list(range(depth)), kv, None, [])
     assert cache.lookup([*range(depth), 0], drafted=False).position == depth
