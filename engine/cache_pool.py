@@ -60,18 +60,19 @@ class CachePool:
         block_tokens: int = BLOCK_TOKENS,
         paged: bool = True,
         spare_blocks: int = 0,
+        pools: tuple[KVBlockPool | None, KVBlockPool | None] | None = None,
     ):
+        """`pools`: the KV block pools (target's, drafter's) of another slot, which grow by this
+        one's sequence; else this pool makes its own, with `spare_blocks` more."""
         self.target, self.drafter, self.max_len = target, drafter, max_len
-        self.block_tokens, self.spare_blocks = block_tokens, spare_blocks
-        self.paged = paged
-        self.target_blocks, self.cache = self._caches(target, max_len, max_len)
+        self.block_tokens, self.spare_blocks, self.paged = block_tokens, spare_blocks, paged
+        shared = pools or (None, None)
+        self.target_blocks, self.cache = self._caches(target, max_len, max_len, shared[0])
         self.draft_blocks, self.draft_cache = None, None
         if drafter is not None:
             tokens = max_len + drafter.block_size  # its cache holds a block beyond the context
-            self.draft_blocks, self.draft_cache = self._caches(drafter, max_len, tokens)
+            self.draft_blocks, self.draft_cache = self._caches(drafter, max_len, tokens, shared[1])
         self.passes: dict[Any, Any] = {}  # engine/decode.py's static passes, by kind
-        pools = (self.target_blocks, self.draft_blocks)
-        self._sequence_blocks = [(p, p.capacity) for p in pools if p is not None]
         self._prefix_cache: PrefixCache | None = None
         self.prefix_cache = prefix_cache
 
@@ -87,19 +88,25 @@ class CachePool:
         if cache is not None and self.target_blocks is None:
             raise ValueError("the prefix cache shares KV blocks: it needs paged caches")
         self._prefix_cache = cache
-        per_block = sum(blocks.block_bytes for blocks, _ in self._sequence_blocks)
-        for blocks, sequence in self._sequence_blocks:
+        pools = [p for p in (self.target_blocks, self.draft_blocks) if p is not None]
+        per_block = sum(blocks.block_bytes for blocks in pools)
+        for blocks in pools:
             blocks.reclaim = cache.reclaim if cache is not None else None
             if cache is not None:  # and a block for a copy on write
-                blocks.reserve(sequence + cache.budget_bytes // per_block + 1)
+                blocks.hold_for_cache(cache.budget_bytes // per_block + 1)
 
-    def _caches(self, model, max_len: int, tokens: int) -> tuple[KVBlockPool | None, Any]:
-        """`model`'s KV block pool for a sequence of `tokens` and `spare_blocks` more
-        (engine/kv_blocks.py), and the sequence's cache over it; a model without a block layout
-        (tensor parallel, a test's drafter) or a pool made unpaged has no pool and a contiguous
-        cache."""
+    def _caches(
+        self, model, max_len: int, tokens: int, shared: KVBlockPool | None
+    ) -> tuple[KVBlockPool | None, Any]:
+        """`model`'s KV block pool (`shared`, grown by a sequence of `tokens`, or a new one for
+        it and `spare_blocks` more: engine/kv_blocks.py) and the sequence's cache over it; a
+        model without a block layout (tensor parallel, a test's drafter) or a pool made unpaged
+        has no pool and a contiguous cache."""
         if not self.paged or not hasattr(model, "kv_layout"):
             return None, model.new_cache(max_len)
+        if shared is not None:
+            shared.grow_by(-(-tokens // self.block_tokens))
+            return shared, model.new_cache(max_len, shared)
         layout = model.kv_layout()
         blocks = KVBlockPool.for_tokens(layout, tokens, self.block_tokens, self.spare_blocks)
         return blocks, model.new_cache(max_len, blocks)
@@ -123,10 +130,20 @@ class CachePool:
         return pool
 
     def slots(self, count: int) -> list[CachePool]:
-        """This pool and `count` - 1 more of its size sharing its prefix cache: the slots of a
-        scheduler's running sequences (engine/scheduler.py), each its own caches and passes."""
+        """This pool and `count` - 1 more of its size sharing its prefix cache and its KV block
+        pools (each grown by a sequence): the slots of a scheduler's running sequences
+        (engine/scheduler.py), each its own block tables and passes."""
+        pools = (self.target_blocks, self.draft_blocks)
         more = [
-            CachePool(self.target, self.drafter, self.max_len, self.prefix_cache)
+            CachePool(
+                self.target,
+                self.drafter,
+                self.max_len,
+                self.prefix_cache,
+                self.block_tokens,
+                self.paged,
+                pools=pools,
+            )
             for _ in range(count - 1)
         ]
         return [self, *more]

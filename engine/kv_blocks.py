@@ -79,6 +79,7 @@ class KVBlockPool:
         self.refs = [0] * capacity
         self._free = list(range(allocated))  # a heap: the lowest free block first
         self.reclaim: Callable[[], bool] | None = None
+        self.cache_blocks = 0  # of the capacity, the prefix cache's share (hold_for_cache)
 
     @classmethod
     def for_tokens(
@@ -87,14 +88,20 @@ class KVBlockPool:
         """A pool for `tokens` tokens of sequences (whole blocks) plus `spare` blocks."""
         return cls(layout, -(-tokens // block_tokens) + spare, block_tokens)
 
-    def reserve(self, capacity: int) -> None:
-        """At least `capacity` blocks (a prefix cache's share added); on CUDA allocated now."""
-        if capacity <= self.capacity:
+    def grow_by(self, blocks: int) -> None:
+        """`blocks` more blocks of capacity (another sequence's, a prefix cache's share); on
+        CUDA allocated now (before any graph reads the storage)."""
+        if blocks <= 0:
             return
-        self.refs += [0] * (capacity - self.capacity)
-        self.capacity = capacity
+        self.refs += [0] * blocks
+        self.capacity += blocks
         if self.device.type == "cuda":
-            self._grow(capacity)
+            self._grow(self.capacity)
+
+    def hold_for_cache(self, blocks: int) -> None:
+        """Capacity for a prefix cache holding up to `blocks` blocks (once per pool)."""
+        self.grow_by(blocks - self.cache_blocks)
+        self.cache_blocks = max(self.cache_blocks, blocks)
 
     def _zeros(self, blocks: int) -> torch.Tensor:
         L, H, D = self.layout.layers, self.layout.kv_heads, self.layout.head_dim

@@ -95,6 +95,14 @@ def _held_bytes(*held: _Held | None) -> int:
     return sum(h.nbytes for h in held if h is not None)
 
 
+def _adopt(kv, held: list[_Held | None], hit) -> None:
+    """`kv` (an empty paged cache) starts from the held blocks, hit.position tokens."""
+    held = [h for h in held if h is not None]
+    if any(h.pool is not kv.pool for h in held):
+        raise ValueError("a prefix-cache hit's blocks are in another KV block pool")
+    kv.adopt([h.block for h in held], hit.position)
+
+
 def _release(*held: _Held | None) -> None:
     for h in held:
         if h is not None:
@@ -235,11 +243,9 @@ class PrefixCache:
         hit.position."""
         snapshot = hit.snapshot
         tails = (snapshot.target_tail, snapshot.draft_tail) if snapshot else (None, None)
-        blocks = [block.target for block in hit.path] + [tails[0]]
-        _attention(cache).adopt([h.block for h in blocks if h is not None], hit.position)
+        _adopt(_attention(cache), [block.target for block in hit.path] + [tails[0]], hit)
         if draft_cache is not None:
-            drafts = [block.draft for block in hit.path] + [tails[1]]
-            draft_cache.adopt([h.block for h in drafts if h is not None], hit.position)
+            _adopt(draft_cache, [block.draft for block in hit.path] + [tails[1]], hit)
         if snapshot is not None and snapshot.capture.states is not None:
             cache.place_states(snapshot.capture.states)
         self._touch([hit.snapshot] if hit.snapshot else [], hit.path[-1] if hit.path else None)
