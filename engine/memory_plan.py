@@ -30,7 +30,10 @@ the whole lm_head and the drafter):
   device leaves the cache nothing). A cached token costs the target's and the drafter's K/V
   (`cached_bytes_per_token`), a GDN snapshot the recurrent state of every GDN layer
   (`snapshot_bytes`); `conversations_held(tokens)` is how many conversations of that length fit
-  (one snapshot per prefill chunk, the prompt's and the generation's ends, their tails).
+  (one snapshot per prefill chunk, the prompt's and the generation's ends, their tails);
+- the KV block pools (engine/kv_blocks.py): blocks of BLOCK_TOKENS tokens (`block_bytes`, the
+  target's and the drafter's), which running sequences and the prefix cache share (a hit hands
+  its blocks over, `hit_shared_bytes`).
 The longest context is what the rest leaves, divided by the bytes per token, less one draft
 block (the caches hold a round beyond the context), capped by the model's
 max_position_embeddings. Not counted: the CPU attention's [chunk, context] bool mask (2 KiB per
@@ -379,6 +382,18 @@ class Plan:
         return self.prefix_cache_bytes // self.conversation_bytes(tokens, chunk_snapshots)
 
     @property
+    def block_bytes(self) -> int:
+        """One KV block of BLOCK_TOKENS tokens in the target's pool and the drafter's together
+        (engine/kv_blocks.py: one pool per model, the prefix cache's blocks among them)."""
+        return BLOCK_TOKENS * self.cached_bytes_per_token
+
+    def hit_shared_bytes(self, tokens: int = CONVERSATION_TOKENS) -> int:
+        """What a prefix-cache hit of `tokens` hands over by reference instead of copying: the
+        target's and the drafter's K/V of its whole blocks (the tail block is copied on its
+        first write, a GDN snapshot's states are copied)."""
+        return tokens // BLOCK_TOKENS * self.block_bytes
+
+    @property
     def longest_fit(self) -> int:
         """The longest context the device's memory holds, whatever the model's own limit."""
         room = self.device_memory - self.fixed_bytes
@@ -442,6 +457,8 @@ class Plan:
             "conversations_held": self.conversations_held(),
             "sequence_bytes": self.sequence_bytes,
             "sequences_fitting": self.sequences_fitting(CONVERSATION_TOKENS),
+            "block_bytes": self.block_bytes,
+            "hit_shared_bytes": self.hit_shared_bytes(),
         }
 
     def lines(self) -> list[str]:
@@ -467,6 +484,11 @@ class Plan:
             f"longest context      {self.longest_context} tokens (memory allows "
             f"{self.longest_fit}, the model {self.model_limit})",
             self._prefix_cache_line(size),
+            f"KV blocks            {BLOCK_TOKENS} tokens: "
+            f"{size(BLOCK_TOKENS * self.target_kv_per_token)} target + "
+            f"{size(BLOCK_TOKENS * self.draft_kv_per_token)} drafter (one pool per model, "
+            f"the prefix cache's blocks shared: a {CONVERSATION_TOKENS}-token hit hands over "
+            f"{size(self.hit_shared_bytes())}, nothing copied)",
         ]
 
     def _prefix_cache_line(self, size) -> str:

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from engine.memory_plan import GIB, parse_size, plan_from_configs, plan_from_dirs
+from engine.memory_plan import GIB, MIB, parse_size, plan_from_configs, plan_from_dirs
 from tests.helpers import DATA
 
 QWEN36 = DATA / "qwen36_27b"
@@ -233,6 +233,18 @@ def test_qwen36_27b_prefix_cache_figures_on_96_gib():
     assert full.conversation_bytes(32_768, chunk_snapshots=True) == with_chunks
     assert (full.conversations_held(), full.conversations_held(chunk_snapshots=True)) == (2, 1)
     assert (agent.conversations_held(), agent.conversations_held(chunk_snapshots=True)) == (12, 6)
+
+
+def test_qwen36_27b_kv_block_pool_figures_on_96_gib():
+    """A KV block of 256 tokens is 16 MiB of the target's pool and 5 MiB of the drafter's; a
+    32k-token prefix-cache hit hands over its 128 blocks (2.62 GiB) instead of copying them."""
+    agent = qwen36_plan(96 * GIB, max_model_len=32_768)
+    assert agent.block_bytes == 256 * (KV_PER_TOKEN + DRAFT_KV_PER_TOKEN) == 21 * MIB
+    assert agent.hit_shared_bytes(32_768) == 128 * 21 * MIB
+    assert agent.hit_shared_bytes(32_767) == 127 * 21 * MIB  # the tail block is copied on write
+    document = agent.to_dict()
+    assert (document["block_bytes"], document["hit_shared_bytes"]) == (21 * MIB, 2688 * MIB)
+    assert any(line.startswith("KV blocks") and "2.62 GiB" in line for line in agent.lines())
 
 
 def test_a_prefix_cache_asked_for_comes_out_of_the_context_and_off_is_zero():
