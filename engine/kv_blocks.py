@@ -37,12 +37,11 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.kernels import paged_tree_attention, sequence_slots, tree_attention
 from engine.memory_plan import BLOCK_TOKENS
-from engine.tree import on_device, to_device
+from engine.tree import on_device
 
 
 class PoolExhausted(MemoryError):
@@ -175,7 +174,6 @@ class PagedKVCache:
         table_len = -(-max_len // pool.block_tokens)
         self.table = torch.zeros(table_len, dtype=torch.long, device=pool.device)
         self._slots: tuple[tuple[int, int], torch.Tensor] | None = None  # the last `physical`
-        self._device_scalars: dict[tuple[str, int], torch.Tensor] = {}  # attend's, on CUDA
 
     # -- lengths and room ------------------------------------------------------------------
 
@@ -293,25 +291,17 @@ class PagedKVCache:
     ) -> torch.Tensor:  # [T, Hq, D]
         """Tree attention of `q` over the blocks in place: the paged kernel on CUDA; elsewhere
         the contiguous kernel over `keys` (a view when the blocks lie in order)."""
-        if q.is_cuda:
+        if reads_blocks_in_place(q):
             k, v = self.pool.k[layer], self.pool.v[layer]
-            starts = self._on_device("starts", q.shape[0], [0, q.shape[0]])
+            # Made on the device (no host copy a captured graph would replay from freed memory).
+            starts = torch.arange(0, 2 * q.shape[0], max(1, q.shape[0]), device=q.device)
             if isinstance(prefix_len, torch.Tensor):
                 prefix = prefix_len.view(1)
             else:
-                prefix = self._on_device("prefix", prefix_len, [prefix_len])
+                prefix = torch.full((1,), prefix_len, dtype=torch.long, device=q.device)
             return paged_tree_attention(q, k, v, self.table[None], starts, prefix, visible, scale)
         keys = min(keys, len(self.blocks) * self.pool.block_tokens)
         return tree_attention(q, *self.keys(layer, keys), prefix_len, visible, scale)
-
-    def _on_device(self, name: str, value: int, values: list[int]) -> torch.Tensor:
-        """A small int64 tensor on the device, made once per value (every layer asks)."""
-        key = (name, value)
-        if key not in self._device_scalars:
-            if len(self._device_scalars) > 64:
-                self._device_scalars.clear()
-            self._device_scalars[key] = to_device(np.array(values, np.int64), self.pool.device)
-        return self._device_scalars[key]
 
     # -- committing ------------------------------------------------------------------------
 
@@ -361,3 +351,9 @@ class PagedKVCache:
         slots = self.physical(start, end)
         for flat, part in zip(self._all_layers(), saved, strict=True):
             flat[:, slots] = part
+
+
+def reads_blocks_in_place(q: torch.Tensor) -> bool:
+    """Whether attention over a block table runs the paged kernel (CUDA), not the contiguous
+    one over a view or a gathered copy (the CPU, where a lone sequence's blocks are in order)."""
+    return q.is_cuda

@@ -193,3 +193,28 @@ def test_model_passes_on_block_tables_give_identical_float64_logits(pair) -> Non
         outputs.append([prefill, more, logits, after, draft, draft_again])
     for paged, contiguous in zip(outputs[1], outputs[0], strict=True):
         assert torch.equal(paged, contiguous)
+
+
+def test_the_paged_kernel_s_arguments_decode_the_same(pair, monkeypatch) -> None:
+    """The path CUDA takes (one sequence's table, lengths and mask through
+    kernels.paged_tree_attention), run here by its CPU implementation: the same tokens."""
+    from engine import kv_blocks
+
+    target, drafter = pair
+    cfg = GenerationConfig("ddtree", 6, max_new_tokens=10, prefill_chunk=5, trace=True)
+    max_len = len(PROMPT) + 10 + 16
+    want = generate(
+        target, drafter, PROMPT, cfg, pool=CachePool(target, drafter, max_len, paged=False)
+    )
+    calls = []
+    paged = kv_blocks.paged_tree_attention
+
+    def counted(*args):
+        calls.append(args[3].shape)
+        return paged(*args)
+
+    monkeypatch.setattr(kv_blocks, "reads_blocks_in_place", lambda q: True)
+    monkeypatch.setattr(kv_blocks, "paged_tree_attention", counted)
+    got = generate(target, drafter, PROMPT, cfg, pool=_paged_pool(pair, max_len, scattered=True))
+    assert calls and all(shape[0] == 1 for shape in calls)  # one sequence a call
+    assert got.output_ids == want.output_ids and got.rounds == want.rounds
