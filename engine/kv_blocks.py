@@ -22,9 +22,11 @@ sequence lives at slot s % block_tokens of block table[s // block_tokens].
 - `adopt(blocks, length)` starts the sequence from shared blocks (a prefix-cache hit): a
   reference on each, nothing copied.
 
-Storage: on CUDA the whole pool is allocated at once (the memory plan sizes it, captured graphs
-read it in place); elsewhere it grows by doubling up to `capacity` as blocks are first used (a
-CPU server's plan may leave the prefix cache most of the RAM, which it should not take at start).
+Storage: on CUDA the whole pool is allocated at once when its first block is taken (the memory
+plan sizes it; the pool's capacity is set before: every slot's sequence and the prefix cache's
+share; captured graphs then read it in place); elsewhere it grows by doubling up to `capacity`
+as blocks are first used (a CPU server's plan may leave the prefix cache most of the RAM, which
+it should not take at start).
 Unwritten storage is zeros: a masked key must still be finite (0 * NaN is NaN).
 
 When no block is free, `reclaim` (set by the prefix cache) is asked to let go of one; a pool that
@@ -72,7 +74,7 @@ class KVBlockPool:
             raise ValueError("a KV block pool needs at least one block of at least one token")
         self.layout, self.capacity, self.block_tokens = layout, capacity, block_tokens
         self.device = torch.device(layout.device)
-        allocated = capacity if self.device.type == "cuda" else min(capacity, 4)
+        allocated = 0 if self.device.type == "cuda" else min(capacity, 4)
         self.k = self._zeros(allocated)
         self.v = self._zeros(allocated)
         self.refs = [0] * capacity
@@ -88,14 +90,15 @@ class KVBlockPool:
         return cls(layout, -(-tokens // block_tokens) + spare, block_tokens)
 
     def grow_by(self, blocks: int) -> None:
-        """`blocks` more blocks of capacity (another sequence's, a prefix cache's share); on
-        CUDA allocated now (before any graph reads the storage)."""
+        """`blocks` more blocks of capacity (another sequence's, a prefix cache's share). On
+        CUDA only before the first block is taken: the storage, allocated then, never moves
+        (captured graphs read it)."""
         if blocks <= 0:
             return
+        if self.device.type == "cuda" and self.k.shape[1]:
+            raise RuntimeError("a CUDA KV block pool grows only before its first block is used")
         self.refs += [0] * blocks
         self.capacity += blocks
-        if self.device.type == "cuda":
-            self._grow(self.capacity)
 
     def hold_for_cache(self, blocks: int) -> None:
         """Capacity for a prefix cache holding up to `blocks` blocks (once per pool)."""
@@ -130,10 +133,11 @@ class KVBlockPool:
         self.refs[block] = 1
         return block
 
-    def _grow(self, blocks: int | None = None) -> None:
-        """Storage for `blocks` (default: twice as many, at most `capacity`), the blocks kept."""
+    def _grow(self) -> None:
+        """More storage, the blocks kept: on CUDA all `capacity` at once, elsewhere twice as
+        much (at most `capacity`)."""
         old = self.k.shape[1]
-        new = blocks or min(self.capacity, 2 * old)
+        new = self.capacity if self.device.type == "cuda" else min(self.capacity, 2 * old)
         for name in ("k", "v"):
             grown = self._zeros(new)
             grown[:, :old] = getattr(self, name)

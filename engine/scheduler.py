@@ -6,8 +6,8 @@
         scheduler.step()
 
 A `Request` waits (first come, first served) until a cache slot is free (`max_num_seqs` slots,
-each a contiguous KVCache of the server's context from its `CachePool`; they share one prefix
-cache). Each `step`:
+each a block table of the server's context over the `CachePool`'s KV block pools, which they
+share with one prefix cache, engine/kv_blocks.py). Each `step`:
   admit   waiting requests into free slots; each resumes from the prefix cache (engine/decode.py
           `_Sequence.begin_prefill`);
   plan    for every decoding sequence its round's draft (the drafter, per sequence) and verify
