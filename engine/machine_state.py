@@ -20,6 +20,13 @@ other processes took the cores is sent again once they have let go. Contention o
 a measurement, and a burst that lands on one method's request and not another's would decide a
 speedup; the tau bound catches that only when the baseline is the one slowed. A machine that is
 never quiet is measured as it is, and the warning says so.
+
+`uneven_load` is the pairing's guard (issue 37): the gate gives up on a request after its tries,
+and on every request while the machine stays busy (QUIET_PATIENCE), so when bursts of load come
+and go faster than a quiet moment lasts, one method's request can be measured in a burst and
+the next one's out of it: that repeat's ratio is the burst's, not the methods'. A repeat whose
+requests saw other processes' CPU share differ by more than UNEVEN_SHARE is redone like one
+whose speedup beats tau. Load that stays (busy throughout) slows every method alike and counts.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import contextlib
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -44,6 +51,7 @@ QUIET_WINDOW_S = 0.2  # a stretch this long below QUIET_SHARE is a quiet moment
 QUIET_WAIT_S = 3.0  # the longest wait for a quiet moment before sending again
 QUIET_TRIES = 4  # a disturbed request is sent this many times at most
 QUIET_PATIENCE = 3  # requests in a row measured busy: the machine is never quiet, stop waiting
+UNEVEN_SHARE = 0.10  # a repeat's requests seeing others' share differ by more: not paired
 GPU_QUERY = (
     "index",
     "clocks.sm",
@@ -262,6 +270,14 @@ class QuietGate:
                 return
 
 
+def uneven_load(shares: Iterable[float | None], spread: float = UNEVEN_SHARE) -> bool:
+    """Whether the requests of one repeat saw other processes' CPU share differ by more than
+    `spread` (of all cores): the load fell on some and not the others. Unknown shares (no /proc)
+    are never uneven."""
+    known = [share for share in shares if share is not None]
+    return bool(known) and max(known) - min(known) > spread
+
+
 def _gpu_summary(readings: Sequence[Reading]) -> list[dict]:
     by_index: dict[int, list[dict]] = {}
     for reading in readings:
@@ -284,10 +300,13 @@ def _gpu_summary(readings: Sequence[Reading]) -> list[dict]:
     return summary
 
 
-def summary(readings: Sequence[Reading], disturbed: int = 0, busy_requests: int = 0) -> dict:
+def summary(
+    readings: Sequence[Reading], disturbed: int = 0, busy_requests: int = 0, uneven: int = 0
+) -> dict:
     """The run's machine state from its readings (first to last) and, when the machine was
     busy or a measurement disturbed, a warning in words. `busy_requests`: requests kept although
-    other processes took the cores during them (QuietGate)."""
+    other processes took the cores during them (QuietGate); `uneven`: repeats redone because the
+    load fell unevenly on their requests (uneven_load)."""
     if not readings:
         return {"warning": None}
     first, last = readings[0], readings[-1]
@@ -300,6 +319,7 @@ def summary(readings: Sequence[Reading], disturbed: int = 0, busy_requests: int 
         "gpu_processes": list(last.gpu_processes) if last.gpu_processes is not None else None,
         "disturbed_repeats": disturbed,
         "busy_requests": busy_requests,
+        **({"uneven_repeats": uneven} if uneven else {}),
     }
     document["warning"] = busy_warning(document)
     return document
@@ -321,6 +341,11 @@ def busy_warning(state: dict) -> str | None:
         reasons.append(
             f"{counted(state['busy_requests'], 'request')} measured while other processes took the cores "
             f"(each sent up to {QUIET_TRIES} times)"
+        )
+    if state.get("uneven_repeats"):
+        reasons.append(
+            f"{counted(state['uneven_repeats'], 'repeat')} redone: other processes' load fell "
+            "unevenly on its requests"
         )
     if state.get("disturbed_repeats"):
         reasons.append(

@@ -12,8 +12,9 @@ each repeat, so a change in machine load hits them alike; each method first deco
 warm-up. A prompt gets at least --repeats repeats, more (up to --max-repeats) while its share of
 --time-budget seconds lasts. A speedup is the ratio of a method's decode to ar's decode of the
 same prompt in the same repeat; a repeat where one exceeds its tau (+ slack) was disturbed by
-something else: it is redone and left out. Each decode runs in a quiet moment of the machine
-and is run again when other processes took the cores during it (engine.machine_state.QuietGate).
+something else: it is redone and left out, as is a repeat whose decodes saw other processes'
+load unevenly (engine.machine_state.uneven_load). Each decode runs in a quiet moment of the
+machine and is run again when other processes took the cores during it (QuietGate).
 Decoding is greedy, so the tokens never change.
 
 Prints a table (tau = tokens committed per round, bonus included; decode tokens/s and speedup
@@ -45,7 +46,14 @@ from engine.bench_stats import (
     spread_in,
     verdict,
 )
-from engine.machine_state import MachineWatch, QuietGate, local_read, local_run, summary
+from engine.machine_state import (
+    MachineWatch,
+    QuietGate,
+    local_read,
+    local_run,
+    summary,
+    uneven_load,
+)
 
 WARMUP_TOKENS = 16
 ROUND_STAGES = ("draft", "tree", "verify", "commit")
@@ -279,30 +287,37 @@ def run(args: argparse.Namespace) -> int:
     gate = QuietGate(watch)  # each decode in a quiet moment, sent again when disturbed
     tallies = {method: Tally() for method in methods}
     rates: dict[Method, Rates] = {method: {} for method in methods}
-    disturbed = turn = 0
+    disturbed = uneven = turn = 0
     max_repeats = args.max_repeats if args.time_budget else args.repeats
     for index, prompt in enumerate(prompts):
         spent = readings[-1].at - readings[0].at
         share = max(0.0, args.time_budget - spent) / (len(prompts) - index)
         schedule = RepeatSchedule(args.repeats, max_repeats, share)
+        uneven_before = uneven
         while schedule.more():
             started = time.monotonic()
             order = rotated(methods, turn)
             turn += 1
-            results = {
-                m: gate.measure(partial(decode, m, prompt, args.max_new_tokens))[0] for m in order
+            measured = {
+                m: gate.measure(partial(decode, m, prompt, args.max_new_tokens)) for m in order
             }
+            results = {method: result for method, (result, _) in measured.items()}
             suspects = disturbed_in(results, methods[0])
-            schedule.record(time.monotonic() - started, disturbed=bool(suspects))
-            if suspects:
-                print(f"prompt {index + 1}: disturbed repeat ({', '.join(suspects)}), redone")
+            unpaired = not suspects and uneven_load(
+                load["others_cpu"] for _, load in measured.values()
+            )
+            uneven += unpaired
+            schedule.record(time.monotonic() - started, disturbed=bool(suspects) or unpaired)
+            if suspects or unpaired:
+                why = ", ".join(suspects) or "uneven load from other processes"
+                print(f"prompt {index + 1}: disturbed repeat ({why}), redone")
                 continue
             for method, result in results.items():
                 rates[method][(index, schedule.clean)] = result.decode_tokens_per_s
                 tallies[method].add(
                     result.acceptance_lengths, result.decode_tokens_per_s, result.stage_seconds
                 )
-        disturbed += schedule.disturbed
+        disturbed += schedule.disturbed - (uneven - uneven_before)
         readings.append(watch.reading())
         print(
             f"prompt {index + 1}/{len(prompts)} done ({len(prompt)} prompt tokens, "
@@ -311,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
         )
     close_target(target)
     rows = summarise(tallies, rates)
-    machine = summary(readings, disturbed, gate.busy_requests)
+    machine = summary(readings, disturbed, gate.busy_requests, uneven)
     decision = run_verdict(rows)
     print(format_table(rows))
     print(decision["text"])

@@ -9,7 +9,9 @@ method first sends `config.warmup` short requests (not counted); then each repea
 method once, back to back, starting with the next method each repeat (engine.bench_stats), so
 load that comes or goes lands on all of them alike. After a repeat, a method whose speedup over
 ar's same repeat exceeds its tau marks the repeat disturbed: its samples are kept, marked, and
-another repeat runs instead (figures.disturbed_methods). How many repeats: at least
+another repeat runs instead (figures.disturbed_methods); so does a repeat whose requests saw
+other processes' load unevenly (engine.machine_state.uneven_load: a burst on one method's
+request and not the next one's). How many repeats: at least
 `config.repeats` clean ones, then more while the group's share of `config.time_budget_s` lasts
 (engine.bench_stats.RepeatSchedule). The machine is read before and after each group
 (engine.machine_state), and each request is measured in a quiet moment (QuietGate): a request
@@ -53,7 +55,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from engine.bench_stats import RepeatSchedule, rotated
-from engine.machine_state import MachineWatch, QuietGate, summary
+from engine.machine_state import MachineWatch, QuietGate, summary, uneven_load
 from ops.bench.client import CompletionRequest, EngineClient, Sample
 from ops.bench.figures import (
     CACHE_OFF,
@@ -146,7 +148,7 @@ def run_bench(
     progress.start(len(config.cells()), done)
     readings = [watch.reading()]
     gate = QuietGate(watch)
-    disturbed = 0
+    disturbed = uneven = 0
     try:
         for index, group in enumerate(pending):
             spent = readings[-1].at - readings[0].at
@@ -158,12 +160,13 @@ def run_bench(
                 store.write_cell(cell.key, cells[cell.key])
                 progress.cell_finished(cell, cells[cell.key])
             disturbed += cells[group.cells[0].key].get("disturbed_repeats", 0)
+            uneven += cells[group.cells[0].key].get("uneven_repeats", 0)
     except BaseException as exc:
         store.fail(f"{type(exc).__name__}: {exc}")
         raise
     finally:
         progress.stop()
-    machine = summary(readings, disturbed, gate.busy_requests)
+    machine = summary(readings, disturbed, gate.busy_requests, uneven)
     store.finish(machine=machine)
     return RunResult(store.run_dir, store.cells(), store.resumed, machine)
 
@@ -192,6 +195,7 @@ def measure_group(
     samples: dict[Cell, list[dict]] = {cell: [] for cell in cells}
     max_repeats = config.max_repeats if config.time_budget_s else config.repeats
     schedule = RepeatSchedule(config.repeats, max_repeats, share_s)
+    beyond_tau = uneven = 0
     try:
         scenario = SCENARIO_RUNS[group.scenario](config, clients, gate, group)
         for cell in cells:
@@ -205,16 +209,32 @@ def measure_group(
                 entry = {"repeat": repeat, **where, **sample.to_json()}  # others_cpu: the gate's
                 record(cell.key, entry)
                 taken[cell].append(entry)
-            disturbed = _disturbed(taken, repeat, group.concurrency)
+            over = _disturbed(taken, repeat, group.concurrency)
+            unpaired = not over and uneven_load(_shares(taken))
+            beyond_tau, uneven = beyond_tau + over, uneven + unpaired
+            disturbed = over or unpaired
             for cell, entries in taken.items():  # kept, marked with the repeat's verdict
                 samples[cell] += [{**entry, "disturbed": disturbed} for entry in entries]
             schedule.record(gate.watch.clock() - started, disturbed=disturbed)
     except Skipped as why:
         return {cell.key: _cell_data(cell, [], {"skipped": str(why)}) for cell in group.cells}
-    notes = {**scenario.notes(), "disturbed_repeats": schedule.disturbed}
+    notes = {**scenario.notes(), "disturbed_repeats": beyond_tau}
+    if uneven:
+        notes["uneven_repeats"] = uneven
     if config.slo is not None:
         notes["slo"] = asdict(config.slo)
     return {cell.key: _cell_data(cell, samples[cell], notes) for cell in group.cells}
+
+
+def _shares(taken: Taken) -> list[float | None]:
+    """Other processes' CPU share during each measurement of a repeat (a window's once); the
+    agentic scenario's cache-off re-sends aside (they time the first token only)."""
+    return [
+        entry.get("others_cpu")
+        for entries in taken.values()
+        for entry in entries
+        if entry.get("cache") != CACHE_OFF and not entry.get("request")
+    ]
 
 
 def _disturbed(taken: Taken, repeat: int, concurrency: int) -> bool:

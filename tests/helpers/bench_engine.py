@@ -12,7 +12,8 @@ event loop; the engine decodes one request at a time, as today's engine does, so
 requests wait for the one in progress): `prefill_s` per uncached prompt
 token before the first, `step_s[method]` per round after it (a method's label, `ddtree:8`, or
 its name), times `slowdown(n, body)` for the
-n-th completion (1-based: a busy machine in the script). A prefix cache keyed by the prompt's
+n-th completion (1-based: a busy machine in the script), and each step times `contention(now)`
+(other processes sharing the cores at that moment). A prefix cache keyed by the prompt's
 text: with `cache_prompt` absent or true, a prompt reuses the longest stored prompt+output text
 it starts with (reported as usage.prompt_tokens_details.cached_tokens) and stores its own.
 `think` wraps the first tokens of each output in a `<think>` block. Request number `fail_at` is
@@ -71,6 +72,7 @@ class BenchEngine:
         prefill_s: float = 0.001,
         slowdown: Callable[[int, dict], float] = lambda n, body: 1.0,
         think: int = 0,
+        contention: Callable[[float], float] = lambda now: 1.0,
     ) -> None:
         self.max_model_len = max_model_len
         self.fail_at = fail_at
@@ -80,6 +82,7 @@ class BenchEngine:
         self.prefill_s = prefill_s
         self.slowdown = slowdown
         self.think = think
+        self.contention = contention
         self.completions: list[dict] = []
         self.cached: list[str] = []
         self.cpu_s = 0.0
@@ -111,7 +114,9 @@ class BenchEngine:
         return httpx.Response(200, content=self._stream(body, len(self.completions)))
 
     def _work(self, seconds: float) -> None:
-        """The engine computes for `seconds` on one core."""
+        """The engine computes for `seconds` on one core (longer while `contention` says other
+        processes share the cores: each step is slowed as it runs, as on a real machine)."""
+        seconds *= self.contention(self.clock.now)
         self.clock.advance(seconds)
         self.cpu_s += seconds
 
