@@ -216,8 +216,10 @@ class ChatOutput:
     def feed(self, text: str) -> list[dict]:
         return self._route(*self._split(text, final=False), final=False)
 
-    def finish(self) -> list[dict]:
-        return self._route(*self._split("", final=True), final=True)
+    def finish(self, cut: bool = False) -> list[dict]:
+        """The last deltas; `cut`: the token limit ended the output (a call begun stays a
+        call, engine/server/tools.py)."""
+        return self._route(*self._split("", final=True), final=True, cut=cut)
 
     def message(self, deltas: list[dict]) -> dict:
         """The non-streamed message from all of one generation's deltas."""
@@ -237,12 +239,12 @@ class ChatOutput:
             return "", text
         return self._reasoning.finish() if final else self._reasoning.feed(text)
 
-    def _route(self, reasoning: str, content: str, *, final: bool) -> list[dict]:
+    def _route(self, reasoning: str, content: str, *, final: bool, cut: bool = False) -> list[dict]:
         deltas = [{"reasoning_content": reasoning}] if reasoning else []
         if self._tools is None:
             return deltas + ([{"content": content}] if content else [])
         content, self._pending = self._pending + content, ""
-        pieces = self._tools.feed(content) + (self._tools.finish() if final else [])
+        pieces = self._tools.feed(content) + (self._tools.finish(cut) if final else [])
         for piece in pieces:
             if isinstance(piece, str):
                 deltas.append({"content": piece})

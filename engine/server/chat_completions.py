@@ -29,7 +29,7 @@ def router(state: ServerState) -> APIRouter:
         body, prompt_ids, chat, constraint, checkpoints = await state.prepare(
             lambda raw: _prompt(state, raw), request
         )
-        output = ChatOutput(chat)
+        output = lambda: ChatOutput(chat)  # noqa: E731  # one parser per sequence
         return await serve_choices(
             state, request, CHAT_COMPLETIONS, body, prompt_ids, output, constraint, checkpoints
         )

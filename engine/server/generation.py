@@ -1,14 +1,22 @@
 """The one generation path every API shares: a request's job on the worker and its events.
 
 `submit` validates a request against the loaded engine (model name, context limit, speculative
-method), builds its `GenerationConfig`, queues its `Job` on the worker and returns the
-`Generation` the handler reads: its events (`Delta` text, then `Done` or `Failed`) arrive on an
-asyncio queue, filled from the worker thread. `collect` gathers a whole generation (a client that
-hangs up cancels it); a streaming handler iterates `events` and sets `job.cancel` when it ends.
-`usage`, `speculative_stats` and `finish_reason` are what every API reports of a finished job.
+method), builds its `GenerationConfig`, queues its `Job`s on the worker and returns the
+`Generation`s the handler reads: its events (`Delta` text, then `Done` or `Failed`) arrive on an
+asyncio queue, filled from the worker thread. A request's `sequences()` (`n`, completions'
+`best_of`) are one job and one `Generation` each over the same prompt, sequence i of a seeded
+request seeded with `sequence_seed(seed, i)` (the request's own seed for the first): the worker
+runs them one after another, and from the second on the prefix cache holds the prompt, so it
+is prefilled once (a batching scheduler takes the same jobs as they are).
+
+`collect` gathers a whole generation (a client that hangs up cancels it), `collect_all` each of
+a request's; a streaming handler iterates `events` (`merged_events` for several) and sets
+`job.cancel` when it ends. `usage`, `speculative_stats` and `finish_reason` are what every API
+reports of a finished job.
 
 The body is any request of the API modules with `model`, `temperature`, `seed`, `speculative`,
-`cache_prompt`, `stop_strings()`, `requested_max_tokens()` and `include_usage_chunk()`. Usage
+`cache_prompt`, `stop_strings()`, `requested_max_tokens()`, `include_usage_chunk()`,
+`sequences()`, `output_logprobs()` and `prompt_logprobs()`. Usage
 reports the prompt tokens the prefix cache held as `prompt_tokens_details.cached_tokens`
 (OpenAI's field), and the prefix-cache counters count what each request asked of it.
 """
@@ -16,6 +24,8 @@ reports the prompt tokens the prefix cache held as `prompt_tokens_details.cached
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import json
 import statistics
 import time
@@ -58,6 +68,7 @@ class Generation:
     include_usage: bool
     id: str
     created: int
+    index: int = 0  # which of the request's sequences (its choice's index)
 
 
 def submit(
@@ -68,19 +79,20 @@ def submit(
     prompt_ids: list[int],
     constraint: Constraint | None = None,
     checkpoints: tuple[int, ...] = (),
-) -> Generation:
-    """Validate against the engine, queue the job, or raise an ApiError. `constraint`: the
-    grammar the output follows (engine/server/structured.py makes it)."""
+) -> list[Generation]:
+    """Validate against the engine and queue a job for each of the body's `sequences()` (all,
+    or none: an ApiError). `constraint`: the grammar the output follows
+    (engine/server/structured.py makes it)."""
     engine = state.ready_engine()
     state.check_model(body.model)
     cfg = _generation_config(state, engine, body, prompt_ids, constraint, checkpoints)
-    text = TextAssembler(engine.tokenizer.decode, body.stop_strings(), cfg.stop_token_ids)
-    events: asyncio.Queue = asyncio.Queue()
-    queried = engine.prefix_caching and cfg.cache_prompt
-    emit = _recording_emitter(state, events, cfg.method, len(prompt_ids), text, queried)
-    job = Job(prompt_ids, cfg, text, emit=emit)
+    request_id, created = id_prefix + uuid.uuid4().hex, int(time.time())
+    generations = [
+        _generation(state, engine, body, prompt_ids, cfg, index, request_id, created)
+        for index in range(body.sequences())
+    ]
     try:
-        state.worker.submit(job)
+        state.worker.submit(*(generation.job for generation in generations))
     except QueueFull as exc:
         raise ApiError(
             503, f"engine busy: {exc}; retry later", kind="server_error", code="queue_full"
@@ -90,15 +102,44 @@ def submit(
             503, f"{SHUTTING_DOWN}; retry later", kind="server_error", code="shutting_down"
         ) from None
     state.metrics.requests.labels(endpoint, cfg.method).inc()
+    return generations
+
+
+def sequence_seed(seed: int | None, index: int) -> int | None:
+    """The seed of a seeded request's sequence `index`: its own for the first, then one derived
+    from it (the same on every run, unrelated to seed + index); None stays None (random)."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+def _generation(
+    state: ServerState,
+    engine: LoadedEngine,
+    body: Any,
+    prompt_ids: list[int],
+    cfg: GenerationConfig,
+    index: int,
+    request_id: str,
+    created: int,
+) -> Generation:
+    """Sequence `index` of a request: its job (its own seed, text and events) and what its
+    answer needs."""
+    cfg = dataclasses.replace(cfg, seed=sequence_seed(cfg.seed, index))
+    text = TextAssembler(engine.tokenizer.decode, body.stop_strings(), cfg.stop_token_ids)
+    queried = engine.prefix_caching and cfg.cache_prompt
+    emit, events = _recording_emitter(state, cfg.method, len(prompt_ids), text, queried)
     return Generation(
-        job=job,
+        job=Job(prompt_ids, cfg, text, emit=emit),
         events=events,
         prompt_tokens=len(prompt_ids),
         method=cfg.method,
         budget=cfg.budget if cfg.method == "ddtree" else None,
         include_usage=body.include_usage_chunk(),
-        id=id_prefix + uuid.uuid4().hex,
-        created=int(time.time()),
+        id=request_id,
+        created=created,
+        index=index,
     )
 
 
@@ -123,7 +164,16 @@ def _generation_config(
         constraint=constraint,
         cache_prompt=body.cache_prompt,
         checkpoints=checkpoints,
+        logprobs=_engine_logprobs(body),
+        prompt_logprobs=body.prompt_logprobs(),
     )
+
+
+def _engine_logprobs(body: Any) -> int | None:
+    """The logprobs the engine computes: the asked ones, or with more sequences than are
+    returned (best_of) each token's own, to rank the sequences by."""
+    asked = body.output_logprobs()
+    return 0 if asked is None and body.sequences() > body.n else asked
 
 
 def _sampling(body: Any) -> Sampling:
@@ -175,14 +225,15 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
 
 def _recording_emitter(
     state: ServerState,
-    events: asyncio.Queue,
     method: str,
     prompt_tokens: int,
     text: TextAssembler,
     queried: bool,
-) -> Callable[[Delta | Done | Failed], None]:
+) -> tuple[Callable[[Delta | Done | Failed], None], asyncio.Queue]:
     """The job's `emit`: records a finished generation's metrics (even when its client has
-    gone; `queried`: it asked the prefix cache), then hands the event to the request's handler."""
+    gone; `queried`: it asked the prefix cache), then hands the event to the request's handler
+    (the queue returned beside it)."""
+    events: asyncio.Queue = asyncio.Queue()
     put = _thread_safe_put(events)
 
     def emit(event: Delta | Done | Failed) -> None:
@@ -195,7 +246,7 @@ def _recording_emitter(
                 state.metrics.observe_prefix_cache(prompt_tokens, event.result.cached_tokens)
         put(event)
 
-    return emit
+    return emit, events
 
 
 def _thread_safe_put(events: asyncio.Queue) -> Callable[[Any], None]:
@@ -221,35 +272,83 @@ async def events(generation: Generation) -> AsyncIterator[Delta | Done | Failed]
             return
 
 
-async def collect(request: Request, generation: Generation) -> tuple[str, Done]:
-    """The whole generation's text and its Done; a client that hangs up cancels it, a Failed
-    job raises its ApiError."""
+@dataclass(frozen=True)
+class Collected:
+    """A whole generation: its deltas (text and the logprobs behind it, when asked) and Done."""
+
+    deltas: list[Delta]
+    done: Done
+
+    @property
+    def text(self) -> str:
+        return "".join(delta.text for delta in self.deltas)
+
+    @property
+    def logprobs(self) -> list:
+        return [entry for delta in self.deltas for entry in delta.logprobs]
+
+
+async def collect(request: Request, generation: Generation) -> Collected:
+    """The whole generation; a client that hangs up cancels it, a Failed job raises its
+    ApiError."""
     watch = asyncio.ensure_future(_wait_for_disconnect(request))
     watch.add_done_callback(lambda task: task.cancelled() or generation.job.cancel.set())
-    pieces: list[str] = []
+    deltas: list[Delta] = []
     try:
         async for event in events(generation):
             if isinstance(event, Delta):
-                pieces.append(event.text)
+                deltas.append(event)
             elif isinstance(event, Failed):
                 raise failure(event)
             else:
-                return "".join(pieces), event
+                return Collected(deltas, event)
     finally:
         watch.cancel()
         generation.job.cancel.set()
     raise AssertionError("the worker ended a job without Done or Failed")
 
 
-def event_stream(generation: Generation, lines: AsyncIterator[str]) -> StreamingResponse:
-    """Server-sent `lines`; a client that hangs up cancels the generation."""
+async def collect_all(request: Request, generations: list[Generation]) -> list[Collected]:
+    """Each generation whole, in order (a failed one cancels the rest)."""
+    try:
+        return [await collect(request, generation) for generation in generations]
+    finally:
+        for generation in generations:
+            generation.job.cancel.set()
+
+
+async def merged_events(
+    generations: list[Generation],
+) -> AsyncIterator[tuple[Generation, Delta | Done | Failed]]:
+    """The events of all `generations` as they come, each with its generation."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def forward(generation: Generation) -> None:
+        async for event in events(generation):
+            await merged.put((generation, event))
+
+    tasks = [asyncio.ensure_future(forward(generation)) for generation in generations]
+    try:
+        ended = 0
+        while ended < len(generations):
+            generation, event = await merged.get()
+            ended += not isinstance(event, Delta)
+            yield generation, event
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def event_stream(generations: list[Generation], lines: AsyncIterator[str]) -> StreamingResponse:
+    """Server-sent `lines`; a client that hangs up cancels the generations."""
 
     async def guarded() -> AsyncIterator[str]:
         try:
             async for line in lines:
                 yield line
         finally:
-            generation.job.cancel.set()
+            for generation in generations:
+                generation.job.cancel.set()
 
     return StreamingResponse(guarded(), media_type="text/event-stream", headers=NO_CACHE)
 
@@ -276,9 +375,11 @@ def _engine_finish_reason(text: TextAssembler, result: Any) -> str:
     return result.finish_reason
 
 
-def usage(generation: Generation, result: Any) -> dict:
-    completion = len(result.output_ids) if result is not None else 0
-    cached = result.cached_tokens if result is not None else 0
+def usage(generation: Generation, *results: Any) -> dict:
+    """The prompt counted once, the output of every sequence (`results`) of the request; the
+    cached tokens are the first sequence's (the others reuse what it prefilled)."""
+    completion = sum(len(result.output_ids) for result in results if result is not None)
+    cached = results[0].cached_tokens if results and results[0] is not None else 0
     return {
         "prompt_tokens": generation.prompt_tokens,
         "completion_tokens": completion,

@@ -13,9 +13,12 @@ module only translates a request into a chat body:
 - every other field (temperature, top_p, seed, stop, speculative, chat_template_kwargs, ...)
   as chat reads it: implemented, refused with a 400 naming it, or ignored with a warning.
 
-The Responses API's own fields that need stored state (`previous_response_id`, `conversation`,
-`prompt`), background runs, `truncation: "auto"`, `include`s, hosted tools and non-text inputs
-are refused with a 400 naming them; `store` is accepted and nothing is stored. A chat error's
+`input` may be left out when `instructions` are given (they are the whole conversation then).
+`include: ["message.output_text.logprobs"]` -> chat's `logprobs: true` (with `top_logprobs` as
+given). The Responses API's own fields that need stored state (`previous_response_id`,
+`conversation`, `prompt`), background runs, `truncation: "auto"`, other `include`s, hosted tools
+and non-text inputs are refused with a 400 naming them; `store` is accepted and nothing is
+stored. A chat error's
 `param` is given back under the Responses name (`response_format` -> `text.format`, ...).
 """
 
@@ -53,9 +56,10 @@ RESPONSES_ONLY_FIELDS = frozenset(
         "truncation",
     ]
 )
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _NO_OP_VALUES: dict[str, list[Any]] = {
     "background": [False],
-    "include": [[]],
+    "include": [[], [LOGPROBS_INCLUDE]],  # the logprobs are chat's `logprobs`
     "truncation": ["disabled"],
 }
 # store: nothing is kept either way; stream_options: only obfuscation padding; max_tool_calls:
@@ -76,6 +80,8 @@ _SET_BY_TRANSLATION = frozenset(
         "stream",
         "functions",
         "function_call",
+        "logprobs",  # from `include`
+        "n",  # a response is one output
     ]
 )
 _RESPONSES_NAMES = {
@@ -98,6 +104,10 @@ class ReasoningConfig(_Body):
     generate_summary: str | None = None
 
 
+class _TopLogprobs(_Body):
+    top_logprobs: Integer = Field(0, ge=0, le=20)
+
+
 class FunctionChoice(_Body):
     type: Literal["function"]
     name: str
@@ -107,7 +117,7 @@ class ResponsesRequest(_Request):
     """The fields translated here; the others stay extras (`model_extra`)."""
 
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | list[dict[str, Any]] | None = None  # None: the instructions alone
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
@@ -186,6 +196,11 @@ def chat_body(body: ResponsesRequest) -> dict[str, Any]:
         "max_completion_tokens": body.max_output_tokens,
         "parallel_tool_calls": body.parallel_tool_calls,
     }
+    top = chat.pop("top_logprobs", None)
+    if LOGPROBS_INCLUDE in (own.get("include") or []):
+        chat.update(logprobs=True, top_logprobs=top)
+    elif top is not None:  # accepted; without the include nothing shows them
+        parse_part(_TopLogprobs, {"top_logprobs": top}, "")
     if body.tools:
         chat["tools"] = [_chat_tool(i, tool) for i, tool in enumerate(body.tools)]
     if body.tool_choice is not None:
@@ -205,9 +220,11 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     if body.instructions is not None:
         messages.append({"role": "system", "content": body.instructions})
+    if body.input is None and not messages:
+        raise ApiError(400, "input: give input or instructions", param="input")
     if isinstance(body.input, str):
         return [*messages, {"role": "user", "content": body.input}]
-    for index, raw in enumerate(body.input):
+    for index, raw in enumerate(body.input or []):
         where = f"input.{index}"
         kind = raw.get("type", "message") if isinstance(raw, dict) else None
         if kind not in _ITEMS:

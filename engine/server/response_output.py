@@ -13,13 +13,19 @@ call a `function_call` item. The events are the ones the openai SDK and the Agen
     response.output_item.done
 
 The non-streamed response's `output` is the same items (`OutputItems.items`), built from the
-same deltas, so both agree.
+same deltas, so both agree. With `include: ["message.output_text.logprobs"]` the logprobs of the
+tokens behind each content delta ride on its `output_text` delta and gather in the part's
+`logprobs` (engine/server/logprobs.py's shape); a call the token limit cut is a
+`function_call` item with status "incomplete".
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from typing import Any
+
+from engine.server.logprobs import LogprobShapes
 
 _KINDS = {"reasoning_content": "reasoning", "content": "message"}
 
@@ -31,16 +37,20 @@ def new_id(prefix: str) -> str:
 class OutputItems:
     """The output items of one response, and the events (no sequence numbers) that build them."""
 
-    def __init__(self) -> None:
+    def __init__(self, shapes: LogprobShapes | None = None) -> None:
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the reasoning or message item taking text
+        self._shapes = shapes  # None: no logprobs asked
 
-    def add(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
-        """The events for one chat delta."""
+    def add(
+        self, delta: dict[str, Any], logprobs: Sequence = (), complete: bool = True
+    ) -> list[dict[str, Any]]:
+        """The events for one chat delta; `logprobs`: the TokenLogprobs behind it (a content
+        delta's are kept); `complete` False: its calls were cut by the token limit."""
         if "tool_calls" in delta:
             events = self._close("completed")
             for call in delta["tool_calls"]:
-                events += self._function_call(call)
+                events += self._function_call(call, "completed" if complete else "incomplete")
             return events
         ((key, text),) = delta.items()
         kind = _KINDS[key]
@@ -49,7 +59,11 @@ class OutputItems:
             events = self._close("completed") + self._open_item(kind)
         part = self._open["content"][0]
         part["text"] += text
-        return [*events, self._text_event("delta", delta=text)]
+        if kind != "message":
+            return [*events, self._text_event("delta", delta=text)]
+        shaped = self._shapes.chat(logprobs) if self._shapes else []
+        part["logprobs"] = part["logprobs"] + shaped  # a new list: sent events keep theirs
+        return [*events, self._text_event("delta", delta=text, logprobs=shaped)]
 
     def finish(self, status: str) -> list[dict[str, Any]]:
         """The events that close the last item: `status` "completed", or "incomplete" when the
@@ -78,13 +92,14 @@ class OutputItems:
             return []
         item["status"] = status
         part = item["content"][0]
+        logprobs = {"logprobs": list(part["logprobs"])} if "logprobs" in part else {}
         return [
-            self._text_event("done", item, text=part["text"]),
+            self._text_event("done", item, text=part["text"], **logprobs),
             self._part_event("done", {**part}, item),
             self._item_event("done", item),
         ]
 
-    def _function_call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+    def _function_call(self, call: dict[str, Any], status: str) -> list[dict[str, Any]]:
         function = call["function"]
         item = {
             "id": new_id("fc"),
@@ -98,7 +113,7 @@ class OutputItems:
         added = self._item_event("added", item)
         arguments = function["arguments"]
         where = {"item_id": item["id"], "output_index": len(self.items) - 1}
-        item.update(arguments=arguments, status="completed")
+        item.update(arguments=arguments, status=status)
         return [
             added,
             {"type": "response.function_call_arguments.delta", **where, "delta": arguments},
@@ -126,7 +141,7 @@ class OutputItems:
         item = item or self._open
         kind = "output_text" if item["type"] == "message" else "reasoning_text"
         logprobs = {"logprobs": []} if kind == "output_text" else {}
-        return {"type": f"response.{kind}.{stage}", **self._where(item), **fields, **logprobs}
+        return {"type": f"response.{kind}.{stage}", **self._where(item), **logprobs, **fields}
 
     def _where(self, item: dict[str, Any] | None) -> dict[str, Any]:
         item = item or self._open

@@ -28,6 +28,7 @@ from engine.server import generation as gen
 from engine.server.chat import ChatOutput, ChatPrompt
 from engine.server.chat_completions import chat_prompt
 from engine.server.generation import Generation
+from engine.server.logprobs import LogprobShapes
 from engine.server.reasoning import THINK_CLOSE
 from engine.server.response_input import ResponsesRequest, chat_request
 from engine.server.response_output import OutputItems
@@ -43,12 +44,13 @@ def router(state: ServerState) -> APIRouter:
         body, chat, prompt_ids, prompt, constraint, checkpoints = await state.prepare(
             lambda raw: _prompt(state, raw), request
         )
-        generation = gen.submit(state, ENDPOINT, "resp_", chat, prompt_ids, constraint, checkpoints)
+        (generation,) = gen.submit(
+            state, ENDPOINT, "resp_", chat, prompt_ids, constraint, checkpoints
+        )
         answer = _Answer(state, body, chat, generation, ChatOutput(prompt))
         if body.stream:
-            return gen.event_stream(generation, answer.stream())
-        text, done = await gen.collect(request, generation)
-        return JSONResponse(answer.final(text, done))
+            return gen.event_stream([generation], answer.stream())
+        return JSONResponse(answer.final(await gen.collect(request, generation)))
 
     routes = APIRouter()
     routes.add_api_route(ENDPOINT, responses, methods=["POST"])
@@ -76,14 +78,29 @@ class _Answer:
     output: ChatOutput
 
     def __post_init__(self) -> None:
-        self.items = OutputItems()
+        decode = self.state.ready_engine().tokenizer.decode
+        self.items = OutputItems(LogprobShapes(decode) if self.chat.logprobs else None)
+        self._waiting: tuple = ()  # logprobs of text the parsers still hold
 
-    def final(self, text: str, done: Done) -> dict:
-        for delta in self.output.feed(text) + self.output.finish():
-            self.items.add(delta)
-        status = self._status(done)
+    def final(self, collected: gen.Collected) -> dict:
+        for event in collected.deltas:
+            self._add(self.output.feed(event.text), event.logprobs)
+        status = self._status(collected.done)
+        self._add(self.output.finish(cut=status == "incomplete"))
         self.items.finish(status)
-        return self._response(status, done)
+        return self._response(status, collected.done)
+
+    def _add(self, deltas: list[dict], logprobs=()) -> list[dict]:
+        """The items' events for a Delta's chat deltas (its logprobs ride on the first, or
+        wait for the next delta when there is none)."""
+        events, logprobs = [], (*self._waiting, *logprobs)
+        self._waiting = () if deltas else logprobs
+        for delta in deltas:
+            calls = delta.get("tool_calls", [])
+            complete = all(self.output.calls[call["index"]].complete for call in calls)
+            events += self.items.add(delta, logprobs, complete)
+            logprobs = ()
+        return events
 
     async def stream(self) -> AsyncIterator[str]:
         sequence = 0
@@ -98,18 +115,16 @@ class _Answer:
         yield event({"type": "response.in_progress", "response": snapshot})
         async for happened in gen.events(self.generation):
             if isinstance(happened, Delta):
-                for delta in self.output.feed(happened.text):
-                    for payload in self.items.add(delta):
-                        yield event(payload)
+                for payload in self._add(self.output.feed(happened.text), happened.logprobs):
+                    yield event(payload)
             elif isinstance(happened, Failed):
                 self.state.count_error(ENDPOINT, happened.status)
                 failed = self._response("failed", error=happened.message)
                 yield event({"type": "response.failed", "response": failed})
             elif happened.result is not None:
-                for delta in self.output.finish():
-                    for payload in self.items.add(delta):
-                        yield event(payload)
                 status = self._status(happened)
+                for payload in self._add(self.output.finish(cut=status == "incomplete")):
+                    yield event(payload)
                 for payload in self.items.finish(status):
                     yield event(payload)
                 if status != "cancelled":  # else the client has gone
@@ -143,6 +158,7 @@ class _Answer:
             "reasoning": {"effort": None, "summary": None},
             "temperature": chat.temperature,
             "top_p": chat.top_p,
+            "top_logprobs": extra.get("top_logprobs"),
             "max_output_tokens": body.max_output_tokens,
             "metadata": extra.get("metadata") or {},
             "previous_response_id": None,

@@ -11,7 +11,7 @@ becomes a 500.
 Fields beyond the ones a request model declares are sorted, as vLLM sorts them:
 - a field of OpenAI's API for that endpoint that the server does not implement is refused with
   a 400 naming it, unless its value asks for nothing (null, `top_p: 1`, `presence_penalty: 0`,
-  `logprobs: false`, ...) or it only describes the caller (`user`, `metadata`, ...);
+  `logit_bias: {}`, ...) or it only describes the caller (`user`, `metadata`, ...);
 - any other field is ignored, with a logged warning naming it.
 The same holds inside messages (`function_call`, `audio`, `refusal`).
 """
@@ -110,10 +110,7 @@ MESSAGE_API_FIELDS = frozenset(
 )
 # Unimplemented fields accepted at the values that ask for nothing, so ignoring them is exact.
 NO_OP_VALUES: dict[str, list[Any]] = {
-    "logprobs": [False, 0],
-    "top_logprobs": [0],
     "logit_bias": [{}],
-    "best_of": [1],
     "suffix": [""],
     "modalities": [["text"]],
     "store": [False],
@@ -160,6 +157,11 @@ class ApiError(Exception):
                 "code": self.code,
             }
         }
+
+
+def _refused(param: str, why: str) -> ApiError:
+    """A 400 naming `param`, raised from a validator (pydantic lets it through as it is)."""
+    return ApiError(400, f"{param}: {why}", param=param)
 
 
 def _integral(value: Any) -> Any:
@@ -237,7 +239,7 @@ class _Sampling(_Request):
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)  # 0: the most likely token alone (greedy)
     top_k: Integer = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -248,13 +250,25 @@ class _Sampling(_Request):
     stop: str | list[str] | None = Field(None, max_length=4)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Integer = Field(1, ge=1, le=1)
+    n: Integer = Field(1, ge=1, le=128)  # sequences from the one prompt
     speculative: Speculative | None = None
     cache_prompt: bool = True  # llama.cpp's name: false neither reuses nor extends the prefix cache
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s]
+
+    def sequences(self) -> int:
+        """How many sequences to generate (completions' best_of may ask for more than n)."""
+        return self.n
+
+    def output_logprobs(self) -> int | None:
+        """Alternatives per output token's logprob (None: logprobs not asked)."""
+        return None
+
+    def prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token's logprob (None: none)."""
+        return None
 
     def include_usage_chunk(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -267,7 +281,28 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[Integer] | None = Field(min_length=1)
     max_tokens: Integer | None = Field(16, ge=1)
-    echo: Literal[False] = False
+    echo: bool = False  # the prompt before the output (and its logprobs, with logprobs)
+    logprobs: Integer | None = Field(None, ge=0, le=5)  # the legacy API's: alternatives per token
+    best_of: Integer | None = Field(None, ge=0, le=20)  # sequences made (0, None: n); best n back
+
+    @model_validator(mode="after")
+    def _best_of_at_least_n(self) -> CompletionRequest:
+        if self.best_of and self.best_of < self.n:
+            raise _refused("best_of", f"must be >= n ({self.n}), not {self.best_of}")
+        if self.stream and self.sequences() > self.n:
+            raise _refused("best_of", "> n cannot be streamed (only the best n are returned)")
+        if self.stream and self.echo and self.logprobs is not None:
+            raise _refused("echo", "with logprobs is not streamed (the prompt's come at the end)")
+        return self
+
+    def sequences(self) -> int:
+        return self.best_of or self.n
+
+    def output_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt")
     @classmethod
@@ -362,6 +397,17 @@ class ChatRequest(ChatTemplateInputs, _Sampling):
     api_fields: ClassVar[frozenset[str]] = CHAT_API_FIELDS
     max_tokens: Integer | None = Field(None, ge=1)
     max_completion_tokens: Integer | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Integer = Field(0, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_logprobs_with_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise _refused("top_logprobs", "needs logprobs: true")
+        return self
+
+    def output_logprobs(self) -> int | None:
+        return self.top_logprobs if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:

@@ -44,6 +44,11 @@ class TextAssembler:
     def text(self) -> str:
         return self._text
 
+    @property
+    def taken(self) -> int:
+        """How many ids the text holds: those before a stop token (or the stop)."""
+        return len(self._ids)
+
     def add(self, ids: Sequence[int]) -> str:
         """Take one round's committed ids; return the text that may be shown now."""
         if self.stopped:

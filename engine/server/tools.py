@@ -9,7 +9,9 @@
 and whole `ToolCall`s: a call is handed out when its closing tag arrives (or at the end, if it
 parses unclosed); a block that does not parse, or names a tool the request did not declare,
 goes back into the content verbatim, so malformed output stays visible and is never an error.
-Whitespace between a call and the text around it is dropped.
+Whitespace between a call and the text around it is dropped. An output cut by the token limit
+(`finish(cut=True)`) inside a call is still that call, `complete` False, with the arguments
+written so far (JSON cut where the output was, as OpenAI sends it): never markup in content.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ Schemas = Mapping[str, Mapping[str, Any]]
 @dataclass(frozen=True)
 class ToolCall:
     name: str
-    arguments: str  # a JSON object, as OpenAI sends it
+    arguments: str  # a JSON object, as OpenAI sends it (cut short when not `complete`)
     id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+    complete: bool = True  # False: the token limit cut it
 
     def as_openai(self) -> dict:
         function = {"name": self.name, "arguments": self.arguments}
@@ -48,6 +51,8 @@ class ToolCallFormat:
     name: str
     parse_body: Callable[[str, Schemas], tuple[str, dict] | None]
     opening: Callable[[str | None], str]  # tool name (or None: any tool) -> the call's start
+    # a cut body -> (the name so far, the arguments so far)
+    parse_cut: Callable[[str, Schemas], tuple[str, str]]
 
 
 def _parse_hermes(body: str, schemas: Schemas) -> tuple[str, dict] | None:
@@ -64,6 +69,18 @@ def _parse_hermes(body: str, schemas: Schemas) -> tuple[str, dict] | None:
         except json.JSONDecodeError:
             return None
     return (call["name"], arguments) if isinstance(arguments, dict) else None
+
+
+_HERMES_CUT = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)(?:"\s*(?:,\s*"arguments"\s*:\s*(.*))?)?', re.DOTALL
+)
+
+
+def _parse_hermes_cut(body: str, schemas: Schemas) -> tuple[str, str]:
+    cut = _HERMES_CUT.match(body)
+    if cut is None:
+        return "", ""
+    return cut[1], (cut[2] or "").rstrip()
 
 
 def _hermes_opening(name: str | None) -> str:
@@ -91,6 +108,31 @@ def _parse_qwen3_coder(body: str, schemas: Schemas) -> tuple[str, dict] | None:
     return None if inner[position:].strip() else (name, arguments)
 
 
+_FUNCTION_CUT = re.compile(r"\s*<function=([^>\n]*)>?(.*)", re.DOTALL)
+_PARAMETER_CUT = re.compile(r"<parameter=([^>\n]+)>\n?(.*)", re.DOTALL)
+
+
+def _parse_qwen3_coder_cut(body: str, schemas: Schemas) -> tuple[str, str]:
+    """The name and the parameters so far as JSON cut where the output was: the complete
+    parameters' values typed by the schema, the open one's text as a string begun."""
+    function = _FUNCTION_CUT.match(body)
+    if function is None:
+        return "", ""
+    name, inner = function[1].strip(), function[2]
+    properties = schemas.get(name, {}).get("properties", {})
+    pieces, position = [], 0
+    for parameter in _PARAMETER.finditer(inner):
+        key = parameter[1].strip()
+        value = _typed_value(_strip_one_newline(parameter[2]), properties.get(key))
+        pieces.append(f"{json.dumps(key)}: {json.dumps(value, ensure_ascii=False)}")
+        position = parameter.end()
+    open_parameter = _PARAMETER_CUT.search(inner, position)
+    if open_parameter is not None:
+        begun = json.dumps(open_parameter[2], ensure_ascii=False)[:-1]  # a string begun
+        pieces.append(f"{json.dumps(open_parameter[1].strip())}: {begun}")
+    return name, "{" + ", ".join(pieces) if (pieces or function[2]) else ""
+
+
 def _strip_one_newline(value: str) -> str:
     value = value[1:] if value.startswith("\n") else value
     return value[:-1] if value.endswith("\n") else value
@@ -113,8 +155,10 @@ def _qwen3_coder_opening(name: str | None) -> str:
 
 
 FORMATS = {
-    "hermes": ToolCallFormat("hermes", _parse_hermes, _hermes_opening),
-    "qwen3_coder": ToolCallFormat("qwen3_coder", _parse_qwen3_coder, _qwen3_coder_opening),
+    "hermes": ToolCallFormat("hermes", _parse_hermes, _hermes_opening, _parse_hermes_cut),
+    "qwen3_coder": ToolCallFormat(
+        "qwen3_coder", _parse_qwen3_coder, _qwen3_coder_opening, _parse_qwen3_coder_cut
+    ),
 }
 # `serve --tool-call-parser`: "auto" follows the chat template.
 TOOL_CALL_PARSERS = ("auto", "none", *FORMATS)
@@ -149,13 +193,17 @@ class ToolCallExtractor:
             pass
         return out
 
-    def finish(self) -> list[str | ToolCall]:
+    def finish(self, cut: bool = False) -> list[str | ToolCall]:
+        """What is left; `cut`: the token limit ended the output (a call begun is a call)."""
         out: list[str | ToolCall] = []
-        if self._in_call:  # never closed: a call only if what there is parses
+        if self._in_call and cut:
+            self._in_call = False
+            self._cut_call(self._buffer, out)
+        elif self._in_call:  # never closed: a call only if what there is parses
             self._in_call = False
             self._close_call(self._buffer, out, closed=False)
-        else:
-            self._content(self._buffer, out)
+        elif not (cut and self._buffer and CALL_OPEN.startswith(self._buffer)):
+            self._content(self._buffer, out)  # (a cut opening tag is no content)
         self._buffer = ""
         if self._held_space and not self._after_call:
             out.append(self._held_space)
@@ -194,6 +242,21 @@ class ToolCallExtractor:
         block = CALL_OPEN + body + (CALL_CLOSE if closed else "")
         self._held_space, self._space_before_call = self._space_before_call, ""
         self._content(block, out)
+
+    def _cut_call(self, body: str, out: list[str | ToolCall]) -> None:
+        """A call the token limit cut: its name (the one declared tool it begins, if only one
+        does) and its arguments so far; nothing when not even a name was begun."""
+        whole = self._format.parse_body(body, self._schemas)
+        if whole is not None and whole[0] in self._schemas:  # only its closing tag was cut
+            out.append(ToolCall(whole[0], json.dumps(whole[1], ensure_ascii=False)))
+            self._after_call, self._space_before_call = True, ""
+            return
+        name, arguments = self._format.parse_cut(body, self._schemas)
+        begun = [declared for declared in self._schemas if declared.startswith(name)]
+        name = begun[0] if len(begun) == 1 else name
+        if name:
+            out.append(ToolCall(name, arguments, complete=False))
+            self._after_call, self._space_before_call = True, ""
 
     def _content(self, text: str, out: list[str | ToolCall]) -> None:
         if self._after_call:

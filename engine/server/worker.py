@@ -9,8 +9,9 @@ GenerationResult) or `Failed`. The thread runs an `EngineLoop` (engine/scheduler
 moves jobs from the queue into the loop while the loop has a free slot, so jobs beyond the
 slots wait in the queue, first come first served.
 
-- `submit` raises `QueueFull` when `max_waiting` jobs already wait, `ShuttingDown` after a cut
-  (the server answers 503).
+- `submit(*jobs)` queues a request's jobs (one per sequence) together, or raises `QueueFull`
+  when they would make more than `max_waiting` wait (a request of more sequences than that is
+  taken when none wait), `ShuttingDown` after a cut (the server answers 503).
 - Setting `job.cancel` (client gone) makes its sequence stop at the next step, or skips the job
   if it is still waiting.
 - A generation that runs out of memory (CUDA or CPU) fails with a 503 "out_of_memory" `Failed`;
@@ -24,7 +25,6 @@ is set when it succeeded; when it raised, `startup_error` says why and `on_fatal
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import queue
@@ -56,6 +56,7 @@ class ShuttingDown(Exception):
 @dataclass(frozen=True)
 class Delta:
     text: str
+    logprobs: tuple = ()  # engine.sampling.TokenLogprob of the tokens behind it, when asked
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class Job:
     emit: Callable[[Delta | Done | Failed], None]
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
+    logprobs: list = field(default_factory=list)  # the next tokens' (the engine's on_logprobs)
 
 
 _STOP = object()  # queue sentinel
@@ -99,7 +101,7 @@ class GenerationWorker:
         self.max_waiting = max_waiting
         self.ready = threading.Event()
         self.startup_error: str | None = None
-        self._jobs: queue.Queue = queue.Queue(maxsize=max_waiting)
+        self._jobs: queue.Queue = queue.Queue()  # bounded by `submit`
         self._loop: EngineLoop | None = None
         self._in_flight_jobs: dict[int, Job] = {}  # the jobs in the loop, by id
         self._lock = threading.Lock()
@@ -127,13 +129,16 @@ class GenerationWorker:
         )
         self._thread.start()
 
-    def submit(self, job: Job) -> None:
-        if self._stopping.is_set():
-            raise ShuttingDown(SHUTTING_DOWN)
-        try:
-            self._jobs.put_nowait(job)
-        except queue.Full:
-            raise QueueFull(f"{self.max_waiting} requests are already waiting") from None
+    def submit(self, *jobs: Job) -> None:
+        """Queue one request's jobs, all or none."""
+        with self._lock:
+            if self._stopping.is_set():
+                raise ShuttingDown(SHUTTING_DOWN)
+            waiting = self.waiting
+            if waiting and waiting + len(jobs) > self.max_waiting:
+                raise QueueFull(f"{waiting} requests are already waiting")
+            for job in jobs:
+                self._jobs.put_nowait(job)
 
     def cut(self) -> None:
         """Take no more jobs; fail the waiting ones and stop the running ones (each a 503)."""
@@ -143,8 +148,7 @@ class GenerationWorker:
         for job in running:
             job.cancel.set()
         self._fail_waiting_jobs()
-        with contextlib.suppress(queue.Full):  # wake the thread if it waits for a job
-            self._jobs.put_nowait(_STOP)
+        self._jobs.put_nowait(_STOP)  # wake the thread if it waits for a job
 
     def stop(self, timeout: float = 30.0) -> None:
         self.cut()
@@ -194,8 +198,9 @@ class GenerationWorker:
             Request(
                 job.prompt_ids,
                 job.cfg,
-                on_tokens=lambda ids: _emit_text(job, job.text.add(ids)),
+                on_tokens=lambda ids: _emit_tokens(job, ids),
                 should_stop=lambda: job.cancel.is_set() or job.text.stopped,
+                on_logprobs=job.logprobs.extend if job.cfg.logprobs is not None else None,
                 on_finish=lambda finished: self._finish(job, finished),
             )
         )
@@ -248,6 +253,16 @@ def release_memory() -> None:
     torch = sys.modules.get("torch")  # a scripted engine (tests) runs without torch
     if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _emit_tokens(job: Job, ids: list[int]) -> None:
+    """A round's ids as a Delta: their text and the logprobs of those the text holds."""
+    before = job.text.taken
+    text = job.text.add(ids)
+    logprobs = tuple(job.logprobs[: job.text.taken - before])
+    job.logprobs.clear()
+    if text or logprobs:
+        job.emit(Delta(text, logprobs))
 
 
 def _emit_text(job: Job, text: str) -> None:

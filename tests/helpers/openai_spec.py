@@ -71,6 +71,23 @@ def nullable_fields(schema_name: str) -> list[str]:
     return sorted(name for name, prop in _properties(schema_name).items() if _accepts_null(prop))
 
 
+def number_bounds(schema_name: str) -> dict[str, tuple[float, float]]:
+    """(minimum, maximum) of each numeric property of a request schema that has both."""
+    bounds = {}
+    for name, prop in _properties(schema_name).items():
+        for option in _options(prop):
+            if option.get("type") in ("number", "integer") and {"minimum", "maximum"} <= set(option):
+                bounds[name] = (option["minimum"], option["maximum"])
+    return bounds
+
+
+def _options(prop: dict) -> Iterator[dict]:
+    prop = _resolve(prop)
+    yield prop
+    for option in prop.get("anyOf", []) + prop.get("oneOf", []):
+        yield from _options(option)
+
+
 def _properties(schema_name: str) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for part in _parts(spec()["components"]["schemas"][schema_name]):

@@ -20,6 +20,7 @@ import httpx
 
 from engine.chat_template import render
 from engine.decode import GenerationConfig, GenerationResult
+from engine.sampling import TokenLogprob
 from engine.server.app import create_app
 from engine.server.shutdown import draining_server
 from engine.server.state import LoadedEngine, ServerConfig
@@ -73,7 +74,9 @@ class ScriptedEngine:
         self.cancelled = threading.Event()
         self.configs: list[GenerationConfig] = []
 
-    def generate(self, prompt_ids, cfg, *, on_tokens=None, should_stop=None) -> GenerationResult:
+    def generate(
+        self, prompt_ids, cfg, *, on_tokens=None, should_stop=None, on_logprobs=None
+    ) -> GenerationResult:
         self.configs.append(cfg)
         self.started.set()
         ids = [ord(c) for c in self.reply] + [EOS]
@@ -84,6 +87,10 @@ class ScriptedEngine:
                 self.cancelled.set()
                 break
             step = ids[len(output) : len(output) + 2][: cfg.max_new_tokens - len(output)]
+            if on_logprobs:
+                on_logprobs(
+                    [scripted_logprob(t, len(output) + i, cfg.logprobs) for i, t in enumerate(step)]
+                )
             output += step
             lengths.append(len(step))
             if on_tokens:
@@ -91,7 +98,13 @@ class ScriptedEngine:
             if EOS in step:
                 finish = "stop"
                 break
-        return GenerationResult(output, finish, lengths, {}, 100.0, 0.01, None)
+        result = GenerationResult(output, finish, lengths, {}, 100.0, 0.01, None)
+        if cfg.logprobs is not None:
+            result.logprobs = [scripted_logprob(t, i, cfg.logprobs) for i, t in enumerate(output)]
+        if cfg.prompt_logprobs is not None:
+            scored = [scripted_logprob(t, i, cfg.prompt_logprobs) for i, t in enumerate(prompt_ids)]
+            result.prompt_logprobs = [None, *scored[1:]]
+        return result
 
     def _stopped_before_round(self, should_stop, *, first: bool) -> bool:
         stop = should_stop or (lambda: False)
@@ -99,6 +112,13 @@ class ScriptedEngine:
             if stop():
                 return True
         return not first and stop()
+
+
+def scripted_logprob(token: int, position: int, top: int) -> TokenLogprob:
+    """The scripted engine's logprob of `token` at output `position`: -position / 8, with `top`
+    alternatives (the token, then the ids after it) a nat apart."""
+    value = -position / 8
+    return TokenLogprob(token, value, tuple((token + k, value - k) for k in range(top)))
 
 
 class RecordingEngine(ScriptedEngine):

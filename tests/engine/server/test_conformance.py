@@ -20,13 +20,15 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers.openai_spec import SPEC_PATH, nullable_fields, violations
+from tests.helpers.conversations import THINK_THEN_CALL, TOOLS
+from tests.helpers.openai_spec import SPEC_PATH, nullable_fields, number_bounds, violations
 from tests.helpers.scripted_server import (
     WAIT_S,
     AgentTokenizer,
     RecordingEngine,
     complete,
     loaded,
+    prompt_text,
     running,
     wait_until,
 )
@@ -220,3 +222,203 @@ def test_schemathesis_over_openais_spec_finds_no_server_error_and_no_schema_viol
         run = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:]
     assert re.search(r"Test cases:\s+(\d+) generated, \1 passed", run.stdout), run.stdout[-2000:]
+
+
+# -- issue 39: logprobs, n, the sampling fields' ranges, cut tool calls, Responses' input ------
+
+
+def test_chat_logprobs_are_openais_shape_whole_and_streamed(server, engine):
+    url, _ = server
+    body = chat(url, logprobs=True, top_logprobs=3).json()
+    assert violations("CreateChatCompletionResponse", body) == []
+    choice = body["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert "".join(entry["token"] for entry in content) == choice["message"]["content"]
+    assert [len(entry["top_logprobs"]) for entry in content] == [3] * len(content)
+    assert content[1]["logprob"] == -1 / 8  # the scripted engine's, of the second token
+    assert content[0]["bytes"] == list(b"H") and engine.configs[-1].logprobs == 3
+    chunks = stream_chunks(url, "/v1/chat/completions", {"messages": ASK, "logprobs": True})
+    for chunk in chunks:
+        assert violations("CreateChatCompletionStreamResponse", chunk) == []
+    streamed = [
+        e
+        for c in chunks
+        if c["choices"] and c["choices"][0]["logprobs"]
+        for e in c["choices"][0]["logprobs"]["content"]
+    ]
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]
+    assert chat(url).json()["choices"][0]["logprobs"] is None  # not asked: none
+
+
+def test_completion_logprobs_are_the_legacy_shape_and_echo_gives_the_prompts(server, engine):
+    url, _ = server
+    body = complete(url, logprobs=2).json()
+    assert violations("CreateCompletionResponse", body) == []
+    logprobs = body["choices"][0]["logprobs"]
+    assert "".join(logprobs["tokens"]) == body["choices"][0]["text"] == "Hello world!"
+    assert logprobs["text_offset"][:3] == [0, 1, 2]
+    assert logprobs["top_logprobs"][0] == {"H": 0.0, "I": -1.0}
+    echoed = complete(url, prompt="hi", echo=True, logprobs=1).json()["choices"][0]
+    assert echoed["text"] == "hiHello world!"
+    assert engine.configs[-1].prompt_logprobs == 1
+    tokens = echoed["logprobs"]["tokens"]
+    assert tokens[:3] == ["h", "i", "H"] and echoed["logprobs"]["token_logprobs"][:2] == [
+        None,
+        -1 / 8,
+    ]
+    # The spec's token_logprobs items are numbers, but nothing predicts the prompt's first token:
+    # null there, as OpenAI and vLLM answer; the rest is the spec's shape.
+    first = {"token_logprobs": [0.0], "top_logprobs": [{}]}
+    checked = {k: first.get(k, [None])[:1] + v[1:] for k, v in echoed["logprobs"].items()}
+    checked = {
+        **checked,
+        "tokens": echoed["logprobs"]["tokens"],
+        "text_offset": echoed["logprobs"]["text_offset"],
+    }
+    assert (
+        violations(
+            "CreateCompletionResponse", {**body, "choices": [{**echoed, "logprobs": checked}]}
+        )
+        == []
+    )
+    assert echoed["logprobs"]["top_logprobs"][0] is None
+    assert complete(url, prompt="hi", echo=True).json()["choices"][0]["text"] == "hiHello world!"
+
+
+def test_n_choices_each_with_its_index_and_a_seed_derived_per_sequence(server, engine):
+    url, _ = server
+    body = chat(url, n=3, seed=7).json()
+    assert violations("CreateChatCompletionResponse", body) == []
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    seeds = [cfg.seed for cfg in engine.configs[-3:]]
+    assert seeds[0] == 7 and len(set(seeds)) == 3
+    chat(url, n=3, seed=7)
+    assert [cfg.seed for cfg in engine.configs[-3:]] == seeds  # the same on every run
+    assert body["usage"]["completion_tokens"] == 3 * len("Hello world!\0")
+    chunks = stream_chunks(url, "/v1/completions", {"prompt": "hi", "n": 2, "max_tokens": 4})
+    for chunk in chunks:
+        still_open = chunk["choices"] and chunk["choices"][0]["finish_reason"] is None
+        found = violations("CreateCompletionResponse", chunk)
+        assert [v for v in found if not (still_open and "finish_reason" in v)] == []
+    text = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            text[choice["index"]] += choice["text"]
+    assert text == {0: "Hell", 1: "Hell"}
+
+
+def test_best_of_returns_the_n_most_likely(server, engine):
+    url, _ = server
+    body = complete(url, best_of=3, n=2, max_tokens=3).json()
+    assert violations("CreateCompletionResponse", body) == []
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert len(engine.configs) >= 3 and engine.configs[-1].logprobs == 0  # ranked by logprob
+    assert body["choices"][0]["logprobs"] is None  # not asked: not shown
+
+
+SAMPLING = {
+    "/v1/chat/completions": ("CreateChatCompletionRequest", {"messages": ASK, "logprobs": True}),
+    "/v1/completions": ("CreateCompletionRequest", {"prompt": "hi"}),
+    "/v1/responses": ("CreateResponse", {"input": "hi"}),
+}
+
+
+@pytest.mark.parametrize("path", list(SAMPLING))
+def test_every_sampling_field_takes_the_specs_range_and_nothing_beyond(server, path):
+    url, _ = server
+    schema, body = SAMPLING[path]
+    bounds = {k: v for k, v in number_bounds(schema).items() if k != "seed"}
+    assert {"temperature", "top_p"} <= set(bounds)
+    short = {} if path == "/v1/responses" else {"max_tokens": 1}
+    for field, (low, high) in bounds.items():
+        for value in (low, high):
+            sent = {**body, **short, field: value}
+            answer = httpx.post(url + path, json=sent, timeout=60)
+            assert answer.status_code == 200, (field, value, answer.text)
+        for value in (low - 1, high + 1):
+            answer = httpx.post(url + path, json={**body, field: value}, timeout=10)
+            assert answer.status_code == 400, (field, value)
+            assert answer.json()["error"]["param"] == field, answer.text
+
+
+def cut_call_cases(engine) -> list[tuple[dict, int, str, str, str]]:
+    """(request fields, max_tokens, the call's name, its arguments so far, the model's reply):
+    a forced call, and one that `auto` began after its reasoning."""
+    before = THINK_THEN_CALL.index("<tool_call>")
+    cut_in_call = before + len('<tool_call>\n{"name": "get_weather", "arguments": {"ci')
+    forced = {"tool_choice": {"type": "function", "function": {"name": "search"}}}
+    return [
+        (forced, 6, "search", '{"quer', '{"query": "cafés"}}\n</tool_call>'),
+        ({}, cut_in_call, "get_weather", '{"ci', THINK_THEN_CALL),
+    ]
+
+
+@pytest.mark.parametrize("case", [0, 1])
+def test_a_call_cut_by_max_tokens_is_still_a_call_whole_and_streamed(agent_server, case):
+    engine, url = agent_server
+    fields, limit, name, arguments, reply = cut_call_cases(engine)[case]
+    engine.reply = reply
+    body = {"messages": ASK, "tools": TOOLS, "max_tokens": limit, **fields}
+    answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=WAIT_S).json()
+    assert violations("CreateChatCompletionResponse", answer) == []
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert (call["function"]["name"], call["function"]["arguments"]) == (name, arguments)
+    chunks = stream_chunks(url, "/v1/chat/completions", body)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert not any("<tool_call>" in (d.get("content") or "") for d in deltas)
+    streamed = [call for d in deltas for call in d.get("tool_calls") or []]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed] == [
+        (name, arguments)
+    ]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_responses_call_cut_by_max_output_tokens_is_an_incomplete_function_call(agent_server):
+    engine, url = agent_server
+    _, limit, name, arguments, reply = cut_call_cases(engine)[1]
+    engine.reply = reply
+    flat = [{"type": "function", **tool["function"]} for tool in TOOLS]
+    body = {"input": "Weather?", "tools": flat, "max_output_tokens": limit}
+    answer = httpx.post(url + "/v1/responses", json=body, timeout=WAIT_S).json()
+    assert violations("Response", answer) == []
+    assert answer["status"] == "incomplete"
+    call = answer["output"][-1]
+    assert (call["type"], call["status"]) == ("function_call", "incomplete")
+    assert (call["name"], call["arguments"]) == (name, arguments)
+
+
+def test_responses_serve_instructions_without_input_and_name_what_they_refuse(agent_server):
+    engine, url = agent_server
+    engine.reply = "Hi."
+    answer = httpx.post(url + "/v1/responses", json={"instructions": "Greet."}, timeout=WAIT_S)
+    assert answer.status_code == 200, answer.text
+    assert violations("Response", answer.json()) == []
+    assert "Greet." in prompt_text(engine.prompts[-1])
+    for field, value in [("prompt", {"id": "pmpt_1"}), ("previous_response_id", "resp_1")]:
+        refused = httpx.post(url + "/v1/responses", json={"input": "hi", field: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+    empty = httpx.post(url + "/v1/responses", json={}, timeout=WAIT_S)
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "input"
+
+
+def test_responses_logprobs_ride_on_the_output_text(agent_server):
+    engine, url = agent_server
+    engine.reply = "Sunny."
+    body = {"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    answer = httpx.post(url + "/v1/responses", json=body, timeout=WAIT_S).json()
+    assert violations("Response", answer) == []
+    (part,) = answer["output"][-1]["content"]
+    assert "".join(entry["token"] for entry in part["logprobs"]) == part["text"] == "Sunny."
+    assert all(len(entry["top_logprobs"]) == 2 for entry in part["logprobs"])
+    with httpx.stream("POST", url + "/v1/responses", json={**body, "stream": True}) as response:
+        blocks = response.read().decode().strip().split("\n\n")
+    events = [json.loads(block.split("\n")[1].removeprefix("data: ")) for block in blocks]
+    for event in events:
+        assert violations("ResponseStreamEvent", event) == [], event["type"]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [t["token"] for e in deltas for t in e["logprobs"]] == list("Sunny.")
+    plain = httpx.post(url + "/v1/responses", json={"input": "hi"}, timeout=WAIT_S).json()
+    assert plain["output"][-1]["content"][0]["logprobs"] == []

@@ -36,15 +36,6 @@ FLAT_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
 ANSWER = "<think>\nI have the weather.\n</think>\n\nSunny in Paris."
 
 
-@pytest.fixture(scope="module")
-def agent_server():
-    engine = RecordingEngine(THINK_THEN_CALL)
-    load = lambda: loaded(engine, max_model_len=8192, tokenizer=AgentTokenizer())  # noqa: E731
-    with running(engine, load=load) as (url, state):
-        assert state.worker.ready.wait(WAIT_S)
-        yield engine, url
-
-
 @pytest.fixture
 def agent(agent_server):
     """(engine, base url, openai client); a test may set `engine.reply` or `engine.turns`."""
