@@ -64,5 +64,5 @@ def test_the_thinking_switch_reaches_the_template(server_process):
 
 
 def test_an_unimplemented_openai_field_is_a_400_naming_it(client):
-    with pytest.raises(openai.BadRequestError, match="'logprobs' is not implemented"):
-        client.chat.completions.create(**agent_body(logprobs=True))
+    with pytest.raises(openai.BadRequestError, match="'prediction' is not implemented"):
+        client.chat.completions.create(**agent_body(prediction={"type": "content", "content": "x"}))
