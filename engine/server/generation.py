@@ -5,9 +5,9 @@ method), builds its `GenerationConfig`, queues its `Job`s on the worker and retu
 `Generation`s the handler reads: its events (`Delta` text, then `Done` or `Failed`) arrive on an
 asyncio queue, filled from the worker thread. A request's `sequences()` (`n`, completions'
 `best_of`) are one job and one `Generation` each over the same prompt, sequence i of a seeded
-request seeded with `sequence_seed(seed, i)` (the request's own seed for the first): the worker
-runs them one after another, and from the second on the prefix cache holds the prompt, so it
-is prefilled once (a batching scheduler takes the same jobs as they are).
+request seeded with `sequence_seed(seed, i)` (the request's own seed for the first). With a
+prefix cache the others are the first's followers: queued when it ends, they find the prompt
+cached (prefilled once) and decode together; without one they are all queued at once.
 
 `collect` gathers a whole generation (a client that hangs up cancels it), `collect_all` each of
 a request's; a streaming handler iterates `events` (`merged_events` for several) and sets
@@ -91,8 +91,12 @@ def submit(
         _generation(state, engine, body, prompt_ids, cfg, index, request_id, created)
         for index in range(body.sequences())
     ]
+    first, *others = (generation.job for generation in generations)
+    if others and engine.prefix_caching and cfg.cache_prompt and cfg.prompt_logprobs is None:
+        first.followers = tuple(others)  # after the first: the prompt is cached, prefilled once
+        others = []
     try:
-        state.worker.submit(*(generation.job for generation in generations))
+        state.worker.submit(first, *others)
     except QueueFull as exc:
         raise ApiError(
             503, f"engine busy: {exc}; retry later", kind="server_error", code="queue_full"

@@ -89,6 +89,9 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
     logprobs: list = field(default_factory=list)  # the next tokens' (the engine's on_logprobs)
+    # Queued when this job ends: its request's other sequences, which then find the prompt in
+    # the prefix cache (prefilled once, until sequences share blocks while they run).
+    followers: tuple[Job, ...] = ()
 
 
 _STOP = object()  # queue sentinel
@@ -130,12 +133,12 @@ class GenerationWorker:
         self._thread.start()
 
     def submit(self, *jobs: Job) -> None:
-        """Queue one request's jobs, all or none."""
+        """Queue one request's jobs, all or none (their followers counted, queued later)."""
         with self._lock:
             if self._stopping.is_set():
                 raise ShuttingDown(SHUTTING_DOWN)
-            waiting = self.waiting
-            if waiting and waiting + len(jobs) > self.max_waiting:
+            waiting, count = self.waiting, sum(1 + len(job.followers) for job in jobs)
+            if waiting and waiting + count > self.max_waiting:
                 raise QueueFull(f"{waiting} requests are already waiting")
             for job in jobs:
                 self._jobs.put_nowait(job)
@@ -187,10 +190,10 @@ class GenerationWorker:
 
     def _start(self, loop: EngineLoop, job: Job) -> None:
         if self._stopping.is_set():
-            job.emit(_CUT)
+            self._end(job, _CUT)
             return
         if job.cancel.is_set():
-            job.emit(Done(None))
+            self._end(job, Done(None))
             return
         with self._lock:
             self._in_flight_jobs[id(job)] = job
@@ -213,18 +216,31 @@ class GenerationWorker:
             failed = _failure(finished.error)
             if failed.code == "out_of_memory":
                 release_memory()
-            job.emit(failed)
+            self._end(job, failed)
             return
         result, cut = finished.result, self._stopping.is_set() and not job.text.stopped
         if cut and (result is None or result.finish_reason == "cancelled"):
-            job.emit(_CUT)  # cut short by the shutdown, not finished
+            self._end(job, _CUT)  # cut short by the shutdown, not finished
             return
         if result is None:
-            job.emit(Done(None))
+            self._end(job, Done(None))
             return
         _emit_text(job, job.text.finish())
         queued_s = (finished.admitted or job.submitted) - job.submitted
-        job.emit(Done(result, queued_s))
+        self._end(job, Done(result, queued_s))
+
+    def _end(self, job: Job, event: Done | Failed) -> None:
+        """A job's last event; then its followers are queued (or cut, after a shutdown)."""
+        job.emit(event)
+        followers, job.followers = job.followers, ()
+        with self._lock:
+            stopping = self._stopping.is_set()
+            if not stopping:
+                for follower in followers:
+                    self._jobs.put_nowait(follower)
+        if stopping:
+            for follower in followers:
+                follower.emit(_CUT)
 
     def _fail_waiting_jobs(self) -> None:
         while True:
@@ -233,7 +249,7 @@ class GenerationWorker:
             except queue.Empty:
                 return
             if job is not _STOP:
-                job.emit(_CUT)
+                self._end(job, _CUT)
 
 
 def _failure(exc: BaseException) -> Failed:
