@@ -9,6 +9,7 @@ same spec in a slow test.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -422,3 +423,29 @@ def test_responses_logprobs_ride_on_the_output_text(agent_server):
     assert [t["token"] for e in deltas for t in e["logprobs"]] == list("Sunny.")
     plain = httpx.post(url + "/v1/responses", json={"input": "hi"}, timeout=WAIT_S).json()
     assert plain["output"][-1]["content"][0]["logprobs"] == []
+
+
+def test_with_a_prefix_cache_the_other_sequences_wait_for_the_first(engine):
+    """They are queued when it ends (so they find its prompt cached), not beside it; a shutdown
+    before then answers them 503 like any waiting job."""
+    cached = lambda: dataclasses.replace(loaded(engine), prefix_caching=True)  # noqa: E731
+    with running(engine, load=cached) as (url, state):
+        assert state.worker.ready.wait(WAIT_S)
+        engine.started.clear()
+        engine.gate.clear()
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(chat, url, n=3, seed=1)
+            assert engine.started.wait(WAIT_S)
+            assert state.worker.waiting == 0  # the two others are not queued yet
+            engine.gate.set()
+            body = answer.result().json()
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+        assert len(engine.configs) == 1 + 3  # the warm-up, then the three
+        engine.gate.clear()
+        engine.started.clear()
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(chat, url, n=2)
+            assert engine.started.wait(WAIT_S)
+            state.worker.cut()
+            engine.gate.set()
+            assert answer.result().status_code == 503
