@@ -405,7 +405,8 @@ def server_verdicts(rows: list[dict]) -> list[dict]:
 # -- the agentic scenario's turns ----------------------------------------------------------------
 def turn_figures(cell: dict) -> list[dict] | None:
     """Per turn of an agentic cell: prompt tokens, cached tokens and TTFT with the prefix cache
-    on, and TTFT with it off (the same prompt re-sent with `cache_prompt: false`)."""
+    on, and TTFT with it off (the same prompt re-sent with `cache_prompt: false`): the median
+    with its interval and the p99, over the repeats and (at concurrency N) the N agents."""
     if cell["cell"]["scenario"] != "agentic":
         return None
     by_turn: dict[int, dict[str, list[dict]]] = {}
@@ -421,8 +422,9 @@ def turn_figures(cell: dict) -> list[dict] | None:
             "prompt_tokens": max((s["prompt_tokens"] for s in on), default=None),
         }
         figures["cached_tokens"] = statistics.median(cached) if cached else None
-        for name, entries in (("ttft_on_s", on), ("ttft_off_s", off)):
+        for name, entries in (("ttft_on", on), ("ttft_off", off)):
             spread = median_interval(s["ttft_s"] for s in entries)
-            figures[name] = spread.to_json() if spread else None
+            figures[f"{name}_s"] = spread.to_json() if spread else None
+            figures[f"{name}_p99_s"] = percentile([s["ttft_s"] for s in entries], 99)
         turns.append(figures)
     return turns

@@ -247,32 +247,39 @@ def serving_table(rows: list[dict]) -> list[str]:
 
 
 def turns_table(rows: list[dict]) -> list[str]:
-    """The agentic cells' turns: prompt and cached tokens, TTFT with the prefix cache on and off."""
+    """The agentic cells' turns: prompt and cached tokens, TTFT with the prefix cache on and off;
+    with several agents at once (a concurrency above 1) their number and the p99s too."""
+    agents = any(r.get("turns") and r.get("concurrency", 1) > 1 for r in rows)
     header = [
         "method",
         "length",
+        *(["agents"] if agents else []),
         "turn",
         "prompt tokens",
         "cached",
         "TTFT ms cache on",
         "TTFT ms cache off",
+        *(["p99 on / off ms"] if agents else []),
     ]
     body = []
     for r in rows:
         for turn in r.get("turns") or []:
             on, off = (Spread.from_json(turn[k]) for k in ("ttft_on_s", "ttft_off_s"))
+            p99 = [turn.get(k) for k in ("ttft_on_p99_s", "ttft_off_p99_s")]
             body.append(
                 [
                     r["label"],
                     str(r["length"]),
+                    *([str(r["concurrency"])] if agents else []),
                     str(turn["turn"] + 1),
                     str(turn["prompt_tokens"]),
                     "-" if turn["cached_tokens"] is None else f"{turn['cached_tokens']:.0f}",
                     on.text("", 1, 1000) if on else "-",
                     off.text("", 1, 1000) if off else "-",
+                    *([" / ".join(_number(v, 1, 1000) for v in p99)] if agents else []),
                 ]
             )
-    return _table(header, body, right_from=2) if body else []
+    return _table(header, body, right_from=3 if agents else 2) if body else []
 
 
 def machine_lines(machine: dict | None) -> list[str]:

@@ -396,16 +396,17 @@ def _long_run(
 
 
 class _AgenticRun:
-    """One session per method and repeat; each turn with the prefix cache on, then re-sent with
-    it off for its time to first token. Turns interleave the methods (rotated each repeat). A
-    cache-on turn is sent once (sent again it would find itself cached), in a quiet moment."""
+    """One session per method and repeat, or at concurrency N, N agents at once, each its own
+    session; each turn with the prefix cache on, then re-sent with it off for its time to first
+    token (at N: a window of the N agents' turns, then a window of the re-sends). Turns
+    interleave the methods (rotated each repeat). A cache-on turn is sent once (sent again it
+    would find itself cached), in a quiet moment."""
 
     def __init__(
         self, config: BenchConfig, clients: Sequence[EngineClient], gate: QuietGate, group: Group
     ) -> None:
         self.config, self.clients, self.gate, self.length = config, clients, gate, group.length
-        if group.concurrency > 1:
-            raise Skipped("the agentic scenario runs one agent at a time (concurrency 1)")
+        self.agents = group.concurrency
         self.limit = _max_model_len(clients)
         self.final_context = 0
         probe = self._transcript("probe")
@@ -419,31 +420,57 @@ class _AgenticRun:
         )
 
     def run_repeat(self, repeat: int, order: Sequence[Cell]) -> Measured:
-        sessions = {cell: self._transcript(_session(repeat, cell)) for cell in order}
-        answers = dict.fromkeys(order, "")
+        agents = range(self.agents)
+        sessions = {
+            cell: [self._transcript(_session(repeat, cell, agent)) for agent in agents]
+            for cell in order
+        }
+        answers = {cell: [""] * self.agents for cell in order}
         for turn in range(self.config.agentic.turns):
             for cell in order:
-                fitted = sessions[cell].prompt_for_turn(turn, answers[cell])
-                if fitted.tokens + self.length > self.limit:
+                prompts = [
+                    sessions[cell][agent].prompt_for_turn(turn, answers[cell][agent])
+                    for agent in agents
+                ]
+                longest = max(fitted.tokens for fitted in prompts)
+                if longest + self.length > self.limit:
                     what = f"turn {turn}'s transcript"
-                    raise Skipped(_too_long(fitted.tokens, self.length, self.limit, what))
-                request = (self.config, self.clients[cell.server], cell.method, fitted.prompt)
-                on, on_machine = _quiet_request(self.gate, *request, self.length, True, retry=False)
-                off, off_machine = _quiet_request(self.gate, *request, 1, False)
-                answers[cell] = on.text
-                yield cell, on.sample, {"turn": turn, **on_machine}
-                yield cell, off.sample, {"turn": turn, "cache": CACHE_OFF, **off_machine}
-                context = fitted.tokens + on.sample.completion_tokens
-                self.final_context = max(self.final_context, context)
+                    raise Skipped(_too_long(longest, self.length, self.limit, what))
+                on, on_machine = self._window(cell, prompts, self.length, True)
+                off, off_machine = self._window(cell, prompts, 1, False)
+                for agent, (done_on, done_off) in enumerate(zip(on, off, strict=True)):
+                    answers[cell][agent] = done_on.text
+                    where = {"turn": turn} | ({"request": agent} if self.agents > 1 else {})
+                    yield cell, done_on.sample, {**where, **on_machine}
+                    yield cell, done_off.sample, {**where, "cache": CACHE_OFF, **off_machine}
+                    context = prompts[agent].tokens + done_on.sample.completion_tokens
+                    self.final_context = max(self.final_context, context)
+
+    def _window(self, cell: Cell, prompts, tokens: int, cache: bool) -> tuple[list, dict]:
+        """The agents' prompts sent at once (one: a plain request), in a quiet moment; a
+        cache-on turn is sent once."""
+        config, client = self.config, self.clients[cell.server]
+        if self.agents == 1:
+            request = (config, client, cell.method, prompts[0].prompt, tokens, cache)
+            done, machine = _quiet_request(self.gate, *request, retry=not cache)
+            return [done], machine
+        requests = [
+            CompletionRequest(p.prompt, tokens, cell.method, config.temperature, config.seed, cache)
+            for p in prompts
+        ]
+        window = Window(requests, self.agents, sleep=window_sleep(self.gate.watch))
+        sent, machine = self.gate.measure(lambda: window.run(client), retry=not cache)
+        return sent.completions, {**machine, "client_cpu": _rounded(sent.client_cpu)}
 
     def notes(self) -> dict:
         shape = {"turns": self.config.agentic.turns, "context": self.config.agentic.context}
         return {"agentic": {**shape, "final_context_tokens": self.final_context}}
 
 
-def _session(repeat: int, cell: Cell) -> str:
-    """An agentic session's name: its own conversation per repeat, method and server."""
-    return f"{repeat}-{cell.method.label}" + (f"-s{cell.server + 1}" if cell.server else "")
+def _session(repeat: int, cell: Cell, agent: int = 0) -> str:
+    """An agentic session's name: its own conversation per repeat, method, server and agent."""
+    server = f"-s{cell.server + 1}" if cell.server else ""
+    return f"{repeat}-{cell.method.label}{server}" + (f"-a{agent + 1}" if agent else "")
 
 
 SCENARIO_RUNS = {"decode": _decode_run, "long": _long_run, "agentic": _AgenticRun}

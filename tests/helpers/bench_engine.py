@@ -133,6 +133,7 @@ class BenchEngine:
     async def _stream(self, body: dict, number: int) -> AsyncIterator[bytes]:
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        await asyncio.sleep(0)  # the other clients send theirs before this one is served
         try:
             async with self._busy():
                 for event in self._events(body, number):

@@ -17,7 +17,14 @@ from click.testing import CliRunner
 from ops.bench.client import _StreamTally, tokens_per_chunk
 from ops.bench.figures import rows_from_cells, verdicts
 from ops.bench.load import poisson_offsets
-from ops.bench.matrix import BenchConfig, Slo, parse_concurrency, parse_methods, parse_slo
+from ops.bench.matrix import (
+    AgenticShape,
+    BenchConfig,
+    Slo,
+    parse_concurrency,
+    parse_methods,
+    parse_slo,
+)
 from ops.bench.report import render_report
 from ops.bench.runner import NullProgress, run_bench
 from ops.cli import cli
@@ -229,3 +236,32 @@ def test_the_servers_default_method_sends_no_speculative_field(tmp_path):
     assert [r["method"] for r in rows] == ["ar", "default"]
     served = {s["served"] for c in result.cells for s in c["samples"]}
     assert served == {"ar", "ddtree:15"}  # what the scripted server decodes by default
+
+
+# -- the agentic scenario at concurrency ----------------------------------------------------------
+def test_agents_at_once_each_grow_their_own_conversation_with_the_cache_on_and_off(tmp_path):
+    """Must 2: at concurrency 3, three agents a method and repeat, each its own session; each
+    turn is a window of the three with the cache on, then of the three re-sent with it off.
+    A later turn reuses its own agent's earlier turn, never another's."""
+    engine = BenchEngine(max_model_len=1024, step_s=STEPS, tau=TAUS, prefill_s=0.002)
+    config = config_of(scenarios=("agentic",), concurrency=(3,), repeats=1)
+    config = BenchConfig(**{**config.__dict__, "agentic": AgenticShape(context=600, turns=3)})
+    result = bench(tmp_path, config, engine)
+    assert engine.peak_in_flight == 3
+    bodies = engine.completions
+    # ar's turn 0: three agents cached (16 tokens), then the same three re-sent cache off.
+    assert [(b.get("cache_prompt", True), b["max_tokens"]) for b in bodies[:6]] == [
+        *[(True, 16)] * 3,
+        *[(False, 1)] * 3,
+    ]
+    firsts = [b["prompt"] for b in bodies[:3]]
+    assert len(set(firsts)) == 3 and all("Session " in p for p in firsts)
+    rows = {r["method"]: r for r in rows_from_cells(result.cells)}
+    turns = rows["ddtree:15"]["turns"]
+    assert [t["turn"] for t in turns] == [0, 1, 2]
+    for before, turn in zip(turns, turns[1:], strict=False):
+        assert before["prompt_tokens"] < turn["cached_tokens"] < turn["prompt_tokens"]
+    # Three prefills queue on a one-at-a-time engine: the p99 waits for the two ahead of it.
+    assert turns[2]["ttft_off_p99_s"] > 2 * turns[2]["ttft_off_s"]["low"]
+    text = render_report(result.run_dir).markdown.read_text()
+    assert "| agents | turn |" in text and "p99 on / off ms" in text
