@@ -199,17 +199,18 @@ def test_a_zero_budget_caches_nothing_and_changes_nothing(pair):
     assert pool.prefix_cache.used_bytes == 0
 
 
-def test_the_pool_allocates_its_caches_and_passes_once(pair):
+def test_the_pool_allocates_its_caches_once_and_holds_one_pass_a_kind(pair):
+    """The caches are the pool's for every request; on the CPU a static pass is rebuilt for
+    each round's exact key window (graph passes are reused: the next test), in its kind's one
+    place, so passes never pile up across requests."""
     target, drafter = pair
     pool = server_pool(pair)
     cache, draft_cache = pool.cache, pool.draft_cache
-    cfg = config("ddtree", 6, 0.0, max_new_tokens=3)  # 4 + 3 tokens and a draft: one window
-    for prompt in (SYSTEM, USER_2, USER_2):
+    cfg = config("ddtree", 6, 0.0, max_new_tokens=3)
+    for prompt in (SYSTEM, USER_2, USER_2, USER_2[:3]):
         generate(target, drafter, prompt, cfg, pool=pool)
         assert pool.cache is cache and pool.draft_cache is draft_cache
-        verify = {kind: held for kind, held in pool.passes.items() if kind[0] == "verify"}
-    generate(target, drafter, USER_2[:3], cfg, pool=pool)
-    assert verify and all(pool.passes[kind] is held for kind, held in verify.items())
+    assert [kind[0] for kind in pool.passes].count("verify") == 1
 
 
 def test_a_pool_keeps_few_captured_pass_shapes_whatever_the_budgets_asked():
