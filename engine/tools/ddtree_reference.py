@@ -1,7 +1,7 @@
 """Our ddtree decode speed and trees beside the public DDTree reference's, in one process, on the CPU.
 
     python -m engine.tools.ddtree_reference --reference DIR --model TARGET --draft DRAFT \
-        [--prompts 4] [--max-new-tokens 256] [--budget 15] [--repeats 6] [--json OUT]
+        [--prompts 4] [--prompt-chars 400] [--max-new-tokens 256] [--budget 15] [--repeats 6] [--json OUT]
 
 DIR is a checkout of github.com/liranringel/ddtree: its `ddtree_generate` is imported from
 there and run as it is (nothing of it lives in this repository). It runs transformers models, so
@@ -155,7 +155,8 @@ def measure(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     tokenizer = load_tokenizer(args.model)
-    prompts = [tokenizer.encode(text) for text in held_out_prompts(args.prompts)]
+    texts = held_out_prompts(args.prompts, args.prompt_chars)
+    prompts = [tokenizer.encode(text) for text in texts]
     engines = {
         "ours": Ours(args.model, args.draft, dtype),
         "reference": Reference(args.reference, args.model, args.draft, dtype),
@@ -196,7 +197,7 @@ def measure(args: argparse.Namespace) -> dict:
         "outputs_equal": outputs_equal,
         "trees": trees,
         "settings": {
-            "prompts": [len(ids) for ids in prompts],
+            "prompt_tokens": [len(ids) for ids in prompts],
             "max_new_tokens": args.max_new_tokens,
             "budget": args.budget,
             "repeats": args.repeats,
@@ -212,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, type=Path, help="dense Qwen3 target directory")
     parser.add_argument("--draft", required=True, type=Path, help="DFlash drafter directory")
     parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompt-chars", type=int, default=400, help="characters per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--budget", type=int, default=15)
     parser.add_argument("--repeats", type=int, default=6)
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    for name in ("prompts", "max_new_tokens", "budget", "repeats", "threads"):
+    for name in ("prompts", "prompt_chars", "max_new_tokens", "budget", "repeats", "threads"):
         if getattr(args, name) < 1:
             print(f"Error: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
