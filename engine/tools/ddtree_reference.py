@@ -17,9 +17,12 @@ end of the prefill to the end of the last round (ours: GenerationResult.decode_t
 the reference's: its round clock's last stamp; its own figure starts its clock after the first
 draft and counts the first token, so it is printed beside as `reference_own`). A ratio is ours
 over the reference's of one prompt in one repeat; the report gives their median and interval
-(engine.bench_stats). Trees: a traced run of each prompt compares every round's tree (tokens,
-parents) and accepted path; the rounds where ours has shrunk its tree to stay within
-max_new_tokens (the reference does not) are counted apart.
+(engine.bench_stats), with each engine's stage milliseconds per token as medians, in its own
+stage names: ours prefill, draft, tree, verify, commit; the reference's draft (without its
+first, over the prompt), tree_build (and its parts), tree_compile, verify, commit. Trees: a
+traced run of each prompt compares every round's tree (tokens, parents) and accepted path;
+the rounds where ours has shrunk its tree to stay within max_new_tokens (the reference does
+not) are counted apart.
 
 On a machine without CUDA the reference's synchronisations are no-ops; the modules it imports
 only for its datasets and logging (`datasets`, `loguru`) are stand-ins when not installed.
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import sys
 import time
 import types
@@ -101,6 +105,7 @@ class Reference:
             "own_tok_s": 1 / result.time_per_output_token,
             "output": result.output_ids[0, len(prompt_ids) :].tolist(),
             "rounds": result.round_trees,
+            "stage_ms_per_token": per_token(result.stage_times, tokens - 1),
         }
 
 
@@ -119,7 +124,13 @@ class Ours:
             "tok_s": result.decode_tokens_per_s,
             "output": result.output_ids,
             "rounds": result.rounds,
+            "stage_ms_per_token": per_token(result.stage_seconds, len(result.output_ids) - 1),
         }
+
+
+def per_token(stage_seconds: dict[str, float], tokens: int) -> dict[str, float]:
+    """Each stage's milliseconds per decoded token."""
+    return {name: 1000 * seconds / max(tokens, 1) for name, seconds in stage_seconds.items()}
 
 
 def compare_trees(ours: list[dict], reference: list[dict], depth: int, new_tokens: int) -> dict:
@@ -173,7 +184,7 @@ def measure(args: argparse.Namespace) -> dict:
         trees.append(compare_trees(mine["rounds"], theirs["rounds"], depth, args.max_new_tokens))
 
     rates: dict[str, list[float]] = {"ours": [], "reference": [], "reference_own": []}
-    ratios = []
+    ratios, stages = [], {name: [] for name in engines}
     for repeat in range(args.repeats):
         for index, ids in enumerate(prompts):
             order = list(engines) if (repeat + index) % 2 == 0 else list(engines)[::-1]
@@ -182,6 +193,8 @@ def measure(args: argparse.Namespace) -> dict:
             rates["reference"].append(got["reference"]["tok_s"])
             rates["reference_own"].append(got["reference"]["own_tok_s"])
             ratios.append(got["ours"]["tok_s"] / got["reference"]["tok_s"])
+            for name in engines:
+                stages[name].append(got[name]["stage_ms_per_token"])
             print(
                 f"repeat {repeat} prompt {index}: ours {got['ours']['tok_s']:.1f} tok/s, "
                 f"reference {got['reference']['tok_s']:.1f} ({ratios[-1]:.3f}x)",
@@ -194,6 +207,7 @@ def measure(args: argparse.Namespace) -> dict:
         "ratio": ratio.to_json(),
         "ratio_text": f"{ratio.text('x', digits=3)} {interval_name(ratio.n)}",
         "tok_s": {name: spread.to_json() for name, spread in spreads.items()},
+        "stage_ms_per_token": {name: median_stages(runs) for name, runs in stages.items()},
         "outputs_equal": outputs_equal,
         "trees": trees,
         "settings": {
@@ -205,6 +219,11 @@ def measure(args: argparse.Namespace) -> dict:
             "threads": args.threads,
         },
     }
+
+
+def median_stages(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each stage's median over runs (ms per token; each engine names its own stages)."""
+    return {name: round(statistics.median(run[name] for run in runs), 3) for name in runs[0]}
 
 
 def main(argv: list[str] | None = None) -> int:
