@@ -7,7 +7,7 @@ position's penalties count the output so far plus the draft tokens on that posit
 its grammar mask is the grammar's state after that path (engine/grammar.py).
 
 Order, as vLLM applies them: grammar mask, penalties (repetition, then frequency and presence),
-temperature, then top_k, top_p and min_p.
+OpenAI's `logit_bias` (added to its tokens' logits), temperature, then top_k, top_p and min_p.
 Penalties (OpenAI's and vLLM's definitions): `presence_penalty` is subtracted from the logit of
 every token already in the output, `frequency_penalty` times its count; `repetition_penalty`
 (the CTRL / Hugging Face one) divides a positive logit of a token seen in the prompt or the
@@ -29,6 +29,7 @@ position, gathered chunk by chunk during the prefill, read back once at its end.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -36,6 +37,8 @@ import numpy as np
 import torch
 
 from engine.tree import to_device
+
+_BIASES = "token ids >= 0 with biases in [-100, 100]"
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class Sampling:
     presence_penalty: float = 0.0  # -2..2
     frequency_penalty: float = 0.0  # -2..2
     repetition_penalty: float = 1.0  # > 0; 1 = none
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, -100..100) added to its logit
 
     def __post_init__(self) -> None:
         problems = [
@@ -57,6 +61,7 @@ class Sampling:
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
             ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
+            ("logit_bias", all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias), _BIASES),
         ]
         for name, ok, rule in problems:
             if not ok:
@@ -125,6 +130,7 @@ def choose_scored(
     """`choose`'s choices and, when `top` is not None, their scores on the device: per row the
     choice's logprob, then the `top` most likely token ids and their logprobs (ids as floats:
     exact below 2^24, far above any vocabulary), all of the distribution the choice came from."""
+    logits = biased(logits, sampling)
     if temperature == 0:
         choices = logits.argmax(dim=-1)
         return choices, None if top is None else _scores(logits.log_softmax(-1), choices, top)
@@ -135,6 +141,25 @@ def choose_scored(
         return choices, None
     kept = scaled.masked_fill(probs == 0, float("-inf"))  # what the warps dropped: -inf
     return choices, _scores(kept.log_softmax(-1), choices, top)
+
+
+def biased(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:  # [T, V]
+    """logits with the request's logit_bias added (its vector made once per bias, device and
+    width, by a non-blocking copy: nothing is read back)."""
+    if not sampling.logit_bias:
+        return logits
+    return logits + _bias_vector(sampling.logit_bias, logits.shape[-1], logits.device, logits.dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _bias_vector(
+    bias: tuple[tuple[int, float], ...], vocab: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:  # [V]
+    ids, values = zip(*bias, strict=True)
+    vector = torch.zeros(vocab, dtype=dtype, device=device)
+    values_on_device = to_device(np.asarray(values, np.float64), device).to(dtype)
+    vector[to_device(np.asarray(ids, np.int64), device)] = values_on_device
+    return vector
 
 
 def _scores(log_probs: torch.Tensor, tokens: torch.Tensor, top: int) -> torch.Tensor:

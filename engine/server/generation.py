@@ -156,6 +156,10 @@ def _generation_config(
     checkpoints: tuple[int, ...],
 ) -> GenerationConfig:
     max_tokens = _max_tokens(body.requested_max_tokens(), len(prompt_ids), engine)
+    bias = tuple(sorted((int(token), value) for token, value in (body.logit_bias or {}).items()))
+    if any(token >= engine.vocab_size for token, _ in bias):
+        limit = engine.vocab_size
+        raise ApiError(400, f"logit_bias: token ids must be < {limit}", param="logit_bias")
     method, budget = _speculative(state, body, engine)
     return GenerationConfig(
         method=method,
@@ -164,7 +168,7 @@ def _generation_config(
         temperature=body.temperature,
         seed=body.seed,
         stop_token_ids=tuple(engine.tokenizer.eos_token_ids),
-        sampling=_sampling(body),
+        sampling=_sampling(body, bias),
         constraint=constraint,
         cache_prompt=body.cache_prompt,
         checkpoints=checkpoints,
@@ -180,8 +184,8 @@ def _engine_logprobs(body: Any) -> int | None:
     return 0 if asked is None and body.sequences() > body.n else asked
 
 
-def _sampling(body: Any) -> Sampling:
-    """The body's warps and penalties (its schema has checked their ranges)."""
+def _sampling(body: Any, logit_bias: tuple[tuple[int, float], ...] = ()) -> Sampling:
+    """The body's warps, penalties and bias (its schema has checked their ranges)."""
     return Sampling(
         top_p=body.top_p,
         top_k=max(body.top_k, 0),  # vLLM's -1 and 0 both mean off
@@ -189,6 +193,7 @@ def _sampling(body: Any) -> Sampling:
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
+        logit_bias=logit_bias,
     )
 
 

@@ -10,8 +10,8 @@ becomes a 500.
 
 Fields beyond the ones a request model declares are sorted, as vLLM sorts them:
 - a field of OpenAI's API for that endpoint that the server does not implement is refused with
-  a 400 naming it, unless its value asks for nothing (null, `top_p: 1`, `presence_penalty: 0`,
-  `logit_bias: {}`, ...) or it only describes the caller (`user`, `metadata`, ...);
+  a 400 naming it, unless its value asks for nothing (null, `suffix: ""`, `store: false`,
+  ...) or it only describes the caller (`user`, `metadata`, ...);
 - any other field is ignored, with a logged warning naming it.
 The same holds inside messages (`function_call`, `audio`, `refusal`).
 """
@@ -110,7 +110,6 @@ MESSAGE_API_FIELDS = frozenset(
 )
 # Unimplemented fields accepted at the values that ask for nothing, so ignoring them is exact.
 NO_OP_VALUES: dict[str, list[Any]] = {
-    "logit_bias": [{}],
     "suffix": [""],
     "modalities": [["text"]],
     "store": [False],
@@ -245,6 +244,7 @@ class _Sampling(_Request):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (a string) -> -100..100
     response_format: ResponseFormat | None = None
     seed: Integer | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = Field(None, max_length=4)
@@ -257,6 +257,14 @@ class _Sampling(_Request):
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s]
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_by_token_id(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for token, value in (bias or {}).items():
+            if not token.isdigit() or not -100 <= value <= 100:
+                raise _refused("logit_bias", f"token ids -> -100..100, not {token!r}: {value}")
+        return bias
 
     def sequences(self) -> int:
         """How many sequences to generate (completions' best_of may ask for more than n)."""

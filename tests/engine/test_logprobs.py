@@ -152,3 +152,14 @@ def test_the_prompts_logprobs_are_every_positions_chunk_by_chunk(pair, monkeypat
 def test_logprobs_beyond_twenty_are_refused(pair):
     with pytest.raises(ValueError, match="logprobs"):
         run(pair, "ar", 0, max_new_tokens=2, logprobs=21)
+
+
+def test_a_logit_bias_moves_every_methods_choice_and_its_logprob(pair):
+    favoured = run(pair, "ar", 0, max_new_tokens=2).output_ids[0] + 1
+    sampling = Sampling(logit_bias=((favoured, 100.0),))
+    for method, budget in METHODS:
+        result = run(pair, method, budget, max_new_tokens=6, sampling=sampling, logprobs=1)
+        assert result.output_ids == [favoured] * 6
+        assert all(entry.logprob > -1e-6 for entry in result.logprobs)  # it is all the mass
+    with pytest.raises(ValueError, match="logit_bias"):
+        Sampling(logit_bias=((favoured, 101.0),))

@@ -449,3 +449,12 @@ def test_with_a_prefix_cache_the_other_sequences_wait_for_the_first(engine):
             state.worker.cut()
             engine.gate.set()
             assert answer.result().status_code == 503
+
+
+def test_logit_bias_takes_token_ids_to_plus_minus_100_and_names_itself_beyond(server, engine):
+    url, _ = server
+    assert chat(url, logit_bias={"72": 5, "105": -100}).status_code == 200
+    assert engine.configs[-1].sampling.logit_bias == ((72, 5.0), (105, -100.0))
+    for bias in ({"72": 100.5}, {"hi": 1}, {str(0x110000): 1}):
+        refused = chat(url, logit_bias=bias)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "logit_bias"
