@@ -2,7 +2,7 @@
 
     python -m engine bench --model DIR --draft DIR [--budgets 4,8,15,32,64] \\
         [--max-new-tokens 256] [--prompts 8] [--repeats 2] [--max-repeats 5] \\
-        [--time-budget 600] [--dtype float32] [--device cpu] [--tp 1]
+        [--time-budget 600] [--concurrency 1,4] [--dtype float32] [--device cpu] [--tp 1]
 
 Prompts are Python code from the standard-library files the demo model never trained on
 (engine.data.corpus.held_out_prompts). Every method runs in this one process, under the rules of
@@ -23,6 +23,11 @@ verdict (a winner only when its interval clears the others'), what the machine w
 other processes' CPU share, the GPU's clocks) and, as the last stdout line, one JSON document
 with the same figures.
 
+`--concurrency 1,4`: each level above 1 then measures the same way with that many copies of
+each prompt decoded at once by the scheduler (engine/scheduler.py, one batched target pass a
+step): the aggregate tok/s (every sequence's tokens over the wall time, prefill included) and
+the speedup over ar at that level, with a verdict per level.
+
 The round costs explain the speedups: `cost` is a round's time in ar steps, so speedup ~
 tau / cost, and the draft and verify columns (ms per round) show where a round's time goes.
 """
@@ -35,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 from engine.bench_stats import (
     RepeatSchedule,
@@ -120,6 +126,17 @@ def parse_budgets(text: str) -> list[int]:
     return budgets
 
 
+def parse_levels(text: str) -> list[int]:
+    """An argparse type: concurrency levels like `1,4,8` (each >= 1), ascending."""
+    try:
+        levels = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"concurrency must be integers, got {text!r}") from None
+    if not levels or levels[0] < 1:
+        raise argparse.ArgumentTypeError(f"concurrency levels must be >= 1, got {text!r}")
+    return levels
+
+
 def positive_int(text: str) -> int:
     """An argparse type: a whole number >= 1."""
     if not text.isdigit() or int(text) < 1:
@@ -161,6 +178,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=seconds,
         default=600.0,
         help="seconds of decoding to spend on repeats beyond --repeats (0: exactly --repeats)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=parse_levels,
+        default=[1],
+        help="levels above 1 also decode that many copies of each prompt at once through the "
+        "scheduler: aggregate tok/s and speedups over ar at each level",
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     parser.add_argument("--device", default="cpu")
@@ -251,6 +275,115 @@ def disturbed_in(results: dict[Method, object], ar: Method) -> list[str]:
     return [method.label for method in beyond_tau(rates, taus, ar)]
 
 
+class Interleaved:
+    """The repeats of one measurement over the prompts, under issue 31's rules: prompt by
+    prompt, each repeat runs every method back to back in rotated order, each in a quiet moment
+    (the gate); a repeat with a speedup above tau, or whose decodes saw other processes' load
+    unevenly, is redone and left out; `keep(method, (prompt, repeat), result)` gets the rest."""
+
+    def __init__(self, args, methods: list[Method], gate: QuietGate, watch, readings) -> None:
+        self.args, self.methods, self.gate = args, methods, gate
+        self.watch, self.readings = watch, readings
+        self.disturbed = self.uneven = self.turn = 0
+
+    def measure(self, prompts: list[list[int]], decode, keep, what: str = "") -> None:
+        args = self.args
+        max_repeats = args.max_repeats if args.time_budget else args.repeats
+        for index, prompt in enumerate(prompts):
+            spent = self.readings[-1].at - self.readings[0].at
+            share = max(0.0, args.time_budget - spent) / (len(prompts) - index)
+            schedule = RepeatSchedule(args.repeats, max_repeats, share)
+            while schedule.more():
+                started = time.monotonic()
+                order = rotated(self.methods, self.turn)
+                self.turn += 1
+                measured = {m: self.gate.measure(partial(decode, m, prompt)) for m in order}
+                results = {method: result for method, (result, _) in measured.items()}
+                suspects = disturbed_in(results, self.methods[0])
+                shares = (load["others_cpu"] for _, load in measured.values())
+                unpaired = not suspects and uneven_load(shares)
+                self.disturbed += bool(suspects)
+                self.uneven += unpaired
+                schedule.record(time.monotonic() - started, disturbed=bool(suspects) or unpaired)
+                if suspects or unpaired:
+                    why = ", ".join(suspects) or "uneven load from other processes"
+                    print(f"prompt {index + 1}: disturbed repeat ({why}), redone")
+                    continue
+                for method, result in results.items():
+                    keep(method, (index, schedule.clean), result)
+            self.readings.append(self.watch.reading())
+            print(
+                f"prompt {index + 1}/{len(prompts)} done ({len(prompt)} prompt tokens, "
+                f"{schedule.clean} repeats{', ' + what if what else ''})",
+                flush=True,
+            )
+
+
+def _scheduler(target, drafter, level: int, max_len: int):
+    """A scheduler with `level` slots of `max_len` tokens (no prefix cache: every copy of a
+    prompt is prefilled, as the one-at-a-time decodes are)."""
+    from engine.cache_pool import CachePool
+    from engine.scheduler import Scheduler
+
+    pool = CachePool.for_server(target, drafter, max_len, 0)
+    return Scheduler(target, drafter, pool.slots(level))
+
+
+def decode_at_once(scheduler, cfg, prompt: list[int], n: int) -> SimpleNamespace:
+    """`n` copies of `prompt` decoded at once by `scheduler`: the aggregate rate (every
+    sequence's tokens over the wall time, prefill included) and every round's tokens."""
+    import torch
+
+    from engine.scheduler import Request
+
+    done: list = []
+    started = time.perf_counter()
+    for _ in range(n):
+        scheduler.add(Request(list(prompt), cfg, on_finish=done.append))
+    with torch.inference_mode():
+        while not scheduler.idle:
+            scheduler.step()
+    wall = time.perf_counter() - started
+    failed = [f.error for f in done if f.error is not None]
+    if failed:
+        raise failed[0]
+    tokens = sum(len(f.result.output_ids) for f in done)
+    lengths = [length for f in done for length in f.result.acceptance_lengths]
+    return SimpleNamespace(decode_tokens_per_s=tokens / wall, acceptance_lengths=lengths)
+
+
+def concurrency_rows(level: int, rates: dict[Method, Rates]) -> list[dict]:
+    """One row per method at `level` sequences at once: aggregate tok/s and the speedup over
+    ar's same repeats, each a median with its interval."""
+    ar = next(iter(rates))
+    rows = []
+    for method, found in rates.items():
+        speed = median_interval(found.values())
+        rows.append(
+            {
+                "method": method.name,
+                "budget": method.budget,
+                "concurrency": level,
+                **spread_fields("tokens_per_s", speed, 2),
+                **spread_fields("speedup", median_interval(paired_ratios(found, rates[ar])), 3),
+                "repeats": speed.n if speed else 0,
+            }
+        )
+    return rows
+
+
+def format_concurrency(rows: list[dict]) -> str:
+    lines = [f"{'method':<12}{'tok/s':>10}{'speedup':>22}"]
+    for row in rows:
+        spread = spread_in(row, "speedup", row["repeats"])
+        rate = spread_in(row, "tokens_per_s", row["repeats"])
+        lines.append(
+            f"{label_of(row):<12}{rate.median if rate else 0:>10.1f}"
+            f"{spread.text('x') if spread else '-':>22}"
+        )
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -270,15 +403,17 @@ def run(args: argparse.Namespace) -> int:
     prompts = [tokenizer.encode(text) for text in held_out_prompts(args.prompts)]
     methods = methods_for(args.budgets)
 
-    def decode(method: Method, prompt: list[int], max_new_tokens: int):
-        cfg = GenerationConfig(
+    def config_for(method: Method, max_new_tokens: int = args.max_new_tokens):
+        return GenerationConfig(
             method=method.name,
             budget=method.budget or 15,
             max_new_tokens=max_new_tokens,
             cuda_graphs=args.cuda_graphs,
         )
+
+    def decode(method: Method, prompt: list[int], max_new_tokens: int):
         with torch.inference_mode():
-            return generate(target, drafter, prompt, cfg)
+            return generate(target, drafter, prompt, config_for(method, max_new_tokens))
 
     for method in methods:
         decode(method, prompts[0], WARMUP_TOKENS)
@@ -287,49 +422,40 @@ def run(args: argparse.Namespace) -> int:
     gate = QuietGate(watch)  # each decode in a quiet moment, sent again when disturbed
     tallies = {method: Tally() for method in methods}
     rates: dict[Method, Rates] = {method: {} for method in methods}
-    disturbed = uneven = turn = 0
-    max_repeats = args.max_repeats if args.time_budget else args.repeats
-    for index, prompt in enumerate(prompts):
-        spent = readings[-1].at - readings[0].at
-        share = max(0.0, args.time_budget - spent) / (len(prompts) - index)
-        schedule = RepeatSchedule(args.repeats, max_repeats, share)
-        uneven_before = uneven
-        while schedule.more():
-            started = time.monotonic()
-            order = rotated(methods, turn)
-            turn += 1
-            measured = {
-                m: gate.measure(partial(decode, m, prompt, args.max_new_tokens)) for m in order
-            }
-            results = {method: result for method, (result, _) in measured.items()}
-            suspects = disturbed_in(results, methods[0])
-            unpaired = not suspects and uneven_load(
-                load["others_cpu"] for _, load in measured.values()
-            )
-            uneven += unpaired
-            schedule.record(time.monotonic() - started, disturbed=bool(suspects) or unpaired)
-            if suspects or unpaired:
-                why = ", ".join(suspects) or "uneven load from other processes"
-                print(f"prompt {index + 1}: disturbed repeat ({why}), redone")
-                continue
-            for method, result in results.items():
-                rates[method][(index, schedule.clean)] = result.decode_tokens_per_s
-                tallies[method].add(
-                    result.acceptance_lengths, result.decode_tokens_per_s, result.stage_seconds
-                )
-        disturbed += schedule.disturbed - (uneven - uneven_before)
-        readings.append(watch.reading())
-        print(
-            f"prompt {index + 1}/{len(prompts)} done ({len(prompt)} prompt tokens, "
-            f"{schedule.clean} repeats)",
-            flush=True,
+
+    def keep(method: Method, key: tuple[int, int], result) -> None:
+        rates[method][key] = result.decode_tokens_per_s
+        tallies[method].add(
+            result.acceptance_lengths, result.decode_tokens_per_s, result.stage_seconds
         )
+
+    repeats = Interleaved(args, methods, gate, watch, readings)
+    repeats.measure(prompts, lambda m, p: decode(m, p, args.max_new_tokens), keep)
+    served = []
+    for level in (n for n in args.concurrency if n > 1):
+        longest = max(len(p) for p in prompts) + args.max_new_tokens
+        scheduler = _scheduler(target, drafter, level, longest)
+        level_rates: dict[Method, Rates] = {method: {} for method in methods}
+
+        def keep_level(method: Method, key: tuple[int, int], result, into=level_rates) -> None:
+            into[method][key] = result.decode_tokens_per_s
+
+        def at_once(method: Method, prompt: list[int], n=level, scheduler=scheduler):
+            return decode_at_once(scheduler, config_for(method), prompt, n)
+
+        repeats.measure(prompts, at_once, keep_level, f"{level} at once")
+        served += concurrency_rows(level, level_rates)
     close_target(target)
     rows = summarise(tallies, rates)
-    machine = summary(readings, disturbed, gate.busy_requests, uneven)
+    machine = summary(readings, repeats.disturbed, gate.busy_requests, repeats.uneven)
     decision = run_verdict(rows)
     print(format_table(rows))
     print(decision["text"])
+    for level in sorted({row["concurrency"] for row in served}):
+        at_level = [row for row in served if row["concurrency"] == level]
+        print(f"\n{level} sequences at once (aggregate tok/s, prefill included):")
+        print(format_concurrency(at_level))
+        print(run_verdict(at_level)["text"])
     if machine["warning"]:
         print(f"warning: {machine['warning']}")
     print(
@@ -346,9 +472,11 @@ def run(args: argparse.Namespace) -> int:
                 "device": args.device,
                 "tp": args.tp,
                 "cuda_graphs": args.cuda_graphs,
+                "concurrency_levels": args.concurrency,
                 "threads": torch.get_num_threads(),
                 "results": rows,
                 "verdict": decision,
+                "concurrency": served,
                 "machine": machine,
             }
         )

@@ -20,6 +20,7 @@ from engine.cli.bench import (
     format_table,
     methods_for,
     parse_budgets,
+    parse_levels,
     positive_int,
     run_verdict,
     seconds,
@@ -132,3 +133,54 @@ def test_bench_runs_every_method_and_ends_with_one_json_document(tmp_path, capsy
     assert rows[0]["cost"] == 1.0 and rows[0]["stage_ms"]["draft"] == 0.0  # ar drafts nothing
     assert all(r["stage_ms"]["draft"] > 0 and r["stage_ms"]["verify"] > 0 for r in rows[1:])
     assert any(line.split()[:2] == ["ddtree", "6"] for line in out[:-1])  # the table
+
+
+def test_bench_at_concurrency_decodes_copies_of_each_prompt_at_once(tmp_path, capsys):
+    """--concurrency 1,2: after the one-at-a-time table, each method decodes two copies of each
+    prompt at once through the scheduler; aggregate tok/s and the paired speedup over ar."""
+    target = save_tiny_hybrid(tmp_path / "target", seed=0)
+    draft = save_tiny_hybrid_drafter(tmp_path / "draft", target, seed=1)
+    argv = ["bench", "--model", str(target), "--draft", str(draft), "--budgets", "3"]
+    with torch_threads(1):
+        rc = main(
+            [*argv, "--max-new-tokens", "6", "--prompts", "1", "--repeats", "2"]
+            + ["--time-budget", "0", "--concurrency", "2,1"]
+        )
+    assert rc == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(out[-1])
+    assert report["concurrency_levels"] == [1, 2]
+    rows = report["concurrency"]
+    assert [(r["method"], r["budget"], r["concurrency"]) for r in rows] == [
+        ("ar", None, 2),
+        ("linear", None, 2),
+        ("ddtree", 3, 2),
+    ]
+    assert rows[0]["speedup"] == 1.0 and all(r["tokens_per_s"] > 0 for r in rows)
+    assert "2 sequences at once (aggregate tok/s, prefill included):" in out
+
+
+def test_decoding_at_once_counts_every_sequences_tokens():
+    from engine.cli.bench import decode_at_once
+
+    class OneStep:
+        idle = False
+
+        def add(self, request):
+            self.requests = [*getattr(self, "requests", []), request]
+
+        def step(self):
+            for request in self.requests:
+                result = SimpleNamespace(output_ids=[1, 2, 3], acceptance_lengths=[1, 2])
+                request.on_finish(SimpleNamespace(result=result, error=None))
+            self.idle = True
+
+    done = decode_at_once(OneStep(), cfg=None, prompt=[5, 6], n=3)
+    assert done.acceptance_lengths == [1, 2] * 3 and done.decode_tokens_per_s > 0
+
+
+def test_concurrency_levels_parse():
+    assert parse_levels("4,1,4") == [1, 4]
+    for bad in ("0", "x", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_levels(bad)
