@@ -403,13 +403,21 @@ class _Sequence:
 
     def propose(self, depth_room: int, node_room: int) -> DraftTree:
         """The draft to verify after the bonus: empty for ar or when nothing more fits."""
-        if self.guide is not None:
-            self.guide.start_round()
-        if not self.speculative or min(depth_room, node_room) <= 0:
+        if not self.start_round(depth_room, node_room):
             return chain_tree(np.zeros(0, np.int64))
         with self.clock.stage("draft"):
             logits = self._draft()
             self.context = None
+        return self.shape(logits, depth_room, node_room)
+
+    def start_round(self, depth_room: int, node_room: int) -> bool:
+        """Begin a round (the grammar's); whether it drafts (not ar, and something fits)."""
+        if self.guide is not None:
+            self.guide.start_round()
+        return self.speculative and min(depth_room, node_room) > 0
+
+    def shape(self, logits: torch.Tensor, depth_room: int, node_room: int) -> DraftTree:
+        """The round's tree from the drafter's logits [B-1, V]."""
         with self.clock.stage("tree"):
             return _shape_draft(self.cfg, logits, depth_room, node_room, self.guide)
 
@@ -603,17 +611,23 @@ class Run:
 
     def next_tree(self, should_stop: Callable[[], bool] | None) -> DraftTree | None:
         """The next round's draft, or None when the output is finished (its reason set)."""
-        out, seq = self.out, self.seq
+        rooms = self.next_rooms(should_stop)
+        return None if rooms is None else self.seq.propose(*rooms)
+
+    def next_rooms(self, should_stop: Callable[[], bool] | None) -> tuple[int, int] | None:
+        """The next round's (depth room, node room) for its draft, or None when the output is
+        finished (its reason set)."""
+        out = self.out
         if out.finish_reason is not None:
             return None
         if should_stop is not None and should_stop():
             out.finish_reason = "cancelled"
             return None
-        node_room = self.max_len - seq.cache.length - 1  # the bonus takes one slot
+        node_room = self.max_len - self.seq.cache.length - 1  # the bonus takes one slot
         if node_room < 0:
             out.finish_reason = "length"
             return None
-        return seq.propose(depth_room=out.remaining - 1, node_room=node_room)  # -1: next bonus
+        return out.remaining - 1, node_room  # -1: the next bonus
 
     def committed(self, tree: DraftTree, accepted: list[int], new_tokens: list[int]) -> None:
         """A round committed `accepted` of `tree`, giving `new_tokens`."""

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from engine.cache_pool import CachePool
@@ -51,7 +52,7 @@ from engine.decode import (
 from engine.memory_plan import is_out_of_memory
 from engine.models.common import Segment
 from engine.sampling import TokenLogprob
-from engine.tree import DraftTree
+from engine.tree import DraftTree, chain_tree
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class Request:
     retried: bool = False  # put back once after running out of memory
 
 
-@dataclass
+@dataclass(eq=False)  # one running request: compared by identity
 class _Active:
     """A running request: its sequence in its slot, and its run once the prefill chose."""
 
@@ -160,8 +161,8 @@ class Scheduler:
         if work:
             try:
                 self._pass(work)
-            except Exception as error:  # the step's sequences fail, the others keep going
-                self._fail([item.active for item in work], error)
+            except Exception as error:  # the pass's sequences fail, the others keep going
+                self._fail([item.active for item in work if item.active in self.running], error)
         self._retire()
 
     def cancel_all(self) -> None:
@@ -217,17 +218,8 @@ class Scheduler:
     def _plan(self) -> list[_Work]:
         """This step's work: every decoding sequence's round, then prefill pieces within the
         token budget left. A sequence whose own part raises (its draft) fails alone."""
-        work: list[_Work] = []
-        budget = self.max_num_batched_tokens
-        for active in [a for a in self.running if not a.prefilling]:
-            try:
-                item = self._round(active)
-            except Exception as error:
-                self._fail([active], error)
-                continue
-            if item is not None:
-                work.append(item)
-                budget -= item.segment.ids.shape[0]
+        work = self._rounds([active for active in self.running if not active.prefilling])
+        budget = self.max_num_batched_tokens - sum(item.segment.ids.shape[0] for item in work)
         prefilling = [active for active in self.running if active.prefilling]
         for index, active in enumerate(prefilling):
             share = budget // (len(prefilling) - index)
@@ -241,13 +233,43 @@ class Scheduler:
                 budget -= item.segment.ids.shape[0]
         return work
 
-    def _round(self, active: _Active) -> _Work | None:
-        """A decoding sequence's round: its draft, as the verify segment (None: it finished)."""
-        tree = active.run.next_tree(active.request.should_stop)
-        if tree is None:
-            return None
-        ids, parents = active.seq.verify_inputs(tree)
-        return _Work(active, Segment(ids, active.seq.cache, parents), tree)
+    def _rounds(self, decoding: list[_Active]) -> list[_Work]:
+        """Each decoding sequence's round as its verify segment: the drafts of all that draft
+        in one drafter pass (engine/models/dflash.py `draft_batch`). One that finished adds
+        none; a failed draft fails the sequences it drafted for."""
+        rounds, drafting = [], []
+        for active in decoding:
+            rooms = active.run.next_rooms(active.request.should_stop)
+            if rooms is None:
+                continue
+            rounds.append((active, rooms))
+            if active.seq.start_round(*rooms):
+                drafting.append(active)
+        drafts = {}
+        if drafting:
+            try:
+                drafts = dict(zip(map(id, drafting), self._draft(drafting), strict=True))
+            except Exception as error:
+                self._fail(drafting, error)
+                rounds = [(active, rooms) for active, rooms in rounds if active not in drafting]
+        work = []
+        for active, rooms in rounds:
+            seq = active.seq
+            if id(active) in drafts:
+                tree = seq.shape(drafts[id(active)], *rooms)
+            else:
+                tree = chain_tree(np.zeros(0, np.int64))
+            ids, parents = seq.verify_inputs(tree)
+            work.append(_Work(active, Segment(ids, seq.cache, parents), tree))
+        return work
+
+    def _draft(self, drafting: list[_Active]) -> list[torch.Tensor]:
+        """The drafter's logits [B-1, V] after each sequence's bonus, from one batched pass."""
+        items = [(a.seq.draft_cache, a.seq.context, a.seq.bonus) for a in drafting]
+        drafts = self.drafter.draft_batch(self.target, items)
+        for active in drafting:
+            active.seq.context = None
+        return drafts
 
     def _prefill_piece(self, active: _Active, share: int) -> _Work | None:
         """Up to `share` more prompt tokens of a prefilling sequence, as a segment (None: none

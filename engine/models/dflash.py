@@ -239,6 +239,64 @@ class DFlashDrafter(nn.Module):
         cache.length = start
         return self._logits(target, x[1:])
 
+    @torch.no_grad()
+    def draft_batch(
+        self, target: nn.Module, items: list[tuple[KVCache, torch.Tensor, int]]
+    ) -> list[torch.Tensor]:  # each [B-1, V] float32
+        """`draft` of several sequences in one pass: each (cache, context [N, n*H], bonus) has
+        its context appended to its own cache and its block attend to it; the context
+        projections, the blocks' layers and the lm_head run over every sequence's rows at once.
+        A drafter with sliding-window layers drafts them one after another."""
+        if not self.static_ok:
+            return [self.draft(target, cache, context, bonus) for cache, context, bonus in items]
+        B, device = self.block_size, self.fc.weight.device
+        for cache, context, _ in items:
+            cache.check_room(context.shape[0] + B)
+        self._write_contexts([(cache, context) for cache, context, _ in items])
+        starts = [cache.length + context.shape[0] for cache, context, _ in items]
+        block_pos = torch.cat([torch.arange(start, start + B, device=device) for start in starts])
+        rope = self._positions_rope(block_pos)
+        ids = torch.full((len(items), B), self.mask_token_id, dtype=torch.long, device=device)
+        ids[:, 0] = torch.tensor([bonus for _, _, bonus in items], device=device)
+        x = self._embed(target, ids.flatten())  # [n*B, H]
+        in_block = torch.ones(B, B, dtype=torch.bool, device=device)
+        for index, layer in enumerate(self.layers):
+            q, k, v = layer.block_qkv(x, rope)
+            causal, _ = self.config.attention_kind(index)
+            mask = in_block.tril() if causal else in_block
+            attended = []
+            for row, ((cache, _, _), start) in enumerate(zip(items, starts, strict=True)):
+                rows = slice(row * B, (row + 1) * B)
+                keys, values = cache.write(index, start, k[rows], v[rows])
+                attended.append(tree_attention(q[rows], keys, values, start, mask, self._scale))
+            x = layer.finish(x, torch.cat(attended))
+        for (cache, _, _), start in zip(items, starts, strict=True):
+            cache.length = start
+        drafted = x.unflatten(0, (len(items), B))[:, 1:].flatten(0, 1)  # every block but its bonus
+        return list(self._logits(target, drafted).split(B - 1))
+
+    def _write_contexts(self, items: list[tuple[KVCache, torch.Tensor]]) -> None:
+        """Every sequence's context K/V behind its cache's tokens: a round's few rows of all
+        of them projected at once, a long one (a prompt's, after its prefill) on its own."""
+        short = [(cache, context) for cache, context in items if context.shape[0] <= CONTEXT_PIECE]
+        for cache, context in items:
+            if context.shape[0] > CONTEXT_PIECE:
+                self._write_context(cache, context)
+        if not short:
+            return
+        device = self.fc.weight.device
+        positions = torch.cat(
+            [torch.arange(c.length, c.length + x.shape[0], device=device) for c, x in short]
+        )
+        contexts = torch.cat([context for _, context in short])
+        ctx = self.hidden_norm(self.fc(contexts.to(self.fc.weight.dtype)))
+        rope = self._positions_rope(positions)
+        bounds = torch.tensor([0, *[x.shape[0] for _, x in short]]).cumsum(0).tolist()
+        for index, layer in enumerate(self.layers):
+            k, v = layer.self_attn.key_values(ctx, rope)
+            for (cache, _), first, end in zip(short, bounds, bounds[1:], strict=False):
+                cache.write(index, cache.length, k[first:end], v[first:end])
+
     @property
     def static_ok(self) -> bool:
         """Whether `draft_static` applies: no sliding-window layers."""

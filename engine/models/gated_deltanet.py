@@ -168,11 +168,25 @@ class GatedDeltaNet(nn.Module):
         strategy: StateStrategy,
     ) -> tuple[torch.Tensor, PendingRecurrence]:
         """Mix the pending tokens; returns the output [T, hidden] and what commit needs."""
-        T = x.shape[0]
+        inputs = self._inputs(x)
+        out, pending = self.tree_mix(inputs, state, parents, strategy)
+        return self._output(out, x), pending
+
+    def tree_mix(
+        self,
+        inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # `_inputs`: conv inputs, beta, g
+        state: RecurrentState,
+        parents: torch.Tensor,  # [T]
+        strategy: StateStrategy,
+    ) -> tuple[torch.Tensor, PendingRecurrence]:
+        """`forward` between the projections: the delta rule's output [T, Hv, Dv] over the
+        tree from its projected inputs, and what commit needs (a batched pass projects every
+        sequence's rows at once and mixes each against its own state)."""
+        conv_inputs, beta, g = inputs
+        T = conv_inputs.shape[0]
         s = self.shape
         if strategy == "auto":
             strategy = choose_strategy(s, T, state.recurrent.dtype, backend_for(state.recurrent))
-        conv_inputs, beta, g = self._inputs(x)
         conv_outputs = tree_causal_conv1d(
             conv_inputs, parents, state.conv, self.conv1d.weight[:, 0], None, "silu"
         )  # [T, C]
@@ -190,7 +204,7 @@ class GatedDeltaNet(nn.Module):
             pending.node_states = node_states
         elif strategy == "replay":
             pending.conv_outputs, pending.g, pending.beta = conv_outputs, g, beta
-        return self._output(out, x), pending
+        return out, pending
 
     def forward_static(
         self,
@@ -225,13 +239,57 @@ class GatedDeltaNet(nn.Module):
             )
         return self._output(out, x), kept
 
+    def single_steps(
+        self,
+        inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # `_inputs` of B rows
+        states: list[RecurrentState],  # each row's own sequence's
+    ) -> tuple[torch.Tensor, list[PendingRecurrence]]:
+        """`tree_mix` of B one-token segments at once (a batched pass's ar steps): each row's
+        conv window and delta-rule step against its own state, as one stacked computation.
+        Returns the outputs [B, Hv, Dv] and, per row, what commit needs (its state after the
+        token, committed by selection)."""
+        conv_inputs, beta, g = inputs
+        dt = compute_dtype(conv_inputs.dtype)
+        weight = self.conv1d.weight[:, 0].to(dt)  # [C, K]
+        windows = torch.stack(
+            [
+                torch.cat([state.conv, row[:, None]], dim=1)
+                for state, row in zip(states, conv_inputs, strict=True)
+            ]
+        )  # [B, C, K] oldest first
+        conv_outputs = F.silu((windows.to(dt) * weight).sum(dim=-1)).to(conv_inputs.dtype)
+        q, k, v = self._heads(conv_outputs)  # [B, Hv, Dk] x2, [B, Hv, Dv]
+        scale = self.shape.key_dim**-0.5
+        qf, vf = q.to(dt) * scale, v.to(dt)
+        decayed = torch.stack([state.recurrent.to(dt) for state in states])
+        decayed = decayed * g.to(dt).exp()[:, :, None, None]  # [B, Hv, Dk, Dv]
+        recalled = torch.einsum("bhkv,bhk->bhv", decayed, k)
+        delta = (vf - recalled) * beta.to(dt)[:, :, None]
+        after = decayed + k[:, :, :, None] * delta[:, :, None, :]
+        out = torch.einsum("bhkv,bhk->bhv", after, qf).to(v.dtype)
+        root = torch.full((1,), -1, dtype=torch.long, device=conv_inputs.device)
+        pending = [
+            PendingRecurrence(
+                parents=root, conv_inputs=conv_inputs[i : i + 1], node_states=after[i : i + 1]
+            )
+            for i in range(len(states))
+        ]
+        return out, pending
+
     def extend(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
         """Mix a chain x [T, hidden] (a prefill chunk) and commit all of it into `state` at
         once: nothing per token is kept beyond this call, so a prompt of any length is run in
         chunks with the conv window and the delta-rule state carried from one to the next."""
-        T = x.shape[0]
-        conv_inputs, beta, g = self._inputs(x)
-        chain = torch.arange(-1, T - 1, device=x.device)
+        return self._output(self.chain_mix(self._inputs(x), state), x)
+
+    def chain_mix(
+        self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], state: RecurrentState
+    ) -> torch.Tensor:
+        """`extend` between the projections: the delta rule's output [T, Hv, Dv] over a chain
+        from its projected inputs, committed into `state`."""
+        conv_inputs, beta, g = inputs
+        T = conv_inputs.shape[0]
+        chain = torch.arange(-1, T - 1, device=conv_inputs.device)
         conv_outputs = tree_causal_conv1d(
             conv_inputs, chain, state.conv, self.conv1d.weight[:, 0], None, "silu"
         )
@@ -242,7 +300,7 @@ class GatedDeltaNet(nn.Module):
         # In place: a captured graph reads the committed state at its address.
         state.recurrent.copy_(final)
         state.conv.copy_(torch.cat([state.conv, conv_inputs.T], dim=1)[:, -state.conv.shape[1] :])
-        return self._output(out, x)
+        return out
 
     def _inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """conv inputs [T, C], beta [T, Hv] and g [T, Hv] of the normed x [T, hidden]."""

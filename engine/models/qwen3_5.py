@@ -262,11 +262,41 @@ class HybridDecoderLayer(nn.Module):
         if self.layer_type != LINEAR:
             mixed = self.self_attn(normed, tree, self.slot)
         elif tree.parts:  # a batched pass: each segment's GDN state on its own
-            mixed = torch.cat([self._mix(normed[r], part, strategy) for r, part in tree.parts])
+            mixed = self._mix_parts(normed, tree.parts, strategy)
         else:
             mixed = self._mix(normed, tree, strategy)
         h = h + mixed
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _mix_parts(
+        self, normed: torch.Tensor, parts: list[tuple[slice, TreePass]], strategy: StateStrategy
+    ) -> torch.Tensor:
+        """The GDN mixer over a batched pass: every row projected at once, each segment's rows
+        mixed against its own state (a chain committed, or a tree left pending)."""
+        gdn = self.linear_attn
+        inputs = gdn._inputs(normed)
+        outs: list[torch.Tensor | None] = [None] * len(parts)
+        steps = [
+            i for i, (r, part) in enumerate(parts) if r.stop - r.start == 1 and not part.extend
+        ]
+        if steps:  # one-token segments (ar steps) in one stacked step
+            rows = torch.tensor([parts[i][0].start for i in steps], device=normed.device)
+            states = [parts[i][1].cache.recurrent[self.slot] for i in steps]
+            out, pending = gdn.single_steps(tuple(t[rows] for t in inputs), states)
+            for row, i in enumerate(steps):
+                outs[i] = out[row : row + 1]
+                parts[i][1].pending.append(pending[row])
+        for i, (rows, part) in enumerate(parts):
+            if outs[i] is not None:
+                continue
+            mine = tuple(tensor[rows] for tensor in inputs)
+            state = part.cache.recurrent[self.slot]
+            if part.extend:
+                outs[i] = gdn.chain_mix(mine, state)
+                continue
+            outs[i], pending = gdn.tree_mix(mine, state, part.parents, strategy)
+            part.pending.append(pending)
+        return gdn._output(torch.cat(outs), normed)
 
     def _mix(self, normed: torch.Tensor, tree: TreePass, strategy: StateStrategy) -> torch.Tensor:
         """The GDN mixer over one sequence's tokens, against its own state."""

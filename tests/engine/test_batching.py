@@ -241,3 +241,30 @@ def test_logprobs_beside_other_sequences_equal_their_solo_runs(pair):
             [t.logprob for t in alone.logprobs], abs=1e-9
         )
         assert len(result.prompt_logprobs) == len(prompt)
+
+
+def test_the_drafters_batched_pass_equals_its_drafts_one_by_one(pair):
+    target, drafter = pair
+    width = len(drafter.target_layer_ids) * target.config.hidden_size
+    generator = torch.Generator().manual_seed(7)
+    lengths, histories = [3, 1, 9], [0, 5, 12]
+    caches = [[drafter.new_cache(64) for _ in lengths] for _ in range(2)]
+    items = []
+    for index, (count, history) in enumerate(zip(lengths, histories, strict=True)):
+        past = torch.randn(history, width, generator=generator, dtype=torch.float64)
+        for copies in caches:
+            drafter.append_context(copies[index], past)
+        context = torch.randn(count, width, generator=generator, dtype=torch.float64)
+        items.append((context, 3 + index))
+    alone = [
+        drafter.draft(target, cache, context, bonus)
+        for cache, (context, bonus) in zip(caches[0], items, strict=True)
+    ]
+    batch = [
+        (cache, context, bonus) for cache, (context, bonus) in zip(caches[1], items, strict=True)
+    ]
+    together = drafter.draft_batch(target, batch)
+    for one, other, a, b in zip(alone, together, caches[0], caches[1], strict=True):
+        torch.testing.assert_close(other, one, rtol=0, atol=1e-9)
+        assert a.length == b.length
+        torch.testing.assert_close(b.k[:, : b.length], a.k[:, : a.length], rtol=0, atol=1e-12)
