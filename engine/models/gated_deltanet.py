@@ -239,6 +239,50 @@ class GatedDeltaNet(nn.Module):
             )
         return self._output(out, x), kept
 
+    def factored_mix(
+        self,
+        inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # `_inputs` of all segments' rows
+        states: list[RecurrentState],  # each segment's own
+        parents: list[torch.Tensor],  # each segment's tree [T_i] (on the device)
+        visible: list[torch.Tensor],  # each segment's ancestor mask [T_i, T_i] (ancestor_matrix)
+    ) -> tuple[torch.Tensor, list[PendingRecurrence]]:
+        """`tree_mix` under "factored" of several segments at once (a batched pass's verify
+        trees): one conv over every segment's window (each tap offset into its own committed
+        inputs and tokens), the heads of all rows at once, then each segment's tree solved
+        against its own state. Returns the outputs [sum T_i, Hv, Dv] and each one's pending."""
+        conv_inputs, beta, g = inputs
+        sizes = [tree.shape[0] for tree in parents]
+        pieces = conv_inputs.split(sizes)
+        window = self.shape.conv_kernel - 1
+        columns = torch.cat(
+            [part for st, x in zip(states, pieces, strict=True) for part in (st.conv, x.T)], 1
+        )
+        offsets = (
+            torch.tensor([0, *sizes], device=conv_inputs.device)[:-1].cumsum(0)
+            + torch.arange(len(sizes), device=conv_inputs.device) * window
+        )
+        taps = torch.cat(
+            [
+                conv_taps(tree, window + 1) + offset
+                for tree, offset in zip(parents, offsets, strict=True)
+            ]
+        )
+        # Every window is a column of `columns` (no pending tokens beyond them to append).
+        conv_outputs = conv_at_taps(conv_inputs[:0], columns, self.conv1d.weight[:, 0], taps)
+        heads = self._heads(conv_outputs)
+        scale = self.shape.key_dim**-0.5
+        outs, pending = [], []
+        rows = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+        for i, state in enumerate(states):
+            r = slice(rows[i], rows[i + 1])
+            q, k, v = (t[r] for t in heads)
+            out, piece = solve_visible(q, k, v, g[r], beta[r], visible[i], state.recurrent, scale)
+            outs.append(out)
+            kept = PendingRecurrence(parents=parents[i], conv_inputs=pieces[i])
+            kept.tree_states = TreeStates([piece], sizes[i])
+            pending.append(kept)
+        return torch.cat(outs), pending
+
     def single_steps(
         self,
         inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # `_inputs` of B rows

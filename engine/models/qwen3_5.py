@@ -35,6 +35,8 @@ import torch
 from torch import nn
 
 from engine import kernels
+from engine.kernels import backend_for
+from engine.kernels.batched import ancestor_matrix
 from engine.kv_blocks import KVBlockPool, KVLayout
 from engine.memory_plan import FULL, LINEAR, hybrid_layer_types
 from engine.models.common import (
@@ -63,6 +65,7 @@ from engine.models.gated_deltanet import (
     RecurrentState,
     StateStrategy,
     choose_keep,
+    choose_strategy,
     conv_taps,
     pending_from,
 )
@@ -206,6 +209,8 @@ class TreePass:
     pending: list = field(default_factory=list)
     parts: list[tuple[slice, TreePass]] = field(default_factory=list)  # forward_batch: rows and
     # each segment's own pass (its cache, tree and pending), which its GDN layers run on
+    ancestors: torch.Tensor | None = None  # a batched pass's tree segment solved "factored":
+    # its ancestor mask [T, T], made once for all its GDN layers
 
 
 class GatedAttention(nn.Module):
@@ -279,13 +284,18 @@ class HybridDecoderLayer(nn.Module):
         steps = [
             i for i, (r, part) in enumerate(parts) if r.stop - r.start == 1 and not part.extend
         ]
-        if steps:  # one-token segments (ar steps) in one stacked step
-            rows = torch.tensor([parts[i][0].start for i in steps], device=normed.device)
-            states = [parts[i][1].cache.recurrent[self.slot] for i in steps]
-            out, pending = gdn.single_steps(tuple(t[rows] for t in inputs), states)
-            for row, i in enumerate(steps):
-                outs[i] = out[row : row + 1]
-                parts[i][1].pending.append(pending[row])
+        trees = [i for i, (_, part) in enumerate(parts) if part.ancestors is not None]
+        for group, mix in ((steps, self._single_steps), (trees, self._factored)):
+            if not group:
+                continue
+            rows = torch.cat([torch.arange(parts[i][0].start, parts[i][0].stop) for i in group])
+            out, pending = mix(
+                tuple(t[rows.to(normed.device)] for t in inputs), [parts[i][1] for i in group]
+            )
+            sizes = [parts[i][0].stop - parts[i][0].start for i in group]
+            for i, mixed, kept in zip(group, out.split(sizes), pending, strict=True):
+                outs[i] = mixed
+                parts[i][1].pending.append(kept)
         for i, (rows, part) in enumerate(parts):
             if outs[i] is not None:
                 continue
@@ -297,6 +307,17 @@ class HybridDecoderLayer(nn.Module):
             outs[i], pending = gdn.tree_mix(mine, state, part.parents, strategy)
             part.pending.append(pending)
         return gdn._output(torch.cat(outs), normed)
+
+    def _single_steps(self, inputs, parts: list[TreePass]):
+        """One-token segments (ar steps) in one stacked step."""
+        states = [part.cache.recurrent[self.slot] for part in parts]
+        return self.linear_attn.single_steps(inputs, states)
+
+    def _factored(self, inputs, parts: list[TreePass]):
+        """Tree segments solved "factored", their conv and heads at once."""
+        states = [part.cache.recurrent[self.slot] for part in parts]
+        parents = [part.parents for part in parts]
+        return self.linear_attn.factored_mix(inputs, states, parents, [p.ancestors for p in parts])
 
     def _mix(self, normed: torch.Tensor, tree: TreePass, strategy: StateStrategy) -> torch.Tensor:
         """The GDN mixer over one sequence's tokens, against its own state."""
@@ -455,9 +476,22 @@ class Qwen3_5Model(nn.Module):
         if parents is None:
             parents = torch.arange(-1, T - 1, device=device)
         none = torch.empty(0)
-        return TreePass(
+        part = TreePass(
             segment.cache, parents.to(device), None, none, none, self.rotary, segment.extend
         )
+        if not segment.extend and T > 1 and self._factored_on(segment.cache, T):
+            part.ancestors = ancestor_matrix(part.parents)
+        return part
+
+    def _factored_on(self, cache: HybridCache, tokens: int) -> bool:
+        """Whether a `tokens`-token tree on `cache` mixes "factored" (so its GDN layers can
+        share their conv and heads with the other segments' of a batched pass)."""
+        strategy = self.state_strategy
+        if strategy == "auto" and cache.recurrent:
+            state = cache.recurrent[0].recurrent
+            shape = self.config.gdn_shape()
+            strategy = choose_strategy(shape, tokens, state.dtype, backend_for(state))
+        return strategy == "factored"
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h)).to(compute_dtype(h.dtype))  # float64 stays float64
