@@ -267,8 +267,8 @@ class DFlashDrafter(nn.Module):
             attended = []
             for row, ((cache, _, _), start) in enumerate(zip(items, starts, strict=True)):
                 rows = slice(row * B, (row + 1) * B)
-                keys, values = cache.write(index, start, k[rows], v[rows])
-                attended.append(tree_attention(q[rows], keys, values, start, mask, self._scale))
+                cache.store(index, start, k[rows], v[rows])
+                attended.append(cache.attend(index, q[rows], start, mask, self._scale, start + B))
             x = layer.finish(x, torch.cat(attended))
         for (cache, _, _), start in zip(items, starts, strict=True):
             cache.length = start
@@ -295,7 +295,7 @@ class DFlashDrafter(nn.Module):
         for index, layer in enumerate(self.layers):
             k, v = layer.self_attn.key_values(ctx, rope)
             for (cache, _), first, end in zip(short, bounds, bounds[1:], strict=False):
-                cache.write(index, cache.length, k[first:end], v[first:end])
+                cache.store(index, cache.length, k[first:end], v[first:end])
 
     @property
     def static_ok(self) -> bool:
