@@ -36,7 +36,10 @@ from ops.host.gpu import (
     MAJOR_HISTORY,
     driver_version,
     gpu_facts,
+    host_userspace_mountable,
+    host_userspace_version,
     loaded_modules,
+    open_module_problem,
     parse_char_majors,
     read_major_history,
     record_majors,
@@ -53,12 +56,15 @@ from ops.host.kernels import (
     running_kernel,
 )
 from ops.host.lxcconf import (
+    HOOK_KEY,
+    NVIDIA_LXC_HOOK,
     GpuBlock,
     GpuDevice,
     cgroup_v1_lines,
     find_stale_rules,
     plan_gpu_block,
 )
+from ops.host.lxcconf import parse as parse_ct_config
 from ops.host.pve import (
     ct_config,
     ct_config_lock,
@@ -189,6 +195,8 @@ def probe_modules(c: ChainContext) -> Finding:
         )
     if missing:
         return _bad(f"{c.t.label}: kernel module(s) {', '.join(missing)} not loaded")
+    if problem := open_module_problem(c.t):
+        return _bad(f"{c.t.label}: {problem}", fixable=False)
     return _ok(f"{', '.join(REQUIRED_MODULES)} loaded")
 
 
@@ -443,7 +451,12 @@ def desired_gpu_block(c: ChainContext) -> GpuBlock:
     style = c.ct.device_style
     if style == "auto":
         style = "devN" if supports_dev_entries(pve_version(c.t)) else "raw"
-    return GpuBlock(tuple(devices), style=style, shm_size_gib=c.ct.shm_gib)
+    return GpuBlock(
+        tuple(devices),
+        style=style,
+        shm_size_gib=c.ct.shm_gib,
+        host_userspace=host_userspace_mountable(c.t),
+    )
 
 
 @dataclass(frozen=True)
@@ -545,21 +558,46 @@ def probe_cuda(c: ChainContext) -> Finding:
     host_version = driver_version(c.t)
     ct_version = report.get("userspace_driver_version")
     if report["verdict"] == "mismatch" or (ct_version and ct_version != host_version):
-        return _bad(
-            f"{c.name}: driver userspace {ct_version} does not match the host kernel module "
-            f"{host_version}: install the {host_version} userspace in the CT",
-            fixable=False,
-        )
+        return _userspace_mismatch(c, ct_version, host_version)
     if report["verdict"] != "ok":
         return _bad(f"{c.name}: {report['reason']}")
     return _ok(f"{c.name}: cuInit ok, driver {host_version} on host and in the CT")
 
 
+def _userspace_mismatch(c: ChainContext, ct_version: str | None, module: str | None) -> Finding:
+    """The CT's driver userspace is not the host module's version (compared in full: 570.148.06
+    is not 570.148.08). Where LXC's NVIDIA hook gives the CT the host's own userspace, a restart
+    brings the CT in step, unless the host itself is not (upgraded, not yet rebooted)."""
+    said = f"{c.name}: driver userspace {ct_version} does not match the host kernel module {module}"
+    if not _config_mounts_host_userspace(c):
+        return _bad(
+            f"{said}: install the {module} userspace in the CT (NVIDIA-Linux-x86_64-{module}.run "
+            "--no-kernel-module), or libnvidia-container-tools on the host: ddops then mounts the "
+            "host's own userspace into the CT at each start",
+            fixable=False,
+        )
+    host = host_userspace_version(c.t)
+    if host is not None and host != module:
+        return _bad(
+            f"{said}; the host's own userspace is {host}: the host awaits a reboot into the "
+            f"{host} module (the CT gets {host} at its next start)",
+            fixable=False,
+        )
+    return _bad(f"{said}: a restart mounts the host's {module} userspace into the CT")
+
+
+def _config_mounts_host_userspace(c: ChainContext) -> bool:
+    return any(
+        line.key == HOOK_KEY and line.value.strip() == NVIDIA_LXC_HOOK
+        for line in parse_ct_config(c.t.read_text(_config_path(c))).main.entries()
+    )
+
+
 def restart_for_cuda(c: ChainContext, dry_run: bool) -> Outcome:
     if dry_run:
-        return Outcome(True, f"would restart {c.name} so its device grants apply")
+        return Outcome(True, f"would restart {c.name} so its device grants and driver apply")
     restart_ct(c)
-    return Outcome(True, f"restarted {c.name} so its device grants apply")
+    return Outcome(True, f"restarted {c.name} so its device grants and driver apply")
 
 
 # -- engine installed (provision only) -------------------------------------------------------

@@ -62,9 +62,32 @@ def sim() -> None:
     show_default=True,
     help="Real LXC containers (root + lxc) or plain processes; auto picks lxc where possible.",
 )
+@click.option(
+    "--module",
+    "module_flavour",
+    type=click.Choice(["open", "proprietary"]),
+    help="The driver's kernel module flavour (default: open from 560, as NVIDIA installs it).",
+)
+@click.option(
+    "--container-toolkit/--no-container-toolkit",
+    default=None,
+    help="The host has libnvidia-container, for LXC's NVIDIA mount hook (default: on PVE 9).",
+)
 @click.option("--ct", type=VMID, help="Also create and start this CT.")
 @click.pass_context
-def init(ctx, path: Path, gpus, gpu_memory_mib, uvm_major, pve_version, driver, containers, ct):
+def init(
+    ctx,
+    path: Path,
+    gpus,
+    gpu_memory_mib,
+    uvm_major,
+    pve_version,
+    driver,
+    containers,
+    module_flavour,
+    container_toolkit,
+    ct,
+):
     """Make PATH a simulated Proxmox host (a no-op when it already is one)."""
     path = path.resolve()
     if driver:
@@ -78,6 +101,8 @@ def init(ctx, path: Path, gpus, gpu_memory_mib, uvm_major, pve_version, driver, 
         driver=driver,
         containers=containers,
         ct=ct,
+        container_toolkit=container_toolkit,
+        open_module=None if module_flavour is None else module_flavour == "open",
     )
     state = load_state(path)
     document = {"path": str(path), "changed": changed, **asdict(state)}

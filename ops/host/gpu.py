@@ -18,6 +18,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from ops.host.lxcconf import NVIDIA_LXC_HOOK
 from ops.host.transport import Result, Transport
 
 # Names the nvidia driver registers in /proc/devices (older drivers say plain "nvidia").
@@ -214,3 +215,70 @@ def gpu_memory(t: Transport) -> dict[int, int]:
         if index.strip().isdigit() and mib.strip().isdigit():
             memory[int(index)] = int(mib) << 20
     return memory
+
+
+# -- the host's own driver userspace, for LXC's NVIDIA mount hook ------------------------------
+NVIDIA_CONTAINER_CLI = "/usr/bin/nvidia-container-cli"  # libnvidia-container-tools
+_NVML_LIBRARY = re.compile(r"NVML library version: (\d+(?:\.\d+)+)")
+
+
+def host_userspace_mountable(t: Transport) -> bool:
+    """Whether LXC's NVIDIA mount hook can give a CT the host's own userspace at each start: the
+    hook ships with LXC, nvidia-container-cli with NVIDIA's libnvidia-container-tools."""
+    return t.exists(NVIDIA_CONTAINER_CLI) and t.exists(NVIDIA_LXC_HOOK)
+
+
+def host_userspace_version(t: Transport) -> str | None:
+    """The host's own driver userspace (NVML) version: nvidia-smi's, or the one it names when it
+    differs from the loaded module ("NVML library version: 590.48.02"); None when it cannot say."""
+    r = t.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    if r.ok and r.stdout.strip():
+        return r.stdout.splitlines()[0].strip()
+    match = _NVML_LIBRARY.search(r.stdout + r.stderr)
+    return match[1] if match else None
+
+
+# -- GPUs that need NVIDIA's open kernel module (Blackwell) -------------------------------------
+OPEN_MODULE_FROM_CC = 10  # Blackwell (cc 10.x data centre, 12.x RTX PRO / RTX 50xx): open only
+_LSPCI_NVIDIA = re.compile(r"NVIDIA Corporation [^\[]*\[([^\]]+)\] \[10de:")
+
+
+def module_is_open(version_text: str) -> bool:
+    """Whether /proc/driver/nvidia/version names the open kernel module."""
+    return "Open Kernel Module" in version_text
+
+
+def needs_open_module(name: str, compute_cap: str | None = None) -> bool:
+    major = compute_cap.split(".")[0] if compute_cap else ""
+    return "Blackwell" in name or (major.isdigit() and int(major) >= OPEN_MODULE_FROM_CC)
+
+
+def gpu_models(t: Transport) -> list[tuple[str, str | None]]:
+    """(name, compute capability) of each NVIDIA GPU: nvidia-smi's, else lspci's names (a GPU
+    the loaded module cannot drive is not in nvidia-smi's list)."""
+    r = t.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"])
+    rows = [line.rsplit(",", 1) for line in r.stdout.splitlines() if "," in line] if r.ok else []
+    if rows:
+        return [(name.strip(), cc.strip()) for name, cc in rows]
+    lspci = t.run(["lspci", "-nn", "-d", "10de:"])
+    return [(m[1], None) for line in lspci.stdout.splitlines() if (m := _LSPCI_NVIDIA.search(line))]
+
+
+def open_module_problem(t: Transport) -> str | None:
+    """Why the loaded module cannot drive the host's GPUs (the proprietary flavour on a GPU that
+    needs the open one); None when it can, or when no nvidia module is loaded."""
+    try:
+        text = t.read_text("/proc/driver/nvidia/version")
+    except FileNotFoundError:
+        return None
+    if module_is_open(text):
+        return None
+    needing = [name for name, cc in gpu_models(t) if needs_open_module(name, cc)]
+    if not needing:
+        return None
+    version = parse_driver_version(text) or "?"
+    return (
+        f"the proprietary nvidia module {version} is loaded, but {needing[0]} needs NVIDIA's open "
+        f"kernel module (Blackwell): install the driver's open flavour (nvidia-open, or the .run "
+        f"installer's -m=kernel-open; the open module is the default from 560) and reboot"
+    )

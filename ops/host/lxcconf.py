@@ -23,7 +23,9 @@ What ddops owns there, the GPU block:
   - the mark itself, one description line `#ddops owns devices.allow majors 195 509`. Proxmox
     keeps `#` lines as the CT's description (moved to the top, with `:` and non-printable
     characters %-encoded; the mark has none), so it survives `pct set`;
-  - `lxc.mount.entry` lines that bind /dev/nvidia* or mount the CT's /dev/shm.
+  - `lxc.mount.entry` lines that bind /dev/nvidia* or mount the CT's /dev/shm;
+  - LXC's NVIDIA mount hook, `lxc.hook.mount: /usr/share/lxc/hooks/nvidia`, and its
+    `lxc.environment: NVIDIA_VISIBLE_DEVICES=...` / `NVIDIA_DRIVER_CAPABILITIES=...` lines.
 Everything else stays byte for byte and in place. The block ddops wants is rendered from
 templates/ct-gpu.conf.j2, the template the playbooks render too.
 """
@@ -48,6 +50,11 @@ GPU_STYLES = ("devN", "raw")
 ALLOW_KEY = "lxc.cgroup2.devices.allow"
 ALLOW_KEY_V1 = "lxc.cgroup.devices.allow"
 MOUNT_KEY = "lxc.mount.entry"
+# LXC's NVIDIA mount hook (libnvidia-container on the host): the host's own driver userspace is
+# mounted into the CT at each start, told which GPUs and what through these two variables.
+HOOK_KEY, ENV_KEY = "lxc.hook.mount", "lxc.environment"
+NVIDIA_LXC_HOOK = "/usr/share/lxc/hooks/nvidia"
+NVIDIA_ENV = ("NVIDIA_VISIBLE_DEVICES=", "NVIDIA_DRIVER_CAPABILITIES=")
 
 _LINES = re.compile(r"[^\n]*\n|[^\n]+$")
 _HEADER = re.compile(r"\[(pve:pending|[a-z][a-z0-9_\-]+)\]\s*", re.IGNORECASE)
@@ -375,6 +382,10 @@ class _Owner:
             return major is not None and (major in self.nvidia_majors or self.is_stale(major))
         if line.key == MOUNT_KEY:
             return _is_gpu_mount(line.value)
+        if line.key == HOOK_KEY:
+            return line.value.strip() == NVIDIA_LXC_HOOK
+        if line.key == ENV_KEY:
+            return line.value.strip().startswith(NVIDIA_ENV)
         return False
 
     def owned(self, section: Section) -> list[Line]:
@@ -408,12 +419,15 @@ class GpuBlock:
 
     style "devN" (PVE >= 8.1: Proxmox grants each node's current major at every start) or
     "raw" (cgroup2 allow + bind-mount lines; the majors are those of `devices`, read now);
-    shm_size_gib: an explicit /dev/shm tmpfs size, or None for none.
+    shm_size_gib: an explicit /dev/shm tmpfs size, or None for none;
+    host_userspace: LXC's NVIDIA mount hook gives the CT the host's own driver userspace at each
+    start (so it always matches the host's module), for the GPUs among `devices`.
     """
 
     devices: tuple[GpuDevice, ...]
     style: str = "devN"
     shm_size_gib: int | None = None
+    host_userspace: bool = False
 
     def __post_init__(self) -> None:
         if self.style not in GPU_STYLES:
@@ -433,6 +447,12 @@ class GpuBlock:
                 for d, i in zip(self.devices, indices, strict=True)
             ],
             "shm_size_gib": self.shm_size_gib,
+            "host_userspace": self.host_userspace,
+            "visible_devices": ",".join(
+                d.path.removeprefix("/dev/nvidia")
+                for d in self.devices
+                if re.fullmatch(r"/dev/nvidia\d+", d.path)
+            ),
         }
 
 

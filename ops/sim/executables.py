@@ -28,6 +28,7 @@ HOST_TOOLS = {
     "nvidia-smi": (BIN_DIR, nvidia.nvidia_smi_host),
     "nvidia-modprobe": (BIN_DIR, nvidia.nvidia_modprobe),
     "uname": (BIN_DIR, kerneltools.uname),
+    "lspci": (BIN_DIR, nvidia.lspci),
     "modinfo": (SBIN_DIR, kerneltools.modinfo),
     "dkms": (SBIN_DIR, kerneltools.dkms),
     "proxmox-boot-tool": (SBIN_DIR, kerneltools.proxmox_boot_tool),

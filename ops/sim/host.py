@@ -23,6 +23,7 @@ from pathlib import Path
 from ops.errors import DdopsError, InputError
 from ops.sim import boot, hubservice, kernel, kernels, pveconf
 from ops.sim.executables import install_host_tools
+from ops.sim.nvidia import CONTAINER_CLI, LXC_NVIDIA_HOOK
 from ops.sim.pct import Pct, PctError
 from ops.sim.release import DEFAULT_PVE_VERSION, open_module_default, release_for
 from ops.sim.state import (
@@ -81,12 +82,15 @@ def init_host(
     ct: int | None = None,
     device_nodes: str | None = None,
     gpu_memory_mib: int = SimState.gpu_memory_mib,
+    container_toolkit: bool | None = None,
+    open_module: bool | None = None,
 ) -> bool:
     """Make `root` a healthy sim host; False (nothing touched) when it already is one.
 
     `device_nodes`: "mknod" (real nodes, needs root) or "file" (placeholders); default by euid.
     `driver`: the NVIDIA driver (default: the release's, ops/sim/release.py); its module is the
-    open one from 560 on, as NVIDIA's installer builds it.
+    open one from 560 on, as NVIDIA's installer builds it (`open_module` says otherwise). `container_toolkit`: the host has
+    libnvidia-container (LXC's NVIDIA mount hook works); default: on PVE 9.
     """
     if is_sim_root(root):
         return False
@@ -106,7 +110,7 @@ def init_host(
         kernel=release.kernel,
         driver_version=driver,
         installed_driver=driver,
-        open_module=open_module_default(driver),
+        open_module=open_module_default(driver) if open_module is None else open_module,
         gpu_name=release.gpu_name,
         compute_cap=release.compute_cap,
         gpus=gpus,
@@ -124,6 +128,8 @@ def init_host(
     kernels.install_kernel(root, state, state.kernel)
     kernels.install_driver_sources(root, state, driver, state.open_module)
     kernels.build_module(root, state, state.kernel)
+    if release.container_toolkit if container_toolkit is None else container_toolkit:
+        _install_container_toolkit(root)
     kernel.write_proc(root, state)
     kernel.load_module(root, state, "nvidia")
     kernel.create_uvm_nodes(root, state)
@@ -135,6 +141,21 @@ def init_host(
     if ct is not None:
         _create_demo_ct(root, ct)
     return True
+
+
+def _install_container_toolkit(root: Path) -> None:
+    """LXC's NVIDIA mount hook and libnvidia-container's tool, as files: pct's start honours the
+    hook (the CT gets the host's userspace); neither is ever run."""
+    for path, text in (
+        (
+            LXC_NVIDIA_HOOK,
+            "#!/bin/sh\n# LXC's NVIDIA mount hook (the ddops sim: pct start honours it)\n",
+        ),
+        (CONTAINER_CLI, "#!/bin/sh\necho 'cli-version: 1.18.0'\n"),
+    ):
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+        (root / path).chmod(0o755)
 
 
 def _create_demo_ct(root: Path, vmid: int) -> None:

@@ -22,6 +22,9 @@ from ops.sim.state import NVIDIA_MODULES, SimState, host_lock, load_state, save_
 
 CUDA_VERSION = "12.4"
 CT_USERSPACE_FILE = "etc/ddops-sim/nvidia.json"
+# LXC's NVIDIA mount hook, and the libnvidia-container tool it calls (on the host)
+LXC_NVIDIA_HOOK = "usr/share/lxc/hooks/nvidia"
+CONTAINER_CLI = "usr/bin/nvidia-container-cli"
 NO_DRIVER = (
     "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
     "Make sure that the latest NVIDIA driver is installed and running."
@@ -43,6 +46,10 @@ QUERY_FIELDS = {
     "clocks.mem": lambda g: "405 MHz",
     "temperature.gpu": lambda g: "34",
 }
+PCI_IDS = {  # lspci's chip and device id of the sim's GPUs
+    "NVIDIA RTX PRO 6000 Blackwell Workstation Edition": ("GB202GL", "2bb1"),
+    "NVIDIA RTX 6000 Ada Generation": ("AD102GL", "26b1"),
+}
 APP_FIELDS = ("pid", "process_name", "used_memory")  # no process runs on the sim's GPUs
 
 
@@ -55,12 +62,34 @@ def nvidia_smi_host(root: Path, args: list[str]) -> int:
     if not state.module_loaded("nvidia"):
         print(NO_DRIVER)
         return 9
+    if not _module_drives(root, state):
+        print("No devices were found")
+        return 6
     if state.installed_driver != state.driver_version:  # upgraded, not yet rebooted
         print("Failed to initialize NVML: Driver/library version mismatch")
         print(f"NVML library version: {state.installed_driver}")
         return 18
     gpus = _gpus(state.node, state.gpus, state.driver_version, state.gpu_memory_mib, _model(state))
     return _print_gpus(gpus, args)
+
+
+def _module_drives(root: Path, state: SimState) -> bool:
+    """The proprietary module drives no Blackwell GPU (compute capability 10 and up)."""
+    built = kernels.built_module(root, state.kernel) or {}
+    return built.get("license") == kernels.OPEN_LICENSE or int(state.compute_cap.split(".")[0]) < 10
+
+
+def lspci(root: Path, args: list[str]) -> int:
+    """`lspci -nn -d 10de:`: the NVIDIA GPUs on the PCI bus, whatever module is loaded."""
+    state = load_state(root)
+    chip, device = PCI_IDS.get(state.gpu_name, ("GA102GL", "2230"))
+    name = state.gpu_name.removeprefix("NVIDIA ")
+    for i in range(state.gpus):
+        print(
+            f"{0x41 + i:02x}:00.0 VGA compatible controller [0300]: NVIDIA Corporation {chip} "
+            f"[{name}] [10de:{device}] (rev a1)"
+        )
+    return 0
 
 
 def _model(state: SimState) -> dict[str, str]:
@@ -226,14 +255,16 @@ def pveversion(root: Path, args: list[str]) -> int:
     return 0
 
 
-def ct_userspace(state: SimState, existing: dict | None) -> dict:
-    """The CT's driver userspace description at start: installed once, kernel view refreshed."""
+def ct_userspace(state: SimState, existing: dict | None, host_mounted: bool = False) -> dict:
+    """The CT's driver userspace description at start: installed once, kernel view refreshed;
+    `host_mounted` (LXC's NVIDIA mount hook): the host's own userspace, at every start."""
+    own = (existing or {}).get("userspace_version", state.installed_driver)
     return {
         "node": state.node,
         "gpus": state.gpus,
         "gpu_memory_mib": state.gpu_memory_mib,
         "gpu_name": state.gpu_name,
         "compute_cap": state.compute_cap,
-        "userspace_version": (existing or {}).get("userspace_version", state.installed_driver),
+        "userspace_version": state.installed_driver if host_mounted else own,
         "kernel_module_version": state.driver_version if state.module_loaded("nvidia") else None,
     }

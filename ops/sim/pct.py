@@ -120,7 +120,7 @@ class Pct:
                 self._reload_state()  # the hook may have run nvidia-modprobe
             plan = plan_start(vmid, conf, self.root)
             self.cts.create(vmid, plan.unprivileged)
-            self._install_ct_userspace(vmid)
+            self._install_ct_userspace(vmid, self._host_userspace_hook(conf))
             self.cts.start(vmid, plan)
         except (HookError, StartError) as exc:
             raise PctError(f"{exc}\nstartup for container '{vmid}' failed") from None
@@ -139,13 +139,28 @@ class Pct:
                     file=sys.stderr,
                 )
 
-    def _install_ct_userspace(self, vmid: int) -> None:
-        """The CT's driver userspace (a stand-in for libcuda) and its nvidia-smi, as a CT image has."""
+    def _host_userspace_hook(self, conf: str) -> bool:
+        """Whether the config has LXC's NVIDIA mount hook; StartError when the host lacks the
+        libnvidia-container tool it calls (LXC fails the start on a failed mount hook)."""
+        hook = f"/{nvidia.LXC_NVIDIA_HOOK}"
+        if not any(k == "lxc.hook.mount" and v == hook for k, v in pveconf.entries(conf)):
+            return False
+        if not (self.root / nvidia.CONTAINER_CLI).exists():
+            raise StartError(
+                f"lxc-start: hook: Failed to run mount hook {hook}: "
+                f"/{nvidia.CONTAINER_CLI}: not found (libnvidia-container-tools)"
+            )
+        return True
+
+    def _install_ct_userspace(self, vmid: int, host_mounted: bool) -> None:
+        """The CT's driver userspace (a stand-in for libcuda) and its nvidia-smi, as a CT image has;
+        with LXC's NVIDIA hook, the host's own, mounted at this start."""
         rootfs = self.cts.rootfs(vmid)
         described = rootfs / nvidia.CT_USERSPACE_FILE
         existing = json.loads(described.read_text()) if described.exists() else None
         described.parent.mkdir(parents=True, exist_ok=True)
-        described.write_text(json.dumps(nvidia.ct_userspace(self.state, existing)) + "\n")
+        userspace = nvidia.ct_userspace(self.state, existing, host_mounted)
+        described.write_text(json.dumps(userspace) + "\n")
         for tool in CT_SIDE_TOOLS:
             write_launcher(rootfs / "bin" / tool, tool, self.root, in_ct=True)
 

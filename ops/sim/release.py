@@ -31,14 +31,19 @@ class Release:
     gpu_name: str
     compute_cap: str
     unprivileged_default: bool  # what `pct create` does without --unprivileged
+    container_toolkit: bool  # the sim's host has libnvidia-container (LXC's NVIDIA hook works)
 
 
 RELEASES = {
-    (9, 2): Release("7.0.14-8-pve", "6.0.5-1", "6.0.6", "590.48.01", BLACKWELL, "12.0", True),
-    (9, 1): Release("6.17.13-4-pve", "6.0.5-1", "6.0.6", "590.48.01", BLACKWELL, "12.0", True),
-    (9, 0): Release("6.14.11-4-pve", "6.0.4-2", "6.0.6", "580.105.08", BLACKWELL, "12.0", True),
-    (8, 0): Release("6.8.12-1-pve", "6.0.0-1", "5.1.12", "550.90.07", ADA, "8.9", False),
-    (7, 0): Release("5.15.158-2-pve", "5.0.2-4", "4.4-6", "550.90.07", ADA, "8.9", False),
+    (9, 2): Release("7.0.14-8-pve", "6.0.5-1", "6.0.6", "590.48.01", BLACKWELL, "12.0", True, True),
+    (9, 1): Release(
+        "6.17.13-4-pve", "6.0.5-1", "6.0.6", "590.48.01", BLACKWELL, "12.0", True, True
+    ),
+    (9, 0): Release(
+        "6.14.11-4-pve", "6.0.4-2", "6.0.6", "580.105.08", BLACKWELL, "12.0", True, True
+    ),
+    (8, 0): Release("6.8.12-1-pve", "6.0.0-1", "5.1.12", "550.90.07", ADA, "8.9", False, False),
+    (7, 0): Release("5.15.158-2-pve", "5.0.2-4", "4.4-6", "550.90.07", ADA, "8.9", False, False),
 }
 DEFAULT_PVE_VERSION = "9.2.11"
 _VERSION = re.compile(r"(\d+)\.(\d+)\.(\d+)")

@@ -10,6 +10,8 @@
   for the machine's cgroup version).
 - `lxc.mount.entry` lines keep their options; an absolute source path is a host path, so it
   maps below the sim root (`optional` + missing source = silently absent, like real LXC).
+- `lxc.hook.mount: /usr/share/lxc/hooks/nvidia` (+ its `lxc.environment` lines) is pct's: the
+  host's own driver userspace is the CT's (ops/sim/pct.py).
 - Other raw `lxc.*` keys are not applied by the sim; they are named in `ignored`.
 """
 
@@ -23,6 +25,8 @@ from ops.sim import pveconf
 from ops.sim.kernel import node_numbers
 
 DEVICE_RULE_KEYS = ("lxc.cgroup2.devices.allow", "lxc.cgroup2.devices.deny")
+# LXC's NVIDIA mount hook and its variables: pct's start honours them (the CT's userspace)
+HONOURED_ELSEWHERE = ("lxc.hook.mount", "lxc.environment")
 SHM_TARGET = "dev/shm"
 PASSTHROUGH_MODE = 0o660  # what Proxmox gives a devN node without mode=
 
@@ -73,7 +77,7 @@ def plan_start(vmid: int, conf_text: str, sim_root: Path) -> StartPlan:
             plan.rules.append((key.rsplit(".", 1)[1], value))
         elif key == "lxc.mount.entry":
             plan.mounts.append(map_mount_source(value, sim_root))
-        elif key.startswith("lxc."):
+        elif key.startswith("lxc.") and key not in HONOURED_ELSEWHERE:
             plan.ignored.append(f"{key}: {value}")
     return plan
 

@@ -50,3 +50,27 @@ def test_ddops_writes_no_cgroup_v1_key_and_drops_its_own_old_spelling():
     for style in ("raw", "devN"):
         planned = plan_gpu_block(old, GpuBlock(devices, style=style), {"nvidia-uvm": 509})
         assert not [line for line in planned.splitlines() if line.startswith("lxc.cgroup.")]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"driver": "550.163.01"}, {"driver": "590.48.01", "open_module": False}],
+)
+def test_a_blackwell_gpu_on_the_proprietary_module_is_a_failed_check_naming_the_fix(
+    tmp_path: Path, options: dict
+):
+    init_host(tmp_path / "pve", containers="process", **options)
+    t = LocalTransport(sysroot=str(tmp_path / "pve"))
+    c = checks.ChainContext(
+        t=t, ct=ContainerSpec(200), model=ModelSpec(ModelRef("ddops/t")), engine=EngineSpec()
+    )
+    assert t.run(["nvidia-smi", "-L"]).stdout == "No devices were found\n"
+    assert checks.probe_modules(c) == checks.Finding(
+        False,
+        f"sim:{t.sysroot}: the proprietary nvidia module {options['driver']} is loaded, but RTX "
+        "PRO 6000 Blackwell Workstation Edition needs NVIDIA's open kernel module (Blackwell): "
+        "install the driver's open flavour (nvidia-open, or the .run installer's "
+        "-m=kernel-open; the open module is the default from 560) and reboot",
+        fixable=False,
+    )
+    destroy_host(tmp_path / "pve")
