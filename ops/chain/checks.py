@@ -275,7 +275,7 @@ def probe_boot_kernel(c: ChainContext) -> Finding:
             f"{named}; warning: {record.new} got no nvidia module, so ddops pinned "
             f"{record.pinned} ({record.when}); recover lifts the pin once {record.new} has one"
         )
-    return _ok(f"{named}, which has nvidia {facts.modules[facts.next_boot].version}")
+    return _ok(f"{named}, which has nvidia {facts.module(facts.next_boot).version}")
 
 
 def pin_boot_kernel(c: ChainContext, dry_run: bool) -> Outcome:
@@ -732,10 +732,10 @@ def probe_cgroup_keys(c: ChainContext) -> Finding:
     """A `lxc.cgroup.*` line in the CT's main section: ignored on PVE 7+, warned about by PVE 9's
     pve-container ("will be a hard error"), refused by LXC 7. ddops never writes one; those of
     the GPU block it owns go with the ct-config check, any other is the operator's to change."""
-    version = pve_version(c.t)
     found = cgroup_v1_lines(c.t.read_text(_config_path(c)))
     if not found:
         return _ok(f"{c.name}: no lxc.cgroup.* key")
+    version = pve_version(c.t)
     lines = "; ".join(f"line {line.number}: `{line.text}`" for line in found)
     if version.major < CGROUP_V2_ONLY_FROM:
         return _ok(f"{c.name}: cgroup v1 key(s), ignored on PVE {version} (cgroup v2): {lines}")

@@ -6,7 +6,8 @@
     describe(last)                     # "at boot 3 min ago: repaired CT config, ...; 14.2 s"
 
 One file per CT (written atomically), so recoveries of two CTs never race on one file. The record
-holds check titles, statuses and actions only: nothing secret ever reaches a report.
+holds check titles, statuses, actions and each check's seconds (`timings`: where a boot's recovery
+spent its time) only: nothing secret ever reaches a report.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def record(t: Transport, report, trigger: str = "manual") -> dict:
         "seconds": round(report.seconds, 1),
         "repaired": repaired,
         "failed": f"{failed.title}: {failed.action or failed.evidence}" if failed else None,
+        "timings": {r.key: round(r.seconds, 2) for r in report.results if r.seconds >= 0.01},
     }
     t.write_file(record_path(report.vmid), json.dumps(document, indent=1) + "\n", backup=False)
     return document

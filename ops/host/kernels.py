@@ -2,7 +2,7 @@
 
     facts = kernel_facts(t)
     facts.running, facts.next_boot        # `uname -r`; what `proxmox-boot-tool kernel list` boots
-    facts.modules["7.0.14-8-pve"]         # ModuleBuild("590.48.01", open=True), or None: no module
+    facts.module("7.0.14-8-pve")          # ModuleBuild("590.48.01", open=True), or None: no module
     facts.without_module(facts.next_boot) # True: a reboot now boots a kernel without nvidia
     facts.one_line()                      # running kernel, driver, dkms status, which kernels have it
 
@@ -15,7 +15,7 @@ commands' text (tests/ops/host/test_kernels.py).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ops.errors import DdopsError
 from ops.host.transport import Transport
@@ -96,12 +96,14 @@ def parse_modinfo(text: str) -> ModuleBuild | None:
     return ModuleBuild(fields["version"], fields.get("license") == OPEN_LICENSE)
 
 
-@dataclass(frozen=True)
 class KernelFacts:
-    running: str
-    selection: BootSelection
-    modules: dict[str, ModuleBuild | None] = field(default_factory=dict)  # kernel -> its build
-    dkms: str = ""  # `dkms status`, its lines joined by "; " ("" without dkms)
+    """The running kernel and the boot selection, read at once; each kernel's module and
+    `dkms status` read when first asked for (the common case needs the next boot's only)."""
+
+    def __init__(self, t: Transport, running: str, selection: BootSelection) -> None:
+        self.t, self.running, self.selection = t, running, selection
+        self._modules: dict[str, ModuleBuild | None] = {}
+        self._dkms: str | None = None
 
     @property
     def next_boot(self) -> str:
@@ -111,8 +113,19 @@ class KernelFacts:
     def installed(self) -> list[str]:
         return sorted({*self.selection.kernels, self.running}, key=version_key)
 
+    def module(self, kernel: str) -> ModuleBuild | None:
+        if kernel not in self._modules:
+            self._modules[kernel] = module_build(self.t, kernel)
+        return self._modules[kernel]
+
+    @property
+    def dkms(self) -> str:
+        if self._dkms is None:
+            self._dkms = dkms_status(self.t)
+        return self._dkms
+
     def without_module(self, kernel: str) -> bool:
-        return self.modules.get(kernel) is None
+        return self.module(kernel) is None
 
     def with_module(self) -> list[str]:
         return [k for k in self.installed if not self.without_module(k)]
@@ -125,7 +138,7 @@ class KernelFacts:
     def driver(self) -> str | None:
         """The driver version the kernels' modules (or DKMS) name, newest kernel's first."""
         for kernel in reversed(self.with_module()):
-            return self.modules[kernel].version
+            return self.module(kernel).version
         match = re.search(r"nvidia/(\d+(?:\.\d+)+)", self.dkms)
         return match[1] if match else None
 
@@ -161,11 +174,7 @@ def dkms_status(t: Transport) -> str:
 
 
 def kernel_facts(t: Transport) -> KernelFacts:
-    running = running_kernel(t)
-    selection = boot_selection(t)
-    kernels = sorted({*selection.kernels, running}, key=version_key)
-    modules = {kernel: module_build(t, kernel) for kernel in kernels}
-    return KernelFacts(running, selection, modules, dkms_status(t))
+    return KernelFacts(t, running_kernel(t), boot_selection(t))
 
 
 # -- the pin ddops' kernel hook (or recover) set -----------------------------------------------

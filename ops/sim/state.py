@@ -11,6 +11,7 @@ import fcntl
 import json
 import os
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -107,11 +108,13 @@ def save_state(root: Path, state: SimState) -> None:
 
 
 def log(root: Path, message: str) -> None:
-    """Append one line to the sim's log (what a real host would put in its journal)."""
+    """Append one line, its time first, to the sim's log (what a real host would put in its
+    journal): where a reboot's seconds went can be read from it."""
     path = root / LOG_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%H:%M:%S", time.localtime()) + f".{int(time.time() * 1000) % 1000:03d}"
     with path.open("a") as f:
-        f.write(message.rstrip("\n") + "\n")
+        f.write(f"{stamp} {message.rstrip()}\n")
 
 
 @contextmanager

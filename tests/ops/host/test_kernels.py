@@ -16,6 +16,7 @@ from ops.host.kernels import (
     pin_record_text,
     version_key,
 )
+from ops.host.transport import Result
 
 # As proxmox-boot-tool prints it (manual list empty, both pins set).
 KERNEL_LIST = """\
@@ -63,17 +64,30 @@ def test_modinfo_names_the_version_and_the_open_flavour():
     assert parse_modinfo("") is None
 
 
+class ScriptedHost:
+    """Answers modinfo and dkms as a host would; counts the calls."""
+
+    def __init__(self, modules: dict[str, str | None], dkms: str) -> None:
+        self.modules, self.dkms, self.calls = modules, dkms, []
+
+    def run(self, argv, **_):
+        self.calls.append(tuple(argv))
+        if argv[0] == "dkms":
+            return Result(tuple(argv), 0, self.dkms + "\n", "")
+        version = self.modules[argv[2]]
+        found = MODINFO_OPEN.replace("590.48.01", version) if version else ""
+        return Result(tuple(argv), 0 if version else 1, found, "" if version else "not found")
+
+
 def test_one_line_says_what_runs_what_dkms_says_and_which_kernels_have_the_module():
-    facts = KernelFacts(
-        "7.0.14-9-pve",
-        parse_kernel_list(KERNEL_LIST.split("\nPinned kernel:")[0]),
-        {
-            "6.17.13-4-pve": ModuleBuild("590.48.01", True),
-            "7.0.14-9-pve": None,
-            "7.0.14-10-pve": ModuleBuild("590.48.01", True),
-        },
+    host = ScriptedHost(
+        {"6.17.13-4-pve": "590.48.01", "7.0.14-9-pve": None, "7.0.14-10-pve": "590.48.01"},
         "nvidia/590.48.01, 6.17.13-4-pve, x86_64: installed",
     )
+    facts = KernelFacts(
+        host, "7.0.14-9-pve", parse_kernel_list(KERNEL_LIST.split("\nPinned kernel:")[0])
+    )
+    assert not facts.without_module(facts.next_boot) and len(host.calls) == 1  # read when asked
     assert facts.one_line() == (
         "running kernel 7.0.14-9-pve has no nvidia module (driver 590.48.01; dkms status: "
         "nvidia/590.48.01, 6.17.13-4-pve, x86_64: installed; installed kernels with the module: "
@@ -81,6 +95,7 @@ def test_one_line_says_what_runs_what_dkms_says_and_which_kernels_have_the_modul
     )
     assert facts.previous_with_module() == "7.0.14-10-pve"
     assert facts.without_module("7.0.14-9-pve") and not facts.without_module("7.0.14-10-pve")
+    assert len(host.calls) == 4  # each kernel's modinfo once, dkms once
 
 
 def test_pin_record_round_trips_and_a_partial_one_is_none():
