@@ -10,6 +10,7 @@ Marked slow: starting a process that imports torch takes ~10 s idle, a minute on
 from __future__ import annotations
 
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -225,3 +226,35 @@ def test_the_api_key_is_required(server, http):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 401
     assert httpx.get(server.url + "/health").status_code == 200  # probes need no key
+
+
+def test_requests_at_once_share_passes_and_answer_as_they_would_alone(server, http):
+    """Six greedy requests of every method (more than the server's slots) sent at once decode
+    in shared passes (the batch-size histogram sees a pass of several) and each answers what it
+    answers alone."""
+    bodies = [
+        {
+            "prompt": f"{PROMPT} {index}",
+            "max_tokens": 16,
+            "temperature": 0,
+            "cache_prompt": False,
+            **method_body(method),
+        }
+        for index, method in enumerate(METHODS * 2)
+    ]
+
+    def answer(body: dict) -> str:
+        with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as own:
+            response = own.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["text"]
+
+    alone = [answer(body) for body in bodies]
+    passes_before = metric_value(http, "ddops_engine_batch_size_count")
+    single_before = metric_value(http, "ddops_engine_batch_size_bucket", le="1.0")
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        together = list(pool.map(answer, bodies))
+    assert together == alone
+    passes = metric_value(http, "ddops_engine_batch_size_count") - passes_before
+    single = metric_value(http, "ddops_engine_batch_size_bucket", le="1.0") - single_before
+    assert passes > single  # some passes ran several sequences
