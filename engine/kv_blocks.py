@@ -178,6 +178,7 @@ class PagedKVCache:
         table_len = -(-max_len // pool.block_tokens)
         self.table = torch.zeros(table_len, dtype=torch.long, device=pool.device)
         self._slots: tuple[tuple[int, int], torch.Tensor] | None = None  # the last `physical`
+        self._pass_slots: tuple[torch.Tensor, torch.Tensor] | None = None  # store_at's
 
     # -- lengths and room ------------------------------------------------------------------
 
@@ -225,7 +226,7 @@ class PagedKVCache:
             self._table_changed()
 
     def _table_changed(self) -> None:
-        self._slots = None
+        self._slots = self._pass_slots = None
         held = torch.tensor(self.blocks, dtype=torch.long)
         self.table[: len(self.blocks)].copy_(on_device(held, self.table.device))
         self.table[len(self.blocks) :] = 0
@@ -259,7 +260,10 @@ class PagedKVCache:
 
     def store_at(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] at device `slots` [T] (a static pass: no host reads)."""
-        physical = sequence_slots(self.table, slots, self.pool.block_tokens)
+        if self._pass_slots is None or self._pass_slots[0] is not slots:
+            physical = sequence_slots(self.table, slots, self.pool.block_tokens)
+            self._pass_slots = (slots, physical)  # every layer of the pass writes the same
+        physical = self._pass_slots[1]
         keys, values = self._flat(layer)
         keys.index_copy_(0, physical, k)
         values.index_copy_(0, physical, v)

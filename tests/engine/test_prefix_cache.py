@@ -190,6 +190,36 @@ def test_the_budget_holds_and_the_least_recently_used_goes_first(pair):
     assert again_a.output_ids == generate(target, drafter, first + a.output_ids, cfg).output_ids
 
 
+def test_a_hit_shares_the_cached_blocks_and_copies_only_a_tail_it_writes(pair):
+    """The next turn's caches start on the very blocks the cache holds (references, no copy),
+    target and drafter alike; the partly filled tail block is copied at the first write into it,
+    the cached one left as it was."""
+    target, drafter = pair
+    cfg = config("ddtree", 6, 0.0)
+    pool = server_pool(pair)
+    first = generate(target, drafter, SYSTEM + USER_1[:4], cfg, pool=pool)  # 15 + 9 tokens
+    prompt = SYSTEM + USER_1[:4] + first.output_ids + TOOL
+    caches = pool.open(speculative=True, cache_prompt=True)
+    cached = caches.resume(prompt)
+    hit = pool.prefix_cache.lookup(prompt, drafted=True)
+    assert cached == hit.position and cached % BLOCK  # this turn resumes inside a block
+    whole = cached // BLOCK
+    kv = getattr(caches.cache, "kv", caches.cache)
+    for cache, held, tail in [
+        (kv, [b.target for b in hit.path], hit.snapshot.target_tail),
+        (caches.draft_cache, [b.draft for b in hit.path], hit.snapshot.draft_tail),
+    ]:
+        assert cache.blocks == [h.block for h in held] + [tail.block]  # shared, not copied
+        assert all(cache.pool.refs[block] >= 2 for block in cache.blocks)  # the cache too
+        before, refs = cache.read(whole * BLOCK, cached), cache.pool.refs[tail.block]
+        cache.check_room(1)  # a pass is about to write slot `cached`, inside the tail block
+        assert cache.blocks[:whole] == [h.block for h in held]
+        assert cache.blocks[whole] != tail.block and cache.pool.refs[cache.blocks[whole]] == 1
+        assert cache.pool.refs[tail.block] == refs - 1  # the cached tail, no longer ours
+        torch.testing.assert_close(cache.read(whole * BLOCK, cached), before)
+    caches.abandon()
+
+
 def test_a_zero_budget_caches_nothing_and_changes_nothing(pair):
     target, drafter = pair
     cfg = config("ddtree", 6, 0.0)
