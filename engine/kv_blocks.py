@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine.kernels import paged_tree_attention, sequence_slots, tree_attention
 from engine.memory_plan import BLOCK_TOKENS
@@ -365,3 +366,37 @@ def reads_blocks_in_place(q: torch.Tensor) -> bool:
     """Whether attention over a block table runs the paged kernel (CUDA), not the contiguous
     one over a view or a gathered copy (the CPU, where a lone sequence's blocks are in order)."""
     return q.is_cuda
+
+
+def attend_sequences(
+    caches: list[PagedKVCache],
+    layer: int,
+    q: torch.Tensor,  # [N, Hq, D] every sequence's pending queries, concatenated
+    rows: list[slice],  # each sequence's rows of q
+    visible: list[torch.Tensor | None],  # each sequence's [T, T] mask; None = causal
+    scale: float,
+) -> torch.Tensor:  # [N, Hq, D]
+    """Tree attention of several sequences over one pool, each over its own block table from
+    its committed length (their pending K/V stored already): one `paged_tree_attention` launch
+    (what a batched pass calls on CUDA instead of a launch per sequence)."""
+    pool = caches[0].pool
+    if any(cache.pool is not pool for cache in caches):
+        raise ValueError("sequences attended together must share one KV block pool")
+    device = q.device
+    width = max(cache.table.shape[0] for cache in caches)
+    tables = torch.stack(
+        [F.pad(cache.table, (0, width - cache.table.shape[0])) for cache in caches]
+    )
+    bounds = [0, *(r.stop for r in rows)]
+    starts = torch.tensor(bounds, dtype=torch.long).to(device, non_blocking=True)
+    lengths = [cache.length for cache in caches]
+    prefixes = torch.tensor(lengths, dtype=torch.long).to(device, non_blocking=True)
+    mask = None
+    if any(v is not None for v in visible):
+        widest = max(r.stop - r.start for r in rows)
+        mask = torch.zeros(q.shape[0], widest, dtype=torch.bool, device=device)
+        for r, seen in zip(rows, visible, strict=True):
+            T = r.stop - r.start
+            mask[r, :T] = seen if seen is not None else torch.ones(T, T, device=device).tril()
+    k, v = pool.k[layer], pool.v[layer]
+    return paged_tree_attention(q, k, v, tables, starts, prefixes, mask, scale)

@@ -15,6 +15,7 @@ import torch
 
 from engine.cache_pool import CachePool
 from engine.decode import GenerationConfig, generate
+from engine.kernels.batched import ancestor_matrix
 from engine.kv_blocks import KVBlockPool, KVLayout, PagedKVCache, PoolExhausted
 from engine.memory_plan import is_out_of_memory
 from tests.helpers.tiny_pairs import KINDS, load_tiny_pair
@@ -218,3 +219,44 @@ def test_the_paged_kernel_s_arguments_decode_the_same(pair, monkeypatch) -> None
     got = generate(target, drafter, PROMPT, cfg, pool=_paged_pool(pair, max_len, scattered=True))
     assert calls and all(shape[0] == 1 for shape in calls)  # one sequence a call
     assert got.output_ids == want.output_ids and got.rounds == want.rounds
+
+
+def test_sequences_attended_together_equal_each_alone() -> None:
+    """Three sequences over one pool (their blocks interleaved), a tree, a causal chunk and a
+    single token: one attend_sequences call gives what each cache's own attend gives."""
+    from engine.kv_blocks import attend_sequences
+
+    gen = torch.Generator().manual_seed(3)
+    pool = KVBlockPool(layout(), capacity=24, block_tokens=BLOCK)
+    caches = [PagedKVCache(pool, 40) for _ in range(3)]
+    trees = [torch.tensor([-1, 0, 0, 1]), None, torch.tensor([-1])]
+    pending = [4, 5, 1]
+    for step in range(3):  # commit in turns so the blocks interleave
+        for cache, length in zip(caches, (7, 2, 13), strict=True):
+            count = length // 3 + (step < length % 3)
+            cache.check_room(count)
+            for layer in range(2):
+                kv = torch.randn(count, 1, 2, generator=gen, dtype=torch.float64)
+                cache.store(layer, cache.length, kv, -kv)
+            cache.advance(count)
+    q = torch.randn(sum(pending), 2, 2, generator=gen, dtype=torch.float64)
+    rows, start = [], 0
+    for count in pending:
+        rows.append(slice(start, start + count))
+        start += count
+    visible = []
+    for cache, count, tree in zip(caches, pending, trees, strict=True):
+        cache.check_room(count)
+        for layer in range(2):
+            kv = torch.randn(count, 1, 2, generator=gen, dtype=torch.float64)
+            cache.store(layer, cache.length, kv, kv)
+        visible.append(None if tree is None else ancestor_matrix(tree))
+    first = caches[0].blocks
+    assert first != list(range(first[0], first[0] + len(first)))  # interleaved with the others'
+    for layer in range(2):
+        together = attend_sequences(caches, layer, q, rows, visible, 0.5)
+        alone = [
+            cache.attend(layer, q[r], cache.length, seen, 0.5, cache.length + r.stop - r.start)
+            for cache, r, seen in zip(caches, rows, visible, strict=True)
+        ]
+        assert torch.equal(together, torch.cat(alone))
