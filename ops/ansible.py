@@ -1,7 +1,7 @@
 """Run ddops' playbooks (playbooks/*.yml) through ansible-runner, for a fleet or one host.
 
     with open_site(inventory="site.yml", host=None, vmids=[]) as opened:
-        run = run_chain_playbook(opened, "provision", Policy(provision=True), dry_run=False,
+        run = run_chain_playbook(opened, "provision", {"unlock": False}, dry_run=False,
                                  inventory="site.yml", on_progress=print)
     run.reports            # ChainReport per CT, from the playbook's ddops_check results
     run.hosts              # HostOutcome per host: ok / changed / failed / unreachable, and why
@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ops.bench.matrix import BenchConfig, Slo
-from ops.chain.checks import Policy, chain_for
+from ops.chain.checks import chain_for
 from ops.chain.report import ChainReport, CheckResult
 from ops.errors import DdopsError
 from ops.host.targets import parse_target
@@ -213,7 +213,7 @@ def _record_skipped_check(
     """A check task Ansible reports as skipped: its event carries no results (Ansible drops a
     skipped task's result), so each of the host's CTs gets the check as skipped, with the needs
     that did not pass. A task its `when` skipped (not in this mode's chain) is no check here."""
-    chain = {c.title.lower(): c for c in chain_for(Policy(provision=mode == "provision"))}
+    chain = {c.title.lower(): c for c in chain_for(mode)}
     found = chain.get(task.lower())
     if found is None:
         return
@@ -255,20 +255,22 @@ def chain_inventory(opened: OpenedSite, inventory: str | None) -> dict:
 def run_chain_playbook(
     opened: OpenedSite,
     mode: str,
-    policy: Policy,
+    options: dict,
     *,
     dry_run: bool,
     inventory: str | None,
     on_progress: Progress | None = None,
 ) -> PlaybookRun:
-    """`ddops provision|recover --via ansible`: the selected CTs through playbooks/<mode>.yml.
-    Provision first installs this ddops on each host, from a wheel built here."""
+    """`ddops provision|recover --via ansible`: the selected CTs through playbooks/<mode>.yml,
+    the run's `options` (unlock, remove_api_key) handed to its tasks, which set the policy with
+    ops.chain.runner.chain_run. Provision first installs this ddops on each host, from a wheel
+    built here."""
     vmids = sorted({target.ct.vmid for target in opened.targets})
     hosts = sorted({target.host.name for target in opened.targets})
     extravars = {
         "ddops_vmids": vmids,
-        "ddops_unlock": policy.unlock,
-        "ddops_remove_api_key": policy.remove_api_key,
+        "ddops_unlock": options.get("unlock", False),
+        "ddops_remove_api_key": options.get("remove_api_key", False),
     }
     with built_wheel() if mode == "provision" else contextlib.nullcontext() as wheel:
         if wheel is not None:

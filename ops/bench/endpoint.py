@@ -88,14 +88,13 @@ def site_endpoint(
     app, *, vmid: int, results: Path, recover_first: bool = True
 ) -> Iterator[Endpoint]:
     """The engine of CT `vmid` of the CLI's site (`app`: ops.commands.shared.AppContext), after the chain."""
-    from ops.chain.checks import Policy
-    from ops.chain.runner import contexts, health, recover
+    from ops.chain.runner import contexts, run_chain
 
     with app.open_site([vmid]) as opened:
-        chain = dataclasses.replace(contexts(opened, Policy())[0], results_dir=results)
-        reports = [health(chain)]
+        chain = dataclasses.replace(contexts(opened)[0], results_dir=results)
+        reports = [run_chain(chain, mode="health")]
         if not reports[-1].ok and recover_first:
-            reports.append(recover(chain))
+            reports.append(run_chain(chain, mode="recover"))
         if not reports[-1].ok:
             failed = next(r for r in reports[-1].results if r.status == "failed")
             advice = "run `ddops recover`" if not recover_first else "recover could not fix it"

@@ -1,5 +1,5 @@
 """THE chain of checks: one ordered list, three users (`health` probes, `recover` repairs,
-`provision` sets up with the same chain under a policy that may create things).
+`provision` sets up with the same chain, also creating what is missing).
 
 Each check has a key and a title, a read-only probe that reads facts through the Transport and
 returns a Finding (ok, evidence, fixable), the keys of the checks it needs, and ONE remedy (None
@@ -23,12 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Literal
 
 from ops.agents.staging import SHM_MODELS
 from ops.chain import deploy
 from ops.chain import install as host_install
 from ops.chain import setup as host_setup
-from ops.chain.report import Outcome
+from ops.chain.report import Mode, Outcome
 from ops.chain.stage_model import branch_commit, check_staged, stage_model
 from ops.diffs import unified_diff
 from ops.errors import DdopsError
@@ -92,13 +93,14 @@ ENGINE_READY_TIMEOUT_S = 300.0
 
 @dataclass(frozen=True)
 class Policy:
-    """What a run may do beyond repairing: `provision` creates the CT, installs boot persistence
-    and the engine, and sets the engine's API key; `unlock` clears a CT lock (`pct unlock`)
-    before starting it; `remove_api_key` (provision only) turns authentication off;
+    """What a run may do, set once per run by ops.chain.runner.chain_run. Its `mode`: "health"
+    probes, "recover" repairs, "provision" repairs and also creates the CT, installs boot
+    persistence and the engine, and sets the engine's API key. `unlock` clears a CT lock
+    (`pct unlock`) before starting it; `remove_api_key` (provision) turns authentication off;
     `verify_hashes` (health --hashes) checks the staged model's sha256, not only size + mtime;
-    `store_hf_token` (provision only) keeps HF_TOKEN on the host for the boot-time recovery."""
+    `store_hf_token` (provision) keeps HF_TOKEN on the host for the boot-time recovery."""
 
-    provision: bool = False
+    mode: Mode = "health"
     unlock: bool = False
     remove_api_key: bool = False
     verify_hashes: bool = False
@@ -159,8 +161,13 @@ class Check:
     probe: Probe
     remedy: Remedy | None
     needs: tuple[str, ...] = ()
-    provision_only: bool = False  # the whole check runs under the provision policy only
-    remedy_needs_provision: bool = False  # e.g. creating a CT: recover only reports it
+    # What only provision does: "check", the whole check (health and recover leave it out);
+    # "remedy", its remedy (e.g. creating a CT: health and recover only report it)
+    provision_only: Literal["check", "remedy"] | None = None
+
+    def __post_init__(self) -> None:
+        if self.provision_only not in (None, "check", "remedy"):
+            raise ValueError(f"{self.key}: provision_only is 'check', 'remedy' or None")
 
 
 def _ok(evidence: str) -> Finding:
@@ -634,7 +641,7 @@ def probe_model(c: ChainContext) -> Finding:
         for ref, s in staged.items()
         if (now := branch_commit(ref, c.model.hub_endpoint, c.hf_token)) and now != s.commit
     ]
-    if moved and c.policy.provision:  # provision brings the inventory's revision
+    if moved and c.policy.mode == "provision":  # provision brings the inventory's revision
         return _bad(f"{c.name}: {'; '.join(moved)}")
     if moved:  # health and recover keep what was staged: an upgrade is the operator's call
         return _ok(f"{complete}; upgrade available: {'; '.join(moved)} (`ddops provision`)")
@@ -653,7 +660,7 @@ def stage_models(c: ChainContext, dry_run: bool) -> Outcome:
             python=c.engine.python,
             endpoint=c.model.hub_endpoint,
             token=c.hf_token,
-            refresh=c.policy.provision,
+            refresh=c.policy.mode == "provision",
         )
         source = f"{len(report.downloaded_files) + len(report.repaired_cache_files)} file(s) from the hub"
         done.append(
@@ -773,7 +780,7 @@ def _host_site_text(c: ChainContext) -> str:
 
 
 def _stores_token(c: ChainContext) -> bool:
-    return c.policy.provision and c.policy.store_hf_token and c.hf_token is not None
+    return c.policy.mode == "provision" and c.policy.store_hf_token and c.hf_token is not None
 
 
 def probe_host_ddops(c: ChainContext) -> Finding:
@@ -811,7 +818,7 @@ CHAIN: tuple[Check, ...] = (
         probe_capacity,
         None,
         ("host",),
-        provision_only=True,
+        provision_only="check",
     ),
     Check("modules", "nvidia kernel modules loaded", probe_modules, load_modules, ("host",)),
     Check("nodes", "/dev/nvidia* and uvm nodes", probe_nodes, create_nodes, ("modules",)),
@@ -828,7 +835,7 @@ CHAIN: tuple[Check, ...] = (
         probe_gpu_capacity,
         None,
         ("nodes",),
-        provision_only=True,  # before anything is created: nothing to undo when it fails
+        provision_only="check",  # before anything is created: nothing to undo when it fails
     ),
     Check(
         "boot",
@@ -836,7 +843,7 @@ CHAIN: tuple[Check, ...] = (
         probe_boot,
         install_boot,
         ("host",),
-        provision_only=True,
+        provision_only="check",
     ),
     Check(
         "ct-exists",
@@ -844,7 +851,7 @@ CHAIN: tuple[Check, ...] = (
         probe_ct_exists,
         create_ct,
         ("host",),
-        remedy_needs_provision=True,
+        provision_only="remedy",
     ),
     Check(
         "ct-config",
@@ -860,7 +867,7 @@ CHAIN: tuple[Check, ...] = (
         probe_hookscript,
         install_hookscript,
         ("ct-running",),  # after the lock check: `pct set` is refused on a locked CT
-        provision_only=True,
+        provision_only="check",
     ),
     Check(
         "cuda",
@@ -875,7 +882,7 @@ CHAIN: tuple[Check, ...] = (
         probe_engine_installed,
         install_engine,
         ("ct-running",),
-        provision_only=True,
+        provision_only="check",
     ),
     Check("model", "model complete in /dev/shm", probe_model, stage_models, ("ct-running",)),
     Check(
@@ -884,7 +891,7 @@ CHAIN: tuple[Check, ...] = (
         probe_api_key,
         set_api_key,
         ("ct-running",),
-        provision_only=True,
+        provision_only="check",
     ),
     Check("service", "engine service running", probe_service, ensure_service, ("model", "cuda")),
     Check("engine", "engine answers a generation", probe_engine, restart_engine, ("service",)),
@@ -903,7 +910,7 @@ CHAIN: tuple[Check, ...] = (
         probe_host_ddops,
         install_host_ddops,
         ("host",),
-        remedy_needs_provision=True,
+        provision_only="remedy",
     ),
     Check(
         "cgroup-keys",
@@ -915,6 +922,6 @@ CHAIN: tuple[Check, ...] = (
 )
 
 
-def chain_for(policy: Policy) -> list[Check]:
-    """The checks a run under `policy` goes through, in order."""
-    return [check for check in CHAIN if policy.provision or not check.provision_only]
+def chain_for(mode: Mode) -> list[Check]:
+    """The checks a run in `mode` goes through, in order."""
+    return [check for check in CHAIN if mode == "provision" or check.provision_only != "check"]

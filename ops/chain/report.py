@@ -5,8 +5,9 @@
     ChainReport(host, vmid, mode, ...)                                     # one CT's run
     reports_json([report])                                                 # one document for --json
 
-`Mode` is the one type of a run: "health" probes, "recover" repairs, "provision" repairs under
-the provision policy too (ops/chain/runner.py).
+`Mode` is the one type of a run: "health" probes, "recover" repairs, "provision" repairs and
+creates what is missing; a run's Policy (ops/chain/checks.py) carries it, set by
+ops.chain.runner.chain_run.
 """
 
 from __future__ import annotations

@@ -1,21 +1,28 @@
 """Run the chain (ops/chain/checks.py) over one container: probe only (health), or repair in order.
 
-    report = health(ctx)                  # every probe, read-only; dependents of a failure skipped
-    report = recover(ctx, dry_run=False)  # probe, remedy if failing, re-probe; stop at the first
-                                          # failure nothing can fix; under the host lock
-    reports_json([report])                # one document for --json
+    report = run_chain(c, mode="health")                   # every probe, read-only; dependents
+                                                           # of a failure skipped
+    report = run_chain(c, mode="recover", unlock=True)     # probe, remedy if failing, re-probe;
+                                                           # stop at the first failure nothing
+                                                           # can fix; under the host lock
+    report = run_chain(c, mode="provision", dry_run=True)  # also creates; plans only here
+    with chain_run(c, "recover") as c: run_check(...)      # one check (the Ansible module)
+    reports_json([report])                                 # one document for --json
 
-Concurrent repairs of one host are serialised by the host lock (ops/chain/lock.py: flock on
-/run/lock/ddops/recover.lock through the transport, its holder recorded): the second waits, then
-finds nothing to do. `ddops provision` is the same run under the provision policy.
+A run of the chain is its mode, whether it only plans (dry_run) and the CT. `chain_run` is the
+one place a run is set up: it sets the CT's Policy from the mode and the run's options, and
+holds the host lock while the run may change something. Concurrent repairs of one host are
+serialised by that lock (ops/chain/lock.py: flock on /run/lock/ddops/recover.lock through the
+transport, its holder recorded): the second waits, then finds nothing to do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 
 from ops.chain.checks import ChainContext, Check, Finding, Policy, chain_for, probe_host
@@ -34,6 +41,8 @@ from ops.chain.report import (
 from ops.errors import DdopsError
 from ops.site.selection import OpenedSite, results_dir
 
+OnResult = Callable[[CheckResult], None] | None
+
 
 def _probe(check: Check, c: ChainContext) -> Finding:
     """The probe's finding; a probe that cannot read its facts is a failure nothing can fix."""
@@ -46,7 +55,7 @@ def _probe(check: Check, c: ChainContext) -> Finding:
 def _unfixable_reason(check: Check, c: ChainContext, finding: Finding) -> str | None:
     if not finding.fixable or check.remedy is None:
         return finding.evidence
-    if check.remedy_needs_provision and not c.policy.provision:
+    if check.provision_only == "remedy" and c.policy.mode != "provision":
         return f"{finding.evidence}: `ddops provision --ct {c.vmid}` creates it"
     return None
 
@@ -87,24 +96,45 @@ def run_check(check: Check, c: ChainContext, *, repair: bool, dry_run: bool = Fa
     return CheckResult(check.key, check.title, status, time.monotonic() - start, finding.evidence)
 
 
+@contextlib.contextmanager
+def chain_run(
+    c: ChainContext, mode: Mode, dry_run: bool = False, **options: bool
+) -> Iterator[ChainContext]:
+    """THE one place a run of the chain is set up: `c` with its Policy set from `mode` and
+    `options` (Policy's other fields), under the host lock while the run may change something.
+    Health and a dry run change nothing, and an unreachable host cannot be locked: those run
+    without it (the latter fails its first check)."""
+    c = dataclasses.replace(c, policy=Policy(mode=mode, **options))
+    if mode == "health" or dry_run or not _reachable(c):
+        yield c
+        return
+    with host_lock(c.t):
+        yield c
+
+
 def run_chain(
     c: ChainContext,
     *,
     mode: Mode,
     dry_run: bool = False,
-    on_result: Callable[[CheckResult], None] | None = None,
+    on_result: OnResult = None,
+    **options: bool,
 ) -> ChainReport:
-    """Go through the chain for `c.policy`. mode "health" only probes (a check whose prerequisite
-    failed is skipped); "recover" and "provision" repair in order and stop at the first failure
-    nothing fixes."""
-    if mode == "provision":  # the one place the mode sets the policy
-        c = dataclasses.replace(c, policy=dataclasses.replace(c.policy, provision=True))
+    """One run of the chain over `c`'s CT (chain_run sets it up). "health" only probes (a check
+    whose prerequisite failed is skipped); "recover" and "provision" repair in order and stop at
+    the first failure nothing fixes; `on_result` sees each check as it finishes."""
+    with chain_run(c, mode, dry_run, **options) as c:
+        return _go_through(c, dry_run, on_result)
+
+
+def _go_through(c: ChainContext, dry_run: bool, on_result: OnResult) -> ChainReport:
+    mode = c.policy.mode
     repair = mode != "health"
     report = ChainReport(c.t.label, c.vmid, mode, dry_run)
     start = time.monotonic()
     not_ok: set[str] = set()
     stopped = False
-    for check in chain_for(c.policy):
+    for check in chain_for(mode):
         missing = [need for need in check.needs if need in not_ok]
         if stopped or missing:
             why = "an earlier check failed" if stopped else f"needs {', '.join(missing)}"
@@ -125,37 +155,6 @@ def _with_probe_time(result: CheckResult, seconds: float) -> CheckResult:
     return CheckResult(**{**asdict(result), "seconds": seconds})
 
 
-def health(c: ChainContext, on_result: Callable[[CheckResult], None] | None = None) -> ChainReport:
-    """Every probe, read-only."""
-    return run_chain(c, mode="health", on_result=on_result)
-
-
-def recover(
-    c: ChainContext,
-    *,
-    dry_run: bool = False,
-    mode: Mode = "recover",
-    on_result: Callable[[CheckResult], None] | None = None,
-) -> ChainReport:
-    """Repair the CT in chain order under the host lock. A dry run changes nothing and an
-    unreachable host cannot be locked: both run without it (the latter fails its first check)."""
-    if dry_run or not _reachable(c):
-        return run_chain(c, mode=mode, dry_run=dry_run, on_result=on_result)
-    with host_lock(c.t):
-        return run_chain(c, mode=mode, on_result=on_result)
-
-
-def provision(
-    c: ChainContext,
-    *,
-    dry_run: bool = False,
-    on_result: Callable[[CheckResult], None] | None = None,
-) -> ChainReport:
-    """Bring the CT from whatever it is to healthy, creating what is missing; `on_result` sees
-    each check as it finishes."""
-    return recover(c, dry_run=dry_run, mode="provision", on_result=on_result)
-
-
 def _reachable(c: ChainContext) -> bool:
     try:
         return probe_host(c).ok
@@ -163,16 +162,16 @@ def _reachable(c: ChainContext) -> bool:
         return False
 
 
-def contexts(opened: OpenedSite, policy: Policy, api_key: str | None = None) -> list[ChainContext]:
-    """One ChainContext per selected CT; HF_TOKEN from the environment (never logged); `api_key`
-    is the operator's key for provision to install (never logged)."""
+def contexts(opened: OpenedSite, api_key: str | None = None) -> list[ChainContext]:
+    """One ChainContext per selected CT (its policy is the run's, set by chain_run); HF_TOKEN from
+    the environment (never logged); `api_key` is the operator's key for provision to install
+    (never logged)."""
     return [
         ChainContext(
             t=target.t,
             ct=target.ct,
             model=opened.site.model,
             engine=opened.site.engine,
-            policy=policy,
             host=target.host,
             results_dir=results_dir(),
             hf_token=os.environ.get("HF_TOKEN") or None,

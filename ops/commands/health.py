@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import click
 
-from ops.chain.checks import Policy
 from ops.commands.shared import VMID, run_chain_command
 
 
@@ -22,4 +21,4 @@ from ops.commands.shared import VMID, run_chain_command
 @click.pass_context
 def health_command(ctx: click.Context, vmids: tuple[int, ...], hashes: bool) -> None:
     """Probe every check of the chain for the CTs, changing nothing."""
-    run_chain_command(ctx, "health", vmids, Policy(verify_hashes=hashes))
+    run_chain_command(ctx, "health", vmids, verify_hashes=hashes)

@@ -18,7 +18,6 @@ import os
 
 import click
 
-from ops.chain.checks import Policy
 from ops.chain.deploy import API_KEY_ENV, parse_api_key
 from ops.commands.shared import VIA, VMID, run_chain_command
 
@@ -54,8 +53,16 @@ def provision_command(
         raise click.UsageError("--store-hf-token needs HF_TOKEN in the environment")
     if store_hf_token and via == "ansible":
         raise click.UsageError("--store-hf-token is not available with --via ansible yet")
-    policy = Policy(provision=True, remove_api_key=no_api_key, store_hf_token=store_hf_token)
-    run_chain_command(ctx, "provision", vmids, policy, dry_run, via, api_key)
+    run_chain_command(
+        ctx,
+        "provision",
+        vmids,
+        dry_run,
+        via,
+        api_key,
+        remove_api_key=no_api_key,
+        store_hf_token=store_hf_token,
+    )
 
 
 def operator_api_key() -> str | None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import click
 
-from ops.chain.checks import Policy
 from ops.commands.shared import VIA, VMID, run_chain_command
 
 
@@ -35,4 +34,4 @@ def recover_command(
     """Repair GPU containers after reboots and faults: probe, remedy, re-probe, in chain order.
     Each run leaves its record on the host; `ddops health` shows the last one."""
     trigger = "boot" if at_boot else "manual"
-    run_chain_command(ctx, "recover", vmids, Policy(unlock=unlock), dry_run, via, trigger=trigger)
+    run_chain_command(ctx, "recover", vmids, dry_run, via, trigger=trigger, unlock=unlock)

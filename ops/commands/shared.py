@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import click
 
 from ops.chain import last_recover
-from ops.chain.checks import ChainContext, Policy
+from ops.chain.checks import ChainContext
 from ops.chain.output import chain_output
 from ops.chain.report import FAILED, ChainReport, Mode, reports_json
-from ops.chain.runner import contexts, health, provision, recover
+from ops.chain.runner import contexts, run_chain
 from ops.host.pve import VMID_RANGE
 from ops.site.inventory import Site
 from ops.site.selection import OpenedSite, open_site
@@ -68,29 +68,31 @@ def run_chain_command(
     ctx: click.Context,
     mode: Mode,
     vmids: Sequence[int],
-    policy: Policy,
     dry_run: bool = False,
     via: str = "direct",
     api_key: str | None = None,
     trigger: str = "manual",
+    **options: bool,
 ) -> None:
-    """Resolve the site, run the chain per CT, report as it goes (a live line on a terminal,
-    plain lines in a pipe) then a summary (or --json); when a check failed, its cause as one
-    `Error:` line on stderr and exit 1. `api_key`: provision's key to install; `trigger`: why a
-    recover runs (its record says "manual" or "boot")."""
+    """Resolve the site, run the chain per CT (ops.chain.runner.run_chain, with the run's
+    `options`: Policy's fields), report as it goes (a live line on a terminal, plain lines in a
+    pipe) then a summary (or --json); when a check failed, its cause as one `Error:` line on
+    stderr and exit 1. `api_key`: provision's key to install; `trigger`: why a recover runs (its
+    record says "manual" or "boot")."""
     app = ctx.obj
     with app.open_site(vmids) as opened:
         if via == "ansible":
             from ops.commands.via_ansible import chain_via_ansible
 
-            return chain_via_ansible(ctx, opened, mode, policy, dry_run)
+            return chain_via_ansible(ctx, opened, mode, dry_run, options)
         output = None if app.json else chain_output()
         reports = []
         try:
-            for c in contexts(opened, policy, api_key):
+            for c in contexts(opened, api_key):
                 if output:
                     output.start(c, mode)
-                reports.append(_run(c, mode, dry_run, trigger, output.result if output else None))
+                on_result = output.result if output else None
+                reports.append(_run(c, mode, dry_run, trigger, on_result, options))
         finally:  # a live line never outlives an error
             if output:
                 output.stop()
@@ -103,17 +105,17 @@ def run_chain_command(
         ctx.exit(1)
 
 
-def _run(c: ChainContext, mode: Mode, dry_run: bool, trigger: str, on_result) -> ChainReport:
+def _run(
+    c: ChainContext, mode: Mode, dry_run: bool, trigger: str, on_result, options: dict
+) -> ChainReport:
     """One CT's chain in `mode`; a recover leaves its record on the host, health shows it."""
+    report = run_chain(c, mode=mode, dry_run=dry_run, on_result=on_result, **options)
     if mode == "health":
-        report = health(c, on_result=on_result)
         report.last_recover = last_recover.read(c.t, c.vmid)
-    elif mode == "provision":
-        report = provision(c, dry_run=dry_run, on_result=on_result)
-    else:
-        report = recover(c, dry_run=dry_run, on_result=on_result)
-        if not dry_run and report.results and report.results[0].status != FAILED:
-            last_recover.record(c.t, report, trigger)
+    elif (
+        mode == "recover" and not dry_run and report.results and report.results[0].status != FAILED
+    ):
+        last_recover.record(c.t, report, trigger)
     return report
 
 

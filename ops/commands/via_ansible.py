@@ -26,7 +26,6 @@ from ops.ansible import (
 )
 from ops.bench.matrix import BenchConfig
 from ops.bench.report import summary_table
-from ops.chain.checks import Policy
 from ops.chain.output import render_reports
 from ops.chain.report import reports_json
 from ops.site.selection import OpenedSite, results_dir
@@ -37,14 +36,15 @@ def _progress(ctx: click.Context):
 
 
 def chain_via_ansible(
-    ctx: click.Context, opened: OpenedSite, mode: str, policy: Policy, dry_run: bool
+    ctx: click.Context, opened: OpenedSite, mode: str, dry_run: bool, options: dict
 ) -> None:
-    """provision / recover over the opened site's CTs through playbooks/<mode>.yml."""
+    """provision / recover over the opened site's CTs through playbooks/<mode>.yml, with the
+    run's `options` (ops.chain.checks.Policy's fields) for the playbook's ddops_check tasks."""
     app = ctx.obj
     run = run_chain_playbook(
         opened,
         mode,
-        policy,
+        options,
         dry_run=dry_run,
         inventory=app.inventory,
         on_progress=_progress(ctx),

@@ -17,7 +17,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -180,7 +180,7 @@ def test_every_check_task_is_named_as_its_check():
         for task in yaml.safe_load(path.read_text()) or []
         if "ddops_check" in task
     }
-    chain = chain_for(Policy(provision=True))
+    chain = chain_for("provision")
     assert named == {c.title.lower(): c.key for c in chain if c.key != "boot"}  # boot: templates
 
 
@@ -346,10 +346,10 @@ def cli_path_through_the_ct_steps(fleet: Fleet, host: str, twin: Path) -> None:
     }
     twin_inventory = twin.parent / f"{twin.name}.yml"
     twin_inventory.write_text(yaml.safe_dump(document))
-    policy = Policy(provision=True)
     with open_site(inventory=str(twin_inventory), host=None) as opened:
-        (c,) = contexts(opened, policy)
-        for check in chain_for(policy):
+        (c,) = contexts(opened)
+        c = replace(c, policy=Policy(mode="provision"))
+        for check in chain_for("provision"):
             if not check.probe(c).ok:
                 check.remedy(c, False)
             if check.key == "hookscript":
@@ -442,7 +442,7 @@ def test_the_whole_chain_via_ansible_then_recover_changes_nothing(tmp_path, hub_
         assert "sk-ansible-5e6f" not in json.dumps(document)
         monkeypatch.delenv("DDOPS_API_KEY")
         (ct,) = document["cts"]
-        keys = {check.key for check in chain_for(Policy(provision=True))}
+        keys = {check.key for check in chain_for("provision")}
         assert {c["key"] for c in ct["checks"]} == keys - {"boot"}  # boot: template tasks
         assert {c["status"] for c in ct["checks"]} <= {"changed", "unchanged"}
         assert {c["key"]: c["status"] for c in ct["checks"]}["engine"] in ("changed", "unchanged")

@@ -124,7 +124,7 @@ def test_lock_is_unfixable_unless_unlock_is_allowed(running_ct):
         "(or `pct unlock 200`)",
         fixable=False,
     )
-    c = context(running_ct, policy=Policy(unlock=True))
+    c = context(running_ct, policy=Policy(mode="recover", unlock=True))
     assert checks.probe_ct_running(c) == Finding(False, "CT 200 is stopped and locked (backup)")
     assert checks.start_ct(c, False).detail == "ran pct unlock 200 (backup), pct start 200"
     assert checks.probe_ct_running(c).ok
@@ -274,9 +274,7 @@ def test_dry_run_plans_and_skips_what_depends_on_the_plan(monkeypatch):
 
 def test_creating_a_ct_is_left_to_provision(monkeypatch):
     missing = Scripted("ct-exists", ok=False)
-    check = Check(
-        "ct-exists", "CT exists", missing.probe, missing.remedy, remedy_needs_provision=True
-    )
+    check = Check("ct-exists", "CT exists", missing.probe, missing.remedy, provision_only="remedy")
     monkeypatch.setattr(recover, "chain_for", lambda policy: [check])
     report = recover.run_chain(context(LocalTransport()), mode="recover")
     assert report.results[0].evidence == ("ct-exists broken: `ddops provision --ct 200` creates it")

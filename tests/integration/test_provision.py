@@ -20,9 +20,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from ops.chain.checks import Policy
 from ops.chain.report import CheckResult
-from ops.chain.runner import contexts, provision
+from ops.chain.runner import contexts, run_chain
 from ops.cli import cli
 from ops.sim import faults
 from ops.sim.host import reboot_host
@@ -315,8 +314,8 @@ def test_no_space_left_in_dev_shm_is_named(site):
             site.ct_sh("head -c 2G /dev/zero > /dev/shm/filler || true")
 
     with open_site(inventory=str(site.inventory), host=None, vmids=[200]) as opened:
-        (c,) = contexts(opened, Policy(provision=True))
-        report = provision(c, on_result=fill_shm_once_cuda_works)
+        (c,) = contexts(opened)
+        report = run_chain(c, mode="provision", on_result=fill_shm_once_cuda_works)
     model = next(r for r in report.results if r.key == "model")
     assert model.status == "failed"
     assert "no space left in /dev/shm/models: the model needs" in model.action

@@ -317,8 +317,9 @@ PASSED = ("ok", "unchanged", "changed")
 
 
 def chain_context(params: dict, vmid_filter: list[int]):
-    """One ChainContext per selected container, built through ddops' own inventory validation."""
-    from ops.chain.checks import ChainContext, Policy
+    """One ChainContext per selected container, built through ddops' own inventory validation
+    (its policy is set per check by ops.chain.runner.chain_run)."""
+    from ops.chain.checks import ChainContext
     from ops.chain.deploy import parse_api_key
     from ops.errors import DdopsError
     from ops.host.transport import LocalTransport
@@ -339,11 +340,6 @@ def chain_context(params: dict, vmid_filter: list[int]):
     (host,) = site.hosts
     t = LocalTransport(sysroot=host_sysroot(params["sysroot"], params["target"]))
     provision = params["mode"] == "provision"
-    policy = Policy(
-        provision=provision,
-        unlock=params["unlock"],
-        remove_api_key=provision and params["remove_api_key"],
-    )
     try:  # recover never touches the key: it keeps what is installed
         api_key = parse_api_key(params["api_key"]) if provision and params["api_key"] else None
     except ValueError as exc:
@@ -354,7 +350,6 @@ def chain_context(params: dict, vmid_filter: list[int]):
             ct=ct,
             model=site.model,
             engine=site.engine,
-            policy=policy,
             host=host,
             hf_token=params["hf_token"] or None,
             api_key=api_key,
@@ -386,19 +381,19 @@ def blocked_by(check, statuses: dict[str, str], checks: dict) -> str | None:
     return f"needs {', '.join(missing)}" if missing else None
 
 
-def run_check(check, c, statuses: dict[str, str], dry_run: bool, checks: dict):
-    """The chain's probe -> remedy -> re-probe for one CT: ops.chain.runner.run_check, under the
-    host lock when it may change something (as ops.chain.runner.run_chain runs it)."""
-    from ops.chain.lock import host_lock
+def run_check(check, c, statuses: dict[str, str], params: dict, dry_run: bool, checks: dict):
+    """The chain's probe -> remedy -> re-probe for one CT: ops.chain.runner.run_check, in a run
+    that ops.chain.runner.chain_run sets up (the policy of the play's mode and options, the host
+    lock while it may change something), as ops.chain.runner.run_chain runs it."""
     from ops.chain.report import CheckResult
+    from ops.chain.runner import chain_run
     from ops.chain.runner import run_check as run_one
 
     if (why := blocked_by(check, statuses, checks)) is not None:
         return CheckResult(check.key, check.title, "skipped", 0.0, why)
-    if dry_run:
-        return run_one(check, c, repair=True, dry_run=True)
-    with host_lock(c.t):
-        return run_one(check, c, repair=True)
+    options = {"unlock": params["unlock"], "remove_api_key": params["remove_api_key"]}
+    with chain_run(c, params["mode"], dry_run, **options) as c:
+        return run_one(check, c, repair=True, dry_run=dry_run)
 
 
 def _ct_state(earlier: dict) -> dict:
@@ -419,7 +414,7 @@ def main() -> None:
         t, contexts = chain_context(params, params["vmids"])
     except DdopsError as exc:
         module.fail_json(msg=str(exc))
-    checks = {check.key: check for check in chain_for(contexts[0].policy)} if contexts else {}
+    checks = {check.key: check for check in chain_for(params["mode"])} if contexts else {}
     if contexts and params["check"] not in checks:
         module.fail_json(msg=f"check {params['check']!r} is not in the {params['mode']} chain")
     state = {str(vmid): _ct_state(ct) for vmid, ct in params["state"].items()}
@@ -428,7 +423,7 @@ def main() -> None:
         for c in contexts:
             ct = state.setdefault(str(c.vmid), _ct_state({}))
             check = checks[params["check"]]
-            result = run_check(check, c, ct["checks"], module.check_mode, checks)
+            result = run_check(check, c, ct["checks"], params, module.check_mode, checks)
             ct["checks"][result.key] = result.status
             if result.status == "failed":
                 ct["failed"] = f"CT {c.vmid}: {result.title}: {result.action or result.evidence}"
