@@ -698,18 +698,15 @@ def probe_service(c: ChainContext) -> Finding:
     return _bad(problem) if problem else _ok(f"{c.name}: the engine service is running")
 
 
-def ensure_service(c: ChainContext, dry_run: bool) -> Outcome:
+def engine_deployment(c: ChainContext) -> deploy.EngineDeployment:
+    """The engine's service in this CT: the inventory's settings over the staged models."""
     draft = model_dir(c.model.draft) if c.model.draft else None
-    outcome = deploy.ensure_service(
-        c.t,
-        c.vmid,
-        c.engine,
-        model_dir(c.model.target),
-        draft,
-        dry_run,
-        len(c.ct.gpus),
-        c.ct.gpu_gid,
-    )
+    target = model_dir(c.model.target)
+    return deploy.EngineDeployment(c.vmid, c.engine, target, draft, len(c.ct.gpus), c.ct.gpu_gid)
+
+
+def ensure_service(c: ChainContext, dry_run: bool) -> Outcome:
+    outcome = deploy.ensure_service(c.t, engine_deployment(c), dry_run)
     if not dry_run:
         deploy.wait_ready(c.t, c.vmid, c.engine, ENGINE_READY_TIMEOUT_S)
     return outcome

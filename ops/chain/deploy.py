@@ -1,7 +1,8 @@
 """The engine in a container: install it, run it as a service, check it is ready and generates.
 
     install_engine(t, 200, engine)             # real host: /opt/ddops/venv + pip; sim: verify only
-    ensure_service(t, 200, engine, "/dev/shm/models/target", "/dev/shm/models/draft", dry_run)
+    spec = EngineDeployment(200, engine, "/dev/shm/models/target", "/dev/shm/models/draft")
+    ensure_service(t, spec, dry_run)           # its user, unit and service; a diff with dry_run
     wait_ready(t, 200, engine, timeout=600)    # /ready, then a real 4-token generation
     service_problem(t, 200)                    # None, or one line saying what is wrong
 
@@ -29,9 +30,9 @@ import secrets
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
-from ops.agents import supervise
+from ops.agents import engine_probe, supervise
 from ops.chain.report import Outcome
 from ops.diffs import unified_diff
 from ops.errors import DdopsError
@@ -59,58 +60,8 @@ IMPORT_CHECK = (
     "import importlib.metadata, engine, torch; print(importlib.metadata.version('ddops'))"
 )
 
-# Run by the engine's Python in the CT: GET /ready, then a 4-token completion, then /v1/models
-# without the key (does the engine require one?). Arguments: port, env file (its API key
-# variable, if set, becomes the Bearer token), timeout, the variable's name. Prints one line: the problem (exit 1) or the answer
-# as JSON (exit 0), with "key_installed" and "key_required".
-HEALTH_PROBE = r"""
-import json, sys, urllib.error, urllib.request
-port, env_file, timeout, key_var = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
-base, headers = f"http://127.0.0.1:{port}", {"Content-Type": "application/json"}
-try:
-    for line in open(env_file):
-        if line.startswith(key_var + "="):
-            headers["Authorization"] = "Bearer " + line.split("=", 1)[1].strip()
-except FileNotFoundError:
-    pass
-
-def call(path, body=None, auth=True):
-    data = None if body is None else json.dumps(body).encode()
-    sent = headers if auth else {"Content-Type": "application/json"}
-    request = urllib.request.Request(base + path, data=data, headers=sent)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as answer:
-            return answer.status, json.load(answer)
-    except urllib.error.HTTPError as error:
-        try:
-            return error.code, json.load(error)
-        except ValueError:
-            return error.code, {}
-
-def fail(problem):
-    print(problem)
-    sys.exit(1)
-
-try:
-    status, ready = call("/ready")
-    if status != 200:
-        fail(f"/ready answered {status} ({': '.join(str(ready[k]) for k in ('status', 'error') if ready.get(k)) or 'no reason given'})")
-    status, answer = call("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0})
-    open_status, _ = call("/v1/models", auth=False)
-except urllib.error.URLError as error:
-    fail(f"nothing answers on {base} ({error.reason})")
-except (OSError, ValueError) as error:
-    fail(f"{base} answered badly: {error}")
-if status != 200:
-    fail(f"/v1/completions answered {status} ({answer.get('error', {}).get('message', 'no reason given')})")
-choices, usage = answer.get("choices") or [{}], answer.get("usage") or {}
-if not isinstance(choices[0].get("text"), str) or not usage.get("completion_tokens"):
-    fail(f"/v1/completions answered without text or usage: {json.dumps(answer)[:200]}")
-key_installed, key_required = "Authorization" in headers, open_status == 401
-if key_installed and not key_required:
-    fail(f"the engine ignores the installed API key: /v1/models answered {open_status} without it")
-print(json.dumps({"text": choices[0]["text"], "usage": usage, "key_installed": key_installed, "key_required": key_required}))
-"""
+# The engine's health probe (stdlib only), run by the engine's Python in the CT from stdin
+ENGINE_PROBE = Path(engine_probe.__file__)
 
 
 # -- install -----------------------------------------------------------------------------------
@@ -210,24 +161,31 @@ def _read_ct_file(t: Transport, vmid: int | str, path: str) -> str | None:
 
 
 # -- the unit ----------------------------------------------------------------------------------
-def engine_unit(
-    t: Transport,
-    engine: EngineSpec,
-    model_dir: str,
-    draft_dir: str | None,
-    env_file: str,
-    gpu_count: int = 0,
-    gid: int = 44,
-) -> EngineUnit:
+@dataclass(frozen=True)
+class EngineDeployment:
+    """The engine's service in one CT: the inventory's engine settings, the staged models it
+    serves, how many GPUs the CT has, and the group that owns their nodes (the engine's)."""
+
+    vmid: int
+    engine: EngineSpec
+    model_dir: str
+    draft_dir: str | None = None
+    gpu_count: int = 0
+    gid: int = 44
+
+
+def engine_unit(t: Transport, deployment: EngineDeployment) -> EngineUnit:
     """The engine's unit for this host: EngineSpec's "auto" dtype/device become CUDA + bfloat16
     on a real host, CPU + float32 on a simulated one (it has no GPU behind its device nodes).
     On CUDA the engine sees the CT's `gpu_count` GPUs as 0..gpu_count-1 (CUDA_VISIBLE_DEVICES);
-    TP rank r uses GPU r. It runs as ENGINE_USER in group `gid`, which owns the GPU nodes."""
+    TP rank r uses GPU r. It runs as ENGINE_USER in group `gid`, which owns the GPU nodes, and
+    reads its API key from ENV_FILE."""
+    engine, gpu_count = deployment.engine, deployment.gpu_count
     device, dtype = engine_device_dtype(t, engine)
     return EngineUnit(
         python=engine.python,
-        model=model_dir,
-        draft=draft_dir,
+        model=deployment.model_dir,
+        draft=deployment.draft_dir,
         host=ENGINE_HOST,
         port=engine.port,
         max_model_len=engine.max_model_len,
@@ -236,9 +194,9 @@ def engine_unit(
         tp=engine.tp,
         dtype=dtype,
         device=device,
-        env_file=env_file,
+        env_file=ENV_FILE,
         user=ENGINE_USER,
-        gid=gid,
+        gid=deployment.gid,
         cuda_visible_devices=(
             ",".join(map(str, range(gpu_count))) if device == "cuda" and gpu_count else None
         ),
@@ -405,21 +363,12 @@ def service_problem(t: Transport, vmid: int | str) -> str | None:
     return f"engine service in CT {manager.vmid} is {how} ({manager.kind}: {state.words})"
 
 
-def ensure_service(
-    t: Transport,
-    vmid: int | str,
-    engine: EngineSpec,
-    model_dir: str,
-    draft_dir: str | None,
-    dry_run: bool,
-    gpu_count: int = 0,
-    gid: int = 44,
-) -> Outcome:
+def ensure_service(t: Transport, deployment: EngineDeployment, dry_run: bool) -> Outcome:
     """The engine's user there, the rendered unit installed (its diff shown) and the service
     running. A changed unit restarts a running service. The API key file is never touched here
     (see `apply_api_key`)."""
-    manager = service_manager(t, vmid)
-    unit_text = render(engine_unit(t, engine, model_dir, draft_dir, ENV_FILE, gpu_count, gid))
+    manager = service_manager(t, deployment.vmid)
+    unit_text = render(engine_unit(t, deployment))
     current = _read_ct_file(t, manager.vmid, manager.unit_path)
     diff = unified_diff(current, unit_text, f"CT {manager.vmid}:{manager.unit_path}")
     running = manager.state().running
@@ -435,7 +384,7 @@ def ensure_service(
             f"{ENV_FILE} is missing and the engine's unit requires it: `ddops provision` "
             "installs the API key (or, with --no-api-key, a file saying there is none)",
         )
-    ensure_engine_user(t, manager.vmid, gid)
+    ensure_engine_user(t, manager.vmid, deployment.gid)
     if diff:
         manager.install(unit_text)
     if running:
@@ -577,20 +526,13 @@ class EngineHealth:
 def engine_health(
     t: Transport, vmid: int | str, engine: EngineSpec, timeout: float = 30.0
 ) -> EngineHealth:
-    """From inside the CT: /ready answers 200, a 4-token completion comes back with text and
-    usage, and the engine requires the installed key; else the problem in one line ("engine in
-    CT 200: /ready answered 503 (loading)")."""
+    """From inside the CT (ops/agents/engine_probe.py, from stdin: nothing written): /ready
+    answers 200, a 4-token completion comes back with text and usage, and the engine requires the
+    installed key; else the problem in one line ("engine in CT 200: /ready answered 503
+    (loading)")."""
     vmid = validate_vmid(vmid)
-    argv = [
-        engine.python,
-        "-c",
-        HEALTH_PROBE,
-        str(engine.port),
-        ENV_FILE,
-        f"{timeout:g}",
-        API_KEY_ENV,
-    ]
-    r = ct_exec(t, vmid, argv, timeout=timeout * 2 + 30)
+    argv = [engine.python, "-", str(engine.port), ENV_FILE, f"{timeout:g}", API_KEY_ENV]
+    r = ct_exec(t, vmid, argv, input=ENGINE_PROBE.read_text(), timeout=timeout * 2 + 30)
     if not r.ok:
         return EngineHealth(f"engine in CT {vmid}: {_last_words(r, stdout_first=True)}")
     return EngineHealth(None, bool(json.loads(r.stdout).get("key_required")))

@@ -93,7 +93,9 @@ def engine():
 @pytest.fixture(scope="module")
 def deployed(staged, engine):
     """CT 200's engine deployed from nothing; the first Outcome."""
-    outcome = deploy.ensure_service(staged, CT, engine, MODEL_DIR, None, dry_run=False)
+    outcome = deploy.ensure_service(
+        staged, deploy.EngineDeployment(CT, engine, MODEL_DIR, None), dry_run=False
+    )
     deploy.wait_ready(staged, CT, engine, timeout=READY_TIMEOUT_S)
     return outcome
 
@@ -147,7 +149,9 @@ def test_a_missing_engine_python_is_named_and_not_installed_outside_a_venv(host)
 # -- the service from nothing, then idempotent ---------------------------------------------------
 @pytest.mark.lxc
 def test_dry_run_from_nothing_shows_the_unit_and_changes_nothing(host, engine):
-    outcome = deploy.ensure_service(host, SCRATCH_CT, engine, MODEL_DIR, None, dry_run=True)
+    outcome = deploy.ensure_service(
+        host, deploy.EngineDeployment(SCRATCH_CT, engine, MODEL_DIR, None), dry_run=True
+    )
     assert outcome.changed
     assert outcome.detail == "would write the unit, start the service (ddops supervisor)"
     assert f"+ExecStart={sys.executable} -m engine serve --model {MODEL_DIR}" in outcome.diff
@@ -177,7 +181,9 @@ def test_from_nothing_the_engine_runs_and_answers_a_generation(host, engine, dep
 def test_a_second_run_is_unchanged_and_rewrites_nothing(host, engine, deployed):
     stamp = ["stat", "-c", "%Y %i", deploy.SUPERVISED_UNIT]
     before = ct_exec(host, CT, stamp).stdout, supervisor_status(host)
-    outcome = deploy.ensure_service(host, CT, engine, MODEL_DIR, None, dry_run=False)
+    outcome = deploy.ensure_service(
+        host, deploy.EngineDeployment(CT, engine, MODEL_DIR, None), dry_run=False
+    )
     assert outcome == deploy.Outcome(False, "running (ddops supervisor)")
     assert (ct_exec(host, CT, stamp).stdout, supervisor_status(host)) == before
 
@@ -187,7 +193,9 @@ def test_a_second_run_is_unchanged_and_rewrites_nothing(host, engine, deployed):
 def test_dry_run_on_a_changed_budget_shows_the_diff_and_changes_nothing(host, engine, deployed):
     unit, status = ct_file(host, deploy.SUPERVISED_UNIT), supervisor_status(host)
     changed = dataclasses.replace(engine, budget=7)
-    outcome = deploy.ensure_service(host, CT, changed, MODEL_DIR, None, dry_run=True)
+    outcome = deploy.ensure_service(
+        host, deploy.EngineDeployment(CT, changed, MODEL_DIR, None), dry_run=True
+    )
     assert outcome.detail == "would write the unit, restart the service (ddops supervisor)"
     exec_lines = [line for line in outcome.diff.splitlines() if "ExecStart=" in line]
     assert [line[0] for line in exec_lines] == ["-", "+"]
@@ -230,7 +238,9 @@ def test_the_api_key_reaches_the_engine_only_through_its_0600_file(host, engine,
     assert key not in log and key not in ps
     assert deploy.api_key_change(host, CT, key, remove=False) is None
     assert deploy.installed_api_key(host, CT) == key
-    assert not deploy.ensure_service(host, CT, engine, MODEL_DIR, None, dry_run=False).changed
+    assert not deploy.ensure_service(
+        host, deploy.EngineDeployment(CT, engine, MODEL_DIR, None), dry_run=False
+    ).changed
 
 
 @pytest.mark.lxc
@@ -253,7 +263,9 @@ def test_a_gone_supervisor_is_reported_and_restart_service_recovers(host, engine
 def test_a_bad_model_dir_fails_with_the_engines_last_log_lines(host):
     engine = EngineSpec(method="ar", port=free_port(), python=sys.executable)
     missing = "/dev/shm/models/missing"
-    deploy.ensure_service(host, SCRATCH_CT, engine, missing, None, dry_run=False)
+    deploy.ensure_service(
+        host, deploy.EngineDeployment(SCRATCH_CT, engine, missing, None), dry_run=False
+    )
     with pytest.raises(DdopsError) as failure:
         deploy.wait_ready(host, SCRATCH_CT, engine, timeout=READY_TIMEOUT_S)
     ct_exec(host, SCRATCH_CT, [sys.executable, "-m", "ops.agents.supervise", "stop"]).check("stop")
@@ -558,7 +570,9 @@ TARGET, DRAFT = "/dev/shm/models/qwen3.6-27b", "/dev/shm/models/qwen3.6-27b-dfla
 
 def test_systemd_ct_gets_the_unit_enabled_and_started_then_nothing_changes():
     t = SystemdCtHost()
-    outcome = deploy.ensure_service(t, CT, REAL_ENGINE, TARGET, DRAFT, dry_run=False)
+    outcome = deploy.ensure_service(
+        t, deploy.EngineDeployment(CT, REAL_ENGINE, TARGET, DRAFT), dry_run=False
+    )
     assert outcome.detail == "did write the unit, start the service (systemd)"
     unit = t.ct_files[EngineUnit.INSTALL_PATH].decode()
     assert f"+{unit.splitlines()[0]}" in outcome.diff
@@ -569,20 +583,24 @@ def test_systemd_ct_gets_the_unit_enabled_and_started_then_nothing_changes():
     assert t.systemctl == [["daemon-reload"], ["enable", "--now", "ddops-engine.service"]]
     assert deploy.service_problem(t, CT) is None
     pushed = len(t.host_files)
-    again = deploy.ensure_service(t, CT, REAL_ENGINE, TARGET, DRAFT, dry_run=False)
+    again = deploy.ensure_service(
+        t, deploy.EngineDeployment(CT, REAL_ENGINE, TARGET, DRAFT), dry_run=False
+    )
     assert again == deploy.Outcome(False, "running (systemd)")
     assert len(t.systemctl) == 2 and len(t.host_files) == pushed
 
 
 def test_systemd_ct_changed_unit_dry_run_then_daemon_reload_and_restart():
     t = SystemdCtHost()
-    deploy.ensure_service(t, CT, REAL_ENGINE, TARGET, DRAFT, dry_run=False)
+    deploy.ensure_service(t, deploy.EngineDeployment(CT, REAL_ENGINE, TARGET, DRAFT), dry_run=False)
     unit, changed = t.ct_files[EngineUnit.INSTALL_PATH], dataclasses.replace(REAL_ENGINE, budget=22)
-    dry = deploy.ensure_service(t, CT, changed, TARGET, DRAFT, dry_run=True)
+    dry = deploy.ensure_service(
+        t, deploy.EngineDeployment(CT, changed, TARGET, DRAFT), dry_run=True
+    )
     assert dry.detail == "would write the unit, restart the service (systemd)"
     assert "--budget 22" in dry.diff
     assert t.ct_files[EngineUnit.INSTALL_PATH] == unit and len(t.systemctl) == 2
-    deploy.ensure_service(t, CT, changed, TARGET, DRAFT, dry_run=False)
+    deploy.ensure_service(t, deploy.EngineDeployment(CT, changed, TARGET, DRAFT), dry_run=False)
     assert t.systemctl[2:] == [["daemon-reload"], ["restart", "ddops-engine.service"]]
     assert b"--budget 22" in t.ct_files[EngineUnit.INSTALL_PATH]
 
@@ -605,7 +623,9 @@ def test_without_a_key_the_installed_one_is_kept_and_only_removal_drops_it():
     t = SystemdCtHost()
     t.ct_files[deploy.ENV_FILE] = b"DDOPS_API_KEY=sk-kept\n"
     assert deploy.api_key_change(t, CT, None, remove=False) is None
-    deploy.ensure_service(t, CT, REAL_ENGINE, TARGET, DRAFT, dry_run=False)  # unit + start
+    deploy.ensure_service(
+        t, deploy.EngineDeployment(CT, REAL_ENGINE, TARGET, DRAFT), dry_run=False
+    )  # unit + start
     assert t.ct_files[deploy.ENV_FILE] == b"DDOPS_API_KEY=sk-kept\n"
     change = deploy.api_key_change(t, CT, None, remove=True)
     assert change == deploy.KeyChange("an API key is installed in /etc/ddops/engine.env", "remove")
@@ -622,7 +642,9 @@ def test_removing_the_key_of_a_ct_that_has_no_key_file_writes_one_saying_so():
     t = SystemdCtHost()
     del t.ct_files[deploy.ENV_FILE]
     with pytest.raises(DdopsError, match="engine.env is missing and the engine's unit requires it"):
-        deploy.ensure_service(t, CT, REAL_ENGINE, TARGET, DRAFT, dry_run=False)
+        deploy.ensure_service(
+            t, deploy.EngineDeployment(CT, REAL_ENGINE, TARGET, DRAFT), dry_run=False
+        )
     assert not t.systemctl
     change = deploy.api_key_change(t, CT, None, remove=True)
     assert change == deploy.KeyChange("no /etc/ddops/engine.env", "remove")
@@ -705,13 +727,16 @@ def test_the_unit_on_a_gpu_host_sees_the_cts_gpus_and_tp():
     from ops.render import render
 
     engine = EngineSpec(tp=2, python="/opt/ddops/venv/bin/python")
-    env_file = deploy.ENV_FILE
     unit = render(
-        deploy.engine_unit(LocalTransport(), engine, "/dev/shm/models/t", "/d", env_file, 2)
+        deploy.engine_unit(
+            LocalTransport(), deploy.EngineDeployment(CT, engine, "/dev/shm/models/t", "/d", 2)
+        )
     )
     assert "Environment=CUDA_VISIBLE_DEVICES=0,1" in unit
     assert " --tp 2 " in unit and "--device cuda" in unit and "--dtype bfloat16" in unit
     sim = render(
-        deploy.engine_unit(LocalTransport(sysroot="/tmp/x"), engine, "/m", "/d", env_file, 2)
+        deploy.engine_unit(
+            LocalTransport(sysroot="/tmp/x"), deploy.EngineDeployment(CT, engine, "/m", "/d", 2)
+        )
     )
     assert "CUDA_VISIBLE_DEVICES" not in sim and "--device cpu" in sim
