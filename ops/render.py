@@ -24,8 +24,8 @@ from typing import Any, ClassVar, NoReturn
 
 import jinja2
 
+from engine.methods import METHODS
 from ops.errors import DdopsError
-from ops.methods import METHODS
 from ops.resources import templates_dir
 
 MODULE_NAME = re.compile(r"[A-Za-z0-9_-]+")

@@ -1,6 +1,8 @@
 """The project's shape: no import cycle, ops/ in layers (each importing only the ones below it) and
 no cycle among engine/'s folders, the engine's runtime apart from its tools, no module sharing a
-name with a package beside or above it, and the READMEs' layouts matching the tree.
+name with a package beside or above it, the READMEs' layouts matching the tree, one definition of
+each shared name, the engine's torch-free modules (all ops may import of it) free of torch, and
+the agents a CT runs bare on the standard library.
 
 Imports are read from the source (every `import` and `from ... import`, at any depth of a file),
 so an import inside a function counts as much as one at the top.
@@ -10,10 +12,13 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from engine import TORCH_FREE
 from tests.helpers import REPO
 
 PACKAGES = ("ops", "engine")
@@ -90,7 +95,7 @@ def test_no_import_cycle_among_the_projects_modules():
 # ops/, bottom up: a folder or top-level module (a unit) imports only units of the layers below
 # its own. README's Layout lists the same order.
 OPS_LAYERS = (
-    ("ops", "ops.errors", "ops.diffs", "ops.methods", "ops.resources"),
+    ("ops", "ops.errors", "ops.diffs", "ops.resources"),
     ("ops.render",),
     ("ops.host",),
     ("ops.site",),
@@ -287,13 +292,61 @@ def method_lists(package: str) -> set[str]:
     }
 
 
-@pytest.mark.parametrize("package", ["ops", "engine"])
-def test_shared_names_are_defined_once_per_side(package):
+def test_shared_names_are_defined_once():
     """The API key's variable and the list of decoding methods are spelt out in one module of
-    each side."""
-    api_key = {module for module, value in string_constants(package) if value == "DDOPS_API_KEY"}
-    assert len(api_key) == 1, api_key
-    assert len(method_lists(package)) == 1, method_lists(package)
+    the project: ops imports the engine's."""
+    api_key = {
+        module
+        for package in PACKAGES
+        for module, value in string_constants(package)
+        if value == "DDOPS_API_KEY"
+    }
+    assert api_key == {"engine.server"}
+    assert set().union(*map(method_lists, PACKAGES)) == {"engine.methods"}
+
+
+def test_ops_imports_only_the_engines_torch_free_modules():
+    """engine.TORCH_FREE names what ops may import of the engine (a host's ddops has no torch)."""
+    offenders = {
+        (module, imported)
+        for module, imported_set in import_graph().items()
+        if module.split(".")[0] == "ops"
+        for imported in imported_set
+        if imported.split(".")[0] == "engine" and imported not in TORCH_FREE
+    }
+    assert offenders == set()
+
+
+def test_the_engines_torch_free_modules_load_no_torch():
+    """Imported in a fresh interpreter, they load none of the engine's heavy libraries."""
+    heavy = ("torch", "transformers", "triton")
+    code = (
+        f"import importlib, sys; [importlib.import_module(m) for m in {TORCH_FREE!r}]; "
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {heavy!r}))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True
+    )
+    assert done.stdout.strip() == "[]"
+
+
+# Run in a CT by whatever python3 it has (from stdin or a pushed file): the standard library only.
+STDLIB_AGENTS = ("ops.agents.probe", "ops.agents.engine_probe", "ops.agents.supervise")
+
+
+@pytest.mark.parametrize("module", STDLIB_AGENTS)
+def test_the_agents_a_ct_runs_bare_import_only_the_standard_library(module):
+    tree = ast.parse(module_files()[module].read_text())
+    imported = {
+        alias.name for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names
+    }
+    imported |= {
+        n.module
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module and not n.level
+    }
+    tops = {name.split(".")[0] for name in imported}
+    assert tops - sys.stdlib_module_names == set()
 
 
 def test_no_test_module_imports_another():

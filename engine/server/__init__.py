@@ -14,4 +14,4 @@
   at SIGTERM.
 """
 
-API_KEY_ENV = "DDOPS_API_KEY"  # the server's API key when --api-key is not given
+API_KEY_ENV = "DDOPS_API_KEY"  # the API key when --api-key is not given; ops installs it in a CT

@@ -33,8 +33,8 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
+from engine.methods import METHODS
 from ops.errors import DdopsError
-from ops.methods import METHODS
 
 SCENARIOS = ("decode", "long", "agentic")
 DEFAULT_METHODS = "ar,linear,ddtree:15"

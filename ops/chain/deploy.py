@@ -32,6 +32,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from engine.server import API_KEY_ENV
 from ops.agents import engine_probe, supervise
 from ops.chain.report import Outcome
 from ops.diffs import unified_diff
@@ -42,7 +43,6 @@ from ops.host.wheel import built_wheel, ddops_version
 from ops.render import EngineUnit, render
 from ops.site.inventory import EngineSpec
 
-API_KEY_ENV = "DDOPS_API_KEY"
 ENV_FILE = "/etc/ddops/engine.env"
 ENGINE_USER = "ddops-engine"
 NO_KEY_TEXT = "# No API key: `ddops provision --no-api-key` removed it; the engine asks for none.\n"

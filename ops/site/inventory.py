@@ -32,10 +32,10 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from engine.methods import METHODS
 from ops.errors import DdopsError, InputError
 from ops.host.pve import VMID_RANGE, VMID_RULE, validate_vmid
 from ops.host.targets import parse_target_syntax, valid_hostname
-from ops.methods import METHODS
 
 REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
 REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
