@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -70,19 +70,6 @@ class Sampling:
     @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1
-
-    @property
-    def warped(self) -> bool:
-        return self.top_p < 1 or self.top_k > 0 or self.min_p > 0
-
-    def asked(self) -> dict[str, float]:
-        """The fields set away from their defaults (for traces and logs)."""
-        default = Sampling()
-        return {
-            f.name: getattr(self, f.name)
-            for f in fields(self)
-            if getattr(self, f.name) != getattr(default, f.name)
-        }
 
 
 NO_SAMPLING = Sampling()

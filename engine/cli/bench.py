@@ -104,10 +104,6 @@ class Tally:
         return self.tokens / max(1, self.rounds)
 
     @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-    @property
     def round_ms(self) -> float:
         """Decode time per round (for ar: per token), everything between rounds included."""
         return 1000 * self.decode_seconds / max(1, self.rounds)

@@ -67,7 +67,7 @@ def test_tally_weights_speed_by_time_and_tau_by_rounds():
     tally.add([1, 3], decode_tokens_per_s=4.0)  # 4 tokens in 1 s
     tally.add([4, 4], decode_tokens_per_s=2.0)  # 8 tokens in 4 s
     assert tally.tau == 12 / 4
-    assert tally.tokens_per_s == 12 / 5
+    assert tally.round_ms == 1000 * 5 / 4  # 5 s of decoding over 4 rounds
 
 
 def test_summary_speedup_is_the_median_of_paired_ratios_and_the_table_shows_its_interval():

@@ -40,14 +40,16 @@ def test_a_value_out_of_range_is_refused_by_name(field, value):
         Sampling(**{field: value})
 
 
-def test_the_defaults_ask_for_nothing():
-    assert not Sampling().penalized and not Sampling().warped and Sampling().asked() == {}
-    assert QWEN_THINKING.asked() == {"top_p": 0.95, "top_k": 20, "presence_penalty": 1.5}
-
-
 def probs_of(row: list[float], sampling: Sampling) -> list[float]:
     logits = torch.tensor([row]).log()
     return [round(p, 4) for p in warped_probs(logits, sampling)[0].tolist()]
+
+
+def test_the_defaults_ask_for_nothing():
+    row = [0.5, 0.3, 0.15, 0.05]
+    assert probs_of(row, Sampling()) == row and not Sampling().penalized
+    assert probs_of(row, QWEN_THINKING) == [0.5263, 0.3158, 0.1579, 0.0]  # top_p 0.95 drops 0.05
+    assert QWEN_THINKING.penalized
 
 
 def test_warps_keep_what_each_defines():
