@@ -9,6 +9,9 @@ Each server owns its registry, so several apps (tests) never share counters. Nam
 - `ddops_engine_prompt_tokens_total{method}`, `ddops_engine_generated_tokens_total{method}`
 - `ddops_engine_acceptance_length{method}`: histogram of tokens committed per round (bonus
   included), the speculative decoders' tau
+- `ddops_engine_inter_token_seconds{method}`: histogram of each generation's mean gap between
+  its tokens after the first (vLLM's inter-token latency; beside other requests' rounds when
+  several decode at once)
 - `ddops_engine_decode_tokens_per_second{method}`, `ddops_engine_ttft_seconds{method}` (from
   the request's submission: its wait in the queue counts): histograms
 - `ddops_engine_queue_waiting`: requests waiting for the worker
@@ -38,6 +41,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _ACCEPTANCE_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32)
 _SPEED_BUCKETS = (1, 5, 10, 25, 50, 100, 150, 200, 300, 500, 1000, 2000)
+_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 _PASS_TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -77,6 +81,13 @@ class ServerMetrics:
             "Tokens committed per decoding round, bonus token included.",
             ["method"],
             buckets=_ACCEPTANCE_BUCKETS,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            "ddops_engine_inter_token_seconds",
+            "Mean gap between a generation's tokens after its first.",
+            ["method"],
+            buckets=_GAP_BUCKETS,
             registry=r,
         )
         self.decode_speed = Histogram(
@@ -139,6 +150,8 @@ class ServerMetrics:
         for accepted in result.acceptance_lengths:
             self.acceptance_length.labels(method).observe(accepted)
         self.decode_speed.labels(method).observe(result.decode_tokens_per_s)
+        if result.decode_tokens_per_s > 0:
+            self.inter_token.labels(method).observe(1 / result.decode_tokens_per_s)
         self.ttft.labels(method).observe(ttft_s)
 
     def observe_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:

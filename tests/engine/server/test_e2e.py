@@ -258,3 +258,4 @@ def test_requests_at_once_share_passes_and_answer_as_they_would_alone(server, ht
     passes = metric_value(http, "ddops_engine_batch_size_count") - passes_before
     single = metric_value(http, "ddops_engine_batch_size_bucket", le="1.0") - single_before
     assert passes > single  # some passes ran several sequences
+    assert metric_value(http, "ddops_engine_inter_token_seconds_count", method="ddtree") >= 4
