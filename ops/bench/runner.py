@@ -334,13 +334,13 @@ class _OnePrompt:
 
     def run_repeat(self, repeat: int, order: Sequence[Cell]) -> Measured:
         config = self.config
-        if self.concurrency == 1 and config.request_rate is None:
+        count = self.concurrency * config.requests_per_client
+        if count == 1 and config.request_rate is None:  # one request: as before issue 37
             for cell in order:
                 request = (config, self.clients[cell.server], cell.method, self.prompt, self.length)
                 response, machine = _quiet_request(self.gate, *request)
                 yield cell, response.sample, machine
             return
-        count = self.concurrency * config.requests_per_client
         for cell in order:
             client = self.clients[cell.server]
             request = CompletionRequest(

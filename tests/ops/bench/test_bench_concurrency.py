@@ -109,7 +109,7 @@ def test_four_clients_on_a_one_at_a_time_engine_queue_and_gain_nothing(tmp_path)
         one, four = rows[(method, 1)], rows[(method, 4)]
         assert four["output_tok_s"] == pytest.approx(one["output_tok_s"], rel=0.05)
         assert four["requests_per_s"] == pytest.approx(one["requests_per_s"], rel=0.05)
-        assert four["requests"] == 3 * 8 and one["requests"] == 3
+        assert four["requests"] == 3 * 8 and one["requests"] == 3 * 2
         # Closed loop on a serial engine: once the first four are queued, every request waits
         # for the three ahead of it (3 whole requests), then its own prefill.
         request_s, prefill_s = 1 / one["requests_per_s"], one["ttft_p50_s"]
@@ -265,3 +265,13 @@ def test_agents_at_once_each_grow_their_own_conversation_with_the_cache_on_and_o
     assert turns[2]["ttft_off_p99_s"] > 2 * turns[2]["ttft_off_s"]["low"]
     text = render_report(result.run_dir).markdown.read_text()
     assert "| agents | turn |" in text and "p99 on / off ms" in text
+
+
+def test_one_client_sends_its_requests_one_after_another(tmp_path):
+    engine = BenchEngine(step_s=STEPS, tau=TAUS)
+    result = bench(tmp_path, config_of(requests_per_client=3, repeats=1), engine)
+    cell = next(c for c in result.cells if c["cell"]["method"] == "ar")
+    starts = [s["start_s"] for s in cell["samples"]]
+    ends = [s["start_s"] + s["e2e_s"] for s in cell["samples"]]
+    assert len(starts) == 3 and engine.peak_in_flight == 1
+    assert all(b >= a - 1e-9 for a, b in zip(ends, starts[1:], strict=False))  # closed loop
