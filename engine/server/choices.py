@@ -111,6 +111,8 @@ class _Answer:
                 yield gen.sse(self._chunk(self._text_choice(generation, self._prompt_text(), ())))
         results = {}
         async for generation, event in gen.merged_events(self.generations):
+            if isinstance(event, Delta) and generation.silent:
+                continue  # max_tokens 0: nothing of the output is shown
             if isinstance(event, Delta):
                 pending[generation.index] += event.logprobs
                 for choice in self._delta_choices(generation, event.text, pending):
@@ -152,7 +154,7 @@ class _Answer:
 
     def _final_chunks(self, generation: Generation, done: Done, pending: dict) -> list[dict]:
         shape, index = self.shape, generation.index
-        finish = gen.finish_reason(generation, done.result)
+        finish = "length" if generation.silent else gen.finish_reason(generation, done.result)
         chunks = []
         output = self.outputs[index]
         if output is not None:
@@ -191,6 +193,8 @@ class _Answer:
     def _choice(self, index: int, generation: Generation, collected: Collected) -> dict:
         result = collected.done.result
         finish = gen.finish_reason(generation, result)
+        if generation.silent:  # max_tokens 0: the prompt alone
+            collected, finish = Collected([], collected.done), "length"
         output = self.outputs[generation.index]
         if output is None:
             text, logprobs = self._completion(collected)

@@ -69,6 +69,7 @@ class Generation:
     id: str
     created: int
     index: int = 0  # which of the request's sequences (its choice's index)
+    silent: bool = False  # max_tokens 0: the output is dropped (the engine makes one token)
 
 
 def submit(
@@ -144,6 +145,7 @@ def _generation(
         id=request_id,
         created=created,
         index=index,
+        silent=body.requested_max_tokens() == 0,
     )
 
 
@@ -199,7 +201,8 @@ def _sampling(body: Any, logit_bias: tuple[tuple[int, float], ...] = ()) -> Samp
 
 def _max_tokens(requested: int | None, prompt_tokens: int, engine: LoadedEngine) -> int:
     limit = engine.max_model_len
-    max_tokens = limit - prompt_tokens if requested is None else requested
+    # 0 (completions: the prompt alone): one token is made, and dropped (Generation.silent)
+    max_tokens = limit - prompt_tokens if requested is None else max(requested, 1)
     if prompt_tokens + max_tokens > limit or max_tokens < 1:
         raise ApiError(
             400,
@@ -385,9 +388,10 @@ def _engine_finish_reason(text: TextAssembler, result: Any) -> str:
 
 
 def usage(generation: Generation, *results: Any) -> dict:
-    """The prompt counted once, the output of every sequence (`results`) of the request; the
-    cached tokens are the first sequence's (the others reuse what it prefilled)."""
-    completion = sum(len(result.output_ids) for result in results if result is not None)
+    """The prompt counted once, the output of every sequence (`results`) of the request (none
+    when silent); the cached tokens are the first sequence's (the others reuse its prefill)."""
+    outputs = [len(result.output_ids) for result in results if result is not None]
+    completion = 0 if generation.silent else sum(outputs)
     cached = results[0].cached_tokens if results and results[0] is not None else 0
     return {
         "prompt_tokens": generation.prompt_tokens,

@@ -13,7 +13,8 @@ module only translates a request into a chat body:
 - every other field (temperature, top_p, seed, stop, speculative, chat_template_kwargs, ...)
   as chat reads it: implemented, refused with a 400 naming it, or ignored with a warning.
 
-`input` may be left out when `instructions` are given (they are the whole conversation then).
+`input` may be left out: `instructions` alone are the whole conversation, and with neither the
+request is an empty user turn (as `input: ""`).
 `include: ["message.output_text.logprobs"]` -> chat's `logprobs: true` (with `top_logprobs` as
 given). The Responses API's own fields that need stored state (`previous_response_id`,
 `conversation`, `prompt`), background runs, `truncation: "auto"`, other `include`s, hosted tools
@@ -220,10 +221,9 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     if body.instructions is not None:
         messages.append({"role": "system", "content": body.instructions})
-    if body.input is None and not messages:
-        raise ApiError(400, "input: give input or instructions", param="input")
-    if isinstance(body.input, str):
-        return [*messages, {"role": "user", "content": body.input}]
+    given = "" if body.input is None and not messages else body.input  # nothing: an empty turn
+    if isinstance(given, str):
+        return [*messages, {"role": "user", "content": given}]
     for index, raw in enumerate(body.input or []):
         where = f"input.{index}"
         kind = raw.get("type", "message") if isinstance(raw, dict) else None

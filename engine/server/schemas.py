@@ -288,7 +288,7 @@ class CompletionRequest(_Sampling):
     api_fields: ClassVar[frozenset[str]] = COMPLETION_API_FIELDS
 
     prompt: str | list[Integer] | None = Field(min_length=1)
-    max_tokens: Integer | None = Field(16, ge=1)
+    max_tokens: Integer | None = Field(16, ge=0)  # 0: the prompt alone (echo, its logprobs)
     echo: bool = False  # the prompt before the output (and its logprobs, with logprobs)
     logprobs: Integer | None = Field(None, ge=0, le=5)  # the legacy API's: alternatives per token
     best_of: Integer | None = Field(None, ge=0, le=20)  # sequences made (0, None: n); best n back

@@ -108,8 +108,8 @@ BAD_BODIES = [
     (b"[1, 2]", "must be a JSON object"),
     (b'{"prompt": "hi", "max_tokens": -1}', "max_tokens: Input should be greater than or equal to"),
     (
-        b'{"prompt": "hi", "max_tokens": 0}',
-        "max_tokens: Input should be greater than or equal to 1",
+        b'{"prompt": "hi", "max_tokens": -1}',
+        "max_tokens: Input should be greater than or equal to 0",
     ),
     (b'{"prompt": "hi", "max_tokens": "ten"}', "max_tokens: Input should be a valid integer"),
     (b'{"prompt": "hi", "temperature": -0.5}', "temperature: Input should be greater than"),
