@@ -31,7 +31,7 @@ from torch import nn
 
 from engine import kernels
 from engine.kernels import tree_attention
-from engine.kv_blocks import KVBlockPool, KVLayout, PagedKVCache
+from engine.kv_blocks import KVBlockPool, KVLayout, PagedKVCache, attend_sequences
 from engine.tree import on_device, tree_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -324,19 +324,37 @@ class Segment:
     extend: bool = False
 
 
+ONE_LAUNCH_DEVICES = ("cuda",)  # where a batched pass attends every segment in one launch
+
+
 @dataclass
 class SegmentsPass:
     """Attention of a batched pass: the rows of each segment attend against that segment's own
     KV cache, with its own tree mask (a `GrowingPass` each); the `cache` a layer hands
-    `attend` is ignored (each segment's is used)."""
+    `attend` is ignored (each segment's is used). On CUDA, when every cache is a block table
+    over one pool, all segments attend in one paged launch (kv_blocks.attend_sequences);
+    elsewhere one after another."""
 
     rows: list[slice]  # each segment's rows of the flattened pass
     caches: list[KVCache]
     passes: list[GrowingPass]
 
     def attend(self, cache, layer: int, q, k, v, scale: float) -> torch.Tensor:
-        parts = zip(self.rows, self.caches, self.passes, strict=True)
-        return torch.cat([grow.attend(kv, layer, q[r], k[r], v[r], scale) for r, kv, grow in parts])
+        parts = list(zip(self.rows, self.caches, self.passes, strict=True))
+        if not self._together(q.device):
+            return torch.cat(
+                [grow.attend(kv, layer, q[r], k[r], v[r], scale) for r, kv, grow in parts]
+            )
+        for r, kv, _ in parts:
+            kv.store(layer, kv.length, k[r], v[r])
+        visible = [grow.visible for grow in self.passes]
+        return attend_sequences(self.caches, layer, q, self.rows, visible, scale)
+
+    def _together(self, device: torch.device) -> bool:
+        if device.type not in ONE_LAUNCH_DEVICES or len(self.caches) < 2:
+            return False
+        pools = {id(getattr(kv, "pool", None)) for kv in self.caches}
+        return all(isinstance(kv, PagedKVCache) for kv in self.caches) and len(pools) == 1
 
 
 def segment_layout(

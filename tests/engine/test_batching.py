@@ -18,6 +18,8 @@ import torch
 from engine.cache_pool import CachePool
 from engine.decode import GenerationConfig, generate
 from engine.grammar import Constraint
+from engine.kv_blocks import attend_sequences
+from engine.models import common
 from engine.prefix_cache import PrefixCache, has_states
 from engine.scheduler import Finished, Request, Scheduler
 from tests.helpers.tiny_grammar import STOP, char_tokenizer
@@ -268,3 +270,24 @@ def test_the_drafters_batched_pass_equals_its_drafts_one_by_one(pair):
         torch.testing.assert_close(other, one, rtol=0, atol=1e-9)
         assert a.length == b.length
         torch.testing.assert_close(b.k[:, : b.length], a.k[:, : a.length], rtol=0, atol=1e-12)
+
+
+def test_attention_in_one_paged_launch_decodes_as_segment_by_segment(pair, monkeypatch):
+    """What CUDA runs (every segment's attention in one kv_blocks.attend_sequences call),
+    forced on the CPU: each sequence still equals its solo run."""
+    launches = []
+
+    def counted(*args, **kwargs):
+        launches.append(len(args[0]))
+        return attend_sequences(*args, **kwargs)
+
+    monkeypatch.setattr(common, "ONE_LAUNCH_DEVICES", ("cpu",))
+    monkeypatch.setattr(common, "attend_sequences", counted)
+    cases = list(zip(prompts(pair, [5, 40, 9, 30], seed=8), configs()[:4], strict=True))
+    sched, got = scheduler(pair, slots=4, tokens=32), Collector()
+    for index, case in enumerate(cases):
+        sched.add(got.request(index, *case))
+    drain(sched)
+    for index, (prompt, cfg) in enumerate(cases):
+        assert got.output(index) == solo(pair, prompt, cfg)
+    assert max(launches) == 4
