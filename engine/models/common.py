@@ -62,11 +62,6 @@ def score_positions(states: torch.Tensor, logits: Callable, score: ScoreFn) -> N
         score(first, logits(states[first : first + SCORE_ROWS]))
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype reductions (norms, softmax, RoPE tables) run in: float32, or float64 for float64."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 class RMSNorm(nn.Module):
     """y = weight * x / rms(x), normalised in float32 (float64 for float64 inputs), like HF Qwen3.
 

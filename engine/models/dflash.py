@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.kernels.reference import compute_dtype
 from engine.kv_blocks import KVBlockPool, KVLayout
 from engine.models.common import (
     KVCache,
@@ -39,7 +40,6 @@ from engine.models.common import (
     Rotary,
     SwiGLU,
     WindowPass,
-    compute_dtype,
     finish_loading,
     new_kv_cache,
     read_config,

@@ -54,7 +54,7 @@ from engine.kernels import (
 )
 from engine.kernels.batched import CHAIN_PIECE, SolvedPiece, TreeStates, solve_tree
 from engine.kernels.batched import _solve_piece as solve_piece
-from engine.models.common import compute_dtype
+from engine.kernels.reference import compute_dtype
 from engine.tree import TreeInputs
 
 StateStrategy = Literal["auto", "replay", "snapshot", "factored"]

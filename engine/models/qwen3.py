@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.kernels.reference import compute_dtype
 from engine.kv_blocks import KVBlockPool, KVLayout
 from engine.models.common import (
     GrowingPass,
@@ -40,7 +41,6 @@ from engine.models.common import (
     SegmentsPass,
     SwiGLU,
     WindowPass,
-    compute_dtype,
     finish_loading,
     new_kv_cache,
     read_config,

@@ -37,6 +37,7 @@ from torch import nn
 from engine import kernels
 from engine.kernels import backend_for
 from engine.kernels.batched import ancestor_matrix
+from engine.kernels.reference import compute_dtype
 from engine.kv_blocks import KVBlockPool, KVLayout
 from engine.memory_plan import FULL, LINEAR, hybrid_layer_types
 from engine.models.common import (
@@ -48,7 +49,6 @@ from engine.models.common import (
     SegmentsPass,
     SwiGLU,
     WindowPass,
-    compute_dtype,
     finish_loading,
     new_kv_cache,
     read_config,
