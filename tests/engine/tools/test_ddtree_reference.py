@@ -65,3 +65,23 @@ def test_a_count_below_one_is_refused(tmp_path, capsys):
     args = ["--reference", str(tmp_path), "--model", str(tmp_path), "--draft", str(tmp_path)]
     assert main([*args, "--repeats", "0"]) == 2
     assert "--repeats" in capsys.readouterr().err
+
+
+def test_the_cpu_clock_is_this_threads_cpu_time_while_it_lasts():
+    import time
+
+    from engine.tools.ddtree_reference import clock
+
+    wall = time.perf_counter
+    with clock("cpu"):
+        assert time.perf_counter is time.thread_time
+    assert time.perf_counter is wall
+    with clock("wall"):
+        assert time.perf_counter is wall
+
+
+def test_the_cpu_clock_with_several_threads_is_refused(tmp_path, capsys):
+    (tmp_path / "ddtree.py").write_text("")
+    args = ["--reference", str(tmp_path), "--model", str(tmp_path), "--draft", str(tmp_path)]
+    assert main([*args, "--clock", "cpu", "--threads", "2"]) == 2
+    assert "--threads 1" in capsys.readouterr().err
