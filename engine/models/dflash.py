@@ -115,6 +115,17 @@ class DraftLayer(nn.Module):
         h = self.input_layernorm(x)
         return (self.self_attn.queries(h, rope), *self.self_attn.key_values(h, rope))
 
+    def context_and_block_qkv(self, ctx: torch.Tensor, x: torch.Tensor, rope, block_rope):
+        """The block's queries [B, Hq, D], and keys/values [C + B, Hkv, D] of the context
+        features ctx [C, H] then the block stream x [B, H]: each projected on its own, normed
+        and rotated together (`rope` covers both, `block_rope` the block's rows): per row what
+        `key_values` and `block_qkv` give, in one norm and one RoPE call instead of two."""
+        attn, h = self.self_attn, self.input_layernorm(x)
+        shape = (attn.kv_heads, attn.head_dim)
+        k = torch.cat([attn.k_proj(ctx), attn.k_proj(h)]).unflatten(-1, shape)
+        v = torch.cat([attn.v_proj(ctx), attn.v_proj(h)]).unflatten(-1, shape)
+        return attn.queries(h, block_rope), attn.rotary.apply(attn.k_norm(k), *rope), v
+
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual after attention output attn [..., T, Hq, D], then the MLP block."""
         x = x + self.self_attn.o_proj(attn.flatten(-2))
@@ -315,10 +326,8 @@ class DFlashDrafter(nn.Module):
         start = inputs.length + inputs.count  # the bonus token's position
         block_slots = start + torch.arange(B, device=device)
         ctx = self.hidden_norm(self.fc(inputs.context.to(self.fc.weight.dtype)))  # [W, H]
-        ctx_rope, block_rope = (
-            self._positions_rope(context_slots),
-            self._positions_rope(block_slots),
-        )
+        cos, sin = self._positions_rope(torch.cat([context_slots, block_slots]))  # [W + B, R]
+        rope = (cos, sin), (cos[W:], sin[W:])  # the context's and the block's, the block's
         first = torch.arange(B, device=device) == 0
         x = self._embed(target, torch.where(first, inputs.bonus, self.mask_token_id))  # [B, H]
         in_block = torch.ones(B, B, dtype=torch.bool, device=device)
@@ -327,10 +336,10 @@ class DFlashDrafter(nn.Module):
             for causal in {self.config.attention_kind(i)[0] for i in range(len(self.layers))}
         }
         for index, layer in enumerate(self.layers):
-            cache.store_at(index, context_slots, *layer.self_attn.key_values(ctx, ctx_rope))
-            q, k, v = layer.block_qkv(x, block_rope)
-            block = passes[self.config.attention_kind(index)[0]]
-            x = layer.finish(x, block.attend(cache, index, q, k, v, self._scale))
+            q, k, v = layer.context_and_block_qkv(ctx, x, *rope)
+            cache.store_at(index, context_slots, k[:W], v[:W])  # before the block's: padding
+            block = passes[self.config.attention_kind(index)[0]]  # rows may share its slots
+            x = layer.finish(x, block.attend(cache, index, q, k[W:], v[W:], self._scale))
         return self._logits(target, x[1:])
 
     @torch.no_grad()
