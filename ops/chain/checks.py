@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,10 +72,12 @@ from ops.host.pve import (
     ct_config_lock,
     ct_exec,
     ct_lock,
+    ct_set,
     ct_start,
     ct_status,
     ct_stop,
     ct_unlock,
+    hotplugs_dev_entries,
     pve_version,
     supports_dev_entries,
 )
@@ -89,6 +92,7 @@ PROBE_SCRIPT = (
     Path(__file__).parents[1] / "agents" / "probe.py"
 )  # stdlib only: runs in any CT python3
 ENGINE_READY_TIMEOUT_S = 300.0
+_DEV_LINE = re.compile(r"dev\d+: /dev/\S+")
 
 
 @dataclass(frozen=True)
@@ -493,9 +497,49 @@ def probe_ct_config(c: ChainContext) -> Finding:
     return _bad("; ".join(f"{c.name}: {line}" for line in evidence))
 
 
+def _added_dev_entries(config: _PlannedConfig) -> dict[str, str]:
+    """The devN entries the planned config adds, when adding them is all it changes; else {}."""
+    now, planned = config.text.splitlines(), config.planned.splitlines()
+    added = [line for line in planned if line not in now]
+    if [line for line in planned if line in now] != now:
+        return {}
+    entries = dict(line.split(": ", 1) for line in added if _DEV_LINE.fullmatch(line))
+    return entries if len(entries) == len(added) else {}
+
+
+def hotplug_ct_config(c: ChainContext, config: _PlannedConfig, dry_run: bool) -> Outcome | None:
+    """On a host that hot-plugs devN entries (PVE 9), add the new ones to the running CT through
+    `pct set`, with no restart; None where that is not all the edit does (then as before). A
+    node the CT still lacks afterwards (Proxmox could not attach it) restarts it."""
+    entries = _added_dev_entries(config)
+    if not entries or not hotplugs_dev_entries(pve_version(c.t)):
+        return None
+    added = ", ".join(f"`{k}: {v}`" for k, v in entries.items())
+    if dry_run:
+        diff = unified_diff(config.text, config.planned, _config_path(c))
+        return Outcome(True, f"would add {added} with pct set, hot-plugged (no restart)", diff)
+    ct_set(c.t, c.vmid, entries)
+    with ct_config_lock(c.t, c.vmid):  # pct set's own order of the keys: ddops' block order
+        now = _planned_config(c)
+        reordered = sorted(now.planned.splitlines()) == sorted(now.text.splitlines())
+        if reordered and now.planned != now.text:
+            c.t.write_file(_config_path(c), now.planned)
+    diff = unified_diff(config.text, config.planned, _config_path(c))
+    paths = [value.split(",")[0] for value in entries.values()]
+    missing = [p for p in paths if not ct_exec(c.t, c.vmid, ["test", "-c", p]).ok]
+    if missing:
+        restart_ct(c)
+        return Outcome(
+            True, f"added {added} with pct set; {', '.join(missing)} not attached: restarted", diff
+        )
+    return Outcome(True, f"added {added} with pct set, hot-plugged: not restarted", diff)
+
+
 def write_ct_config(c: ChainContext, dry_run: bool) -> Outcome:
     path = _config_path(c)
     running = ct_status(c.t, c.vmid) == "running"
+    if running and (hotplugged := hotplug_ct_config(c, _planned_config(c), dry_run)):
+        return hotplugged
     then = "; restart the CT to apply it" if running else ""
     if dry_run:
         config = _planned_config(c)

@@ -5,6 +5,8 @@
     ct_start(t, 200)             # True when it started it, False when it was already running
     ct_exec(t, 200, ["nvidia-smi", "-L"], env={"HF_TOKEN": token})  # the command's Result
     supports_dev_entries(pve_version(t))  # PVE >= 8.1 knows `devN:` entries
+    hotplugs_dev_entries(pve_version(t))  # PVE >= 9 attaches a new devN to a running CT
+    ct_set(t, 200, {"dev3": "/dev/nvidia-uvm-tools,gid=44"})  # `pct set 200 --dev3 ...`
     with ct_config_lock(t, 200):  # Proxmox's own lock on the CT config, the one `pct set` takes
         edit /etc/pve/lxc/200.conf
 
@@ -143,6 +145,12 @@ def supports_dev_entries(version: PveVersion) -> bool:
     return (version.major, version.minor) >= (8, 1)
 
 
+def hotplugs_dev_entries(version: PveVersion) -> bool:
+    """PVE 9 (pve-container 6.0.4) attaches a `devN:` entry that `pct set` adds to a running CT;
+    before, it applies at the CT's next start."""
+    return version.major >= 9
+
+
 # -- actions -----------------------------------------------------------------------------------
 @contextlib.contextmanager
 def ct_config_lock(
@@ -188,6 +196,15 @@ def ct_unlock(t: Transport, vmid: int | str) -> bool:
         return False
     _pct(t, vmid, "unlock")
     return True
+
+
+def ct_set(t: Transport, vmid: int | str, options: Mapping[str, str]) -> None:
+    """`pct set <vmid> --key value ...` (it takes the config lock itself)."""
+    vmid = validate_vmid(vmid)
+    for key in options:
+        if not re.fullmatch(r"[a-z][a-z0-9]*", key):
+            raise DdopsError(f"CT {vmid}", f"`pct set` option {key!r}: not a pct option name")
+    _pct(t, vmid, "set", *[arg for k, v in options.items() for arg in (f"--{k}", v)])
 
 
 def ct_exec(

@@ -37,7 +37,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from ops.sim.startplan import SHM_TARGET, StartError, StartPlan
+from ops.sim.startplan import SHM_TARGET, CtDevice, StartError, StartPlan
 from ops.sim.state import LXC_PATH, SimState, log
 
 # The devices every container needs: null, zero, full, random, urandom, tty, console, ptmx, pts.
@@ -248,16 +248,45 @@ class LxcContainers:
         return self.lxcpath / str(vmid) / "passthrough"
 
     def _make_passthrough_nodes(self, vmid: int, plan: StartPlan) -> None:
-        """Each devN node with the numbers the host node has now, its mode, and its owner as
-        the CT sees it (mapped for an unprivileged CT), as Proxmox's pre-start hook makes them."""
-        base = self.id_base(vmid)
         for dev in plan.devices:
-            node = self.passthrough(vmid) / "dev" / dev.name
-            node.parent.mkdir(parents=True, exist_ok=True)
-            node.unlink(missing_ok=True)
-            os.mknod(node, stat.S_IFCHR | dev.mode, os.makedev(dev.major, dev.minor))
-            os.chmod(node, dev.mode)
-            os.chown(node, base + dev.uid, base + dev.gid)
+            self._make_passthrough_node(vmid, dev)
+
+    def _make_passthrough_node(self, vmid: int, dev: CtDevice) -> Path:
+        """The devN node with the numbers the host node has now, its mode, and its owner as
+        the CT sees it (mapped for an unprivileged CT), as Proxmox's pre-start hook makes it."""
+        base = self.id_base(vmid)
+        node = self.passthrough(vmid) / "dev" / dev.name
+        node.parent.mkdir(parents=True, exist_ok=True)
+        node.unlink(missing_ok=True)
+        os.mknod(node, stat.S_IFCHR | dev.mode, os.makedev(dev.major, dev.minor))
+        os.chmod(node, dev.mode)
+        os.chown(node, base + dev.uid, base + dev.gid)
+        return node
+
+    def hotplug(self, vmid: int, dev: CtDevice) -> bool:
+        """Attach a devN node to the running CT (PVE 9's hot-plug), as `lxc-device add` does
+        (which cannot enter a CT here): the grant in the CT's devices cgroup, then the node
+        made in its /dev. False for an unprivileged CT, whose nodes are bind mounts the sim
+        can make at start only: the entry then applies at its next start."""
+        if self.id_base(vmid):
+            log(
+                self.root,
+                f"CT {vmid}: /dev/{dev.name} not hot-plugged (unprivileged CT): next start",
+            )
+            return False
+        rule = f"c {dev.major}:{dev.minor} rwm"
+        grant = self._lxc("lxc-cgroup", vmid, "devices.allow", rule)
+        self._check(grant, f"lxc-cgroup devices.allow {rule}")
+        path = f"/dev/{dev.name}"
+        script = 'mknod -m "$2" "$1" c "$3" "$4" && chown "$5:$6" "$1"'
+        args = [path, f"{dev.mode:o}", str(dev.major), str(dev.minor), str(dev.uid), str(dev.gid)]
+        made = subprocess.run(
+            self._attach(vmid, "--clear-env", [], ["/bin/sh", "-c", script, "sh", *args]),
+            capture_output=True,
+            text=True,
+        )
+        self._check(made, f"mknod {path}")
+        return True
 
     def render_config(self, vmid: int, plan: StartPlan, cgroup_v1: bool) -> str:
         """The LXC config for `plan`; device rules spelt for this machine's cgroup version."""

@@ -6,6 +6,8 @@
     pct create <vmid> <ostemplate> [--key value ...]   pct set <vmid> [--key value ...] [--delete k,..]
     pct list
 
+On a PVE 9 host (pve-container 6.0.4) `pct set --devN` on a running CT attaches the new node
+at once (hot-plug); before 9 it applies at the CT's next start.
 Host paths given to push/pull are paths on the simulated host, so they live below its root.
 Like Proxmox's lock_config, the commands that edit a CT config (set, create, destroy, unlock)
 hold flock on /run/lock/lxc/pve-config-<vmid>.lock while they do, waiting up to 10 s for it.
@@ -28,7 +30,7 @@ from ops.sim.launcher import write_launcher
 from ops.sim.lxc import LxcContainers
 from ops.sim.processct import ProcessContainers
 from ops.sim.release import parse_pve_version, release_for
-from ops.sim.startplan import StartError, plan_start
+from ops.sim.startplan import StartError, plan_start, resolve_dev
 from ops.sim.state import CT_CONF_DIR, SimState, host_lock, load_state, save_state
 
 TASK_ERROR = 255
@@ -189,7 +191,25 @@ class Pct:
         for key in updates:
             if key.startswith("lxc."):  # raw LXC keys need a file edit: pct has no option for them
                 raise PctError(f"Unknown option: {key}\n400 unable to parse option")
-        self.conf_path(vmid).write_text(pveconf.set_keys(conf, updates))
+        planned = pveconf.set_keys(conf, updates)
+        self._hotplug_new_devices(vmid, conf, planned)
+        self.conf_path(vmid).write_text(planned)
+
+    def _hotplug_new_devices(self, vmid: int, conf: str, planned: str) -> None:
+        """PVE 9 (pve-container 6.0.4) attaches a devN entry new to a running CT at once; before,
+        it applies at the next start. A node that cannot be attached fails the set."""
+        if not (
+            release_for(self.state.pve_version).hotplugs_dev_entries and self.cts.is_running(vmid)
+        ):
+            return
+        before = {dev.key for dev in pveconf.dev_entries(conf)}
+        for dev in pveconf.dev_entries(planned):
+            if dev.key in before:
+                continue
+            try:
+                self.cts.hotplug(vmid, resolve_dev(dev, self.root))
+            except StartError as exc:
+                raise PctError(f"unable to hotplug {dev.key}: {exc}") from None
 
     def create(self, vmid: int, ostemplate: str, options: dict[str, str]) -> None:
         if self.conf_path(vmid).exists():

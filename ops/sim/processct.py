@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ops.sim.kernel import make_node, node_numbers
-from ops.sim.startplan import SHM_TARGET, StartError, StartPlan, mount_options
+from ops.sim.startplan import SHM_TARGET, CtDevice, StartError, StartPlan, mount_options
 from ops.sim.state import ROOTFS_DIR, SimState
 
 CT_ROOT_ENV = "DDOPS_CT_ROOT"
@@ -63,6 +63,12 @@ class ProcessContainers:
         for entry in plan.mounts:
             self._apply_mount(dev.parent, entry)
         self.state.running.append(vmid)
+
+    def hotplug(self, vmid: int, dev: CtDevice) -> None:
+        """Attach a devN node to the running CT (PVE 9's hot-plug): made in its /dev now."""
+        make_node(
+            self.rootfs(vmid) / "dev" / dev.name, dev.major, dev.minor, self.state.device_nodes
+        )
 
     def _apply_mount(self, ct_root: Path, entry: str) -> None:
         """Bind mounts of device nodes become copies of the node; other mounts are not simulated."""

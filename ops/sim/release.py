@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 BLACKWELL = "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"
 ADA = "NVIDIA RTX 6000 Ada Generation"
+DEV_HOTPLUG_FROM = (6, 0, 4)  # pve-container attaches a new devN entry to a running CT
 OPEN_MODULE_DEFAULT_FROM = 560  # NVIDIA's installers default to the open kernel module from 560
 
 
@@ -32,6 +33,12 @@ class Release:
     compute_cap: str
     unprivileged_default: bool  # what `pct create` does without --unprivileged
     container_toolkit: bool  # the sim's host has libnvidia-container (LXC's NVIDIA hook works)
+
+    @property
+    def hotplugs_dev_entries(self) -> bool:
+        """Whether `pct set -devN` attaches the node to a running CT (pve-container >= 6.0.4)."""
+        parts = tuple(int(p) for p in re.findall(r"\d+", self.pve_container)[:3])
+        return parts >= DEV_HOTPLUG_FROM
 
 
 RELEASES = {

@@ -69,7 +69,7 @@ def plan_start(vmid: int, conf_text: str, sim_root: Path) -> StartPlan:
         unprivileged=settings.get("unprivileged") == "1",
     )
     for dev in pveconf.dev_entries(conf_text):
-        plan.devices.append(_resolve_dev(dev, sim_root))
+        plan.devices.append(resolve_dev(dev, sim_root))
         major, minor = plan.devices[-1].major, plan.devices[-1].minor
         plan.rules.append(("allow", f"c {major}:{minor} rwm"))
     for key, value in pveconf.entries(conf_text):
@@ -82,7 +82,7 @@ def plan_start(vmid: int, conf_text: str, sim_root: Path) -> StartPlan:
     return plan
 
 
-def _resolve_dev(dev: pveconf.DevEntry, sim_root: Path) -> CtDevice:
+def resolve_dev(dev: pveconf.DevEntry, sim_root: Path) -> CtDevice:
     host_node = sim_root / dev.path.lstrip("/")
     numbers = node_numbers(host_node)
     if numbers is None or not dev.path.startswith("/dev/"):

@@ -111,3 +111,16 @@ def test_without_root_placeholder_nodes_stand_in_for_the_gpu(tmp_path: Path):
         assert probe(host)["verdict"] == "ok"
     finally:
         destroy_host(root)
+
+
+@pytest.mark.parametrize(("version", "live"), [("9.2.11", True), ("8.2.4", False)])
+def test_pct_set_dev_attaches_to_a_running_ct_on_pve_9_only(tmp_path: Path, version, live):
+    root = tmp_path / "pve"
+    init_host(root, gpus=1, uvm_major=511, containers="process", pve_version=version)
+    t = LocalTransport(sysroot=str(root))
+    start_ct(t, DEV_GPU_CONF.replace("dev3: /dev/nvidia-uvm-tools,gid=44\n", ""))
+    t.run(["pct", "set", "200", "--dev3", "/dev/nvidia-uvm-tools,gid=44"]).check("pct set")
+    assert node_verdicts(probe(t))["/dev/nvidia-uvm-tools"] == ("ok" if live else "missing")
+    t.run(["pct", "reboot", "200"]).check("pct reboot")
+    assert node_verdicts(probe(t))["/dev/nvidia-uvm-tools"] == "ok"
+    destroy_host(root)

@@ -264,3 +264,17 @@ def test_push_copies_with_perms(t, host):
         pve.ct_push(t, 200, "/missing", "/x")
     with pytest.raises(DdopsError, match="not an absolute host path"):
         pve.ct_push(t, 200, "relative", "/x")
+
+
+@pytest.mark.parametrize(
+    ("version", "hotplugs"), [("9.0.3", True), ("9.2.11", True), ("8.4.1", False)]
+)
+def test_dev_hotplug_is_pve_9s(version, hotplugs):
+    text = f"pve-manager/{version}/025864202ebb6109"
+    assert pve.hotplugs_dev_entries(pve.parse_pveversion(text)) is hotplugs
+
+
+def test_ct_set_refuses_an_option_that_is_no_pct_option_before_running_pct(t, host):
+    with pytest.raises(DdopsError, match="not a pct option name"):
+        pve.ct_set(t, 200, {"dev0 --delete": "x"})
+    assert pct_calls(host) == []
