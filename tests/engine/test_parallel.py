@@ -144,7 +144,9 @@ def test_server_with_two_ranks_answers_like_one_rank_and_stops_cleanly(tmp_path)
     assert exit_code == -signal.SIGTERM  # uvicorn re-raises SIGTERM after a graceful stop
     assert ranks and not wait_until_gone(ranks)  # the spawned rank ended with rank 0
     assert "Traceback" not in server.log_text()
-    # over two ranks there is no prefix cache: said once at start, every prompt prefilled
-    assert "tensor parallel (--tp 2): no prefix cache" in server.log_text()
+    # over two ranks: one sequence at a time and no prefix cache, said once at start
+    started = server.log_text()
+    assert "tensor parallel (--tp 2): one sequence at a time" in started
+    assert "no prefix cache; every prompt is prefilled" in started
     assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert again["choices"][0]["text"] == response.json()["choices"][0]["text"]

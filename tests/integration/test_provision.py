@@ -49,8 +49,10 @@ CHAIN_KEYS = [
     "api-key",
     "service",
     "engine",
+    "boot-kernel",
     "bench",
     "host-ddops",
+    "cgroup-keys",
 ]
 
 
