@@ -76,7 +76,9 @@ def number_bounds(schema_name: str) -> dict[str, tuple[float, float]]:
     bounds = {}
     for name, prop in _properties(schema_name).items():
         for option in _options(prop):
-            if option.get("type") in ("number", "integer") and {"minimum", "maximum"} <= set(option):
+            if option.get("type") in ("number", "integer") and {"minimum", "maximum"} <= set(
+                option
+            ):
                 bounds[name] = (option["minimum"], option["maximum"])
     return bounds
 
