@@ -59,7 +59,15 @@ def queue_waiting(http: httpx.Client) -> float:
 @pytest.mark.slow
 def test_requests_in_flight_at_sigterm_are_answered_503(tmp_path):
     target = save_endless_target(tmp_path / "endless")
-    extra = ["--max-model-len", str(MAX_MODEL_LEN), "--shutdown-grace-s", "0"]
+    # one slot: the second request waits in the queue (with more it would run beside the first)
+    extra = [
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--shutdown-grace-s",
+        "0",
+        "--max-num-seqs",
+        "1",
+    ]
     server = start_engine_server(target, extra_args=extra, log_path=tmp_path / "server.log")
     body = {"prompt": "the cat", "max_tokens": MAX_MODEL_LEN - 100, "temperature": 0}
     try:
