@@ -407,8 +407,15 @@ def test_check_then_apply_then_apply_again_and_the_files_equal_the_cli_paths(fle
         with twin_host(tmp_path / f"cli-{host}") as twin:
             cli_path_through_the_ct_steps(fleet, host, twin)
             for path in [f"/etc/pve/lxc/{vmid}.conf", *BOOT_UNITS]:
-                ours = (fleet.roots[host] / path.lstrip("/")).read_bytes()
-                assert ours == (twin / path.lstrip("/")).read_bytes(), (host, path)
+                # a file may name a path on its host (the kernel hook's pin record): the sim
+                # roots differ, what lies below them may not
+                ours = _below_root(fleet.roots[host], path)
+                assert ours == _below_root(twin, path), (host, path)
+
+
+def _below_root(root: Path, path: str) -> bytes:
+    """A file of a sim host with that host's root written as ROOT."""
+    return (root / path.lstrip("/")).read_bytes().replace(str(root).encode(), b"ROOT")
 
 
 @pytest.mark.slow
