@@ -105,10 +105,6 @@ class ReasoningConfig(_Body):
     generate_summary: str | None = None
 
 
-class _TopLogprobs(_Body):
-    top_logprobs: Integer = Field(0, ge=0, le=20)
-
-
 class FunctionChoice(_Body):
     type: Literal["function"]
     name: str
@@ -126,6 +122,7 @@ class ResponsesRequest(_Request):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     max_output_tokens: Integer | None = Field(None, ge=1)
+    top_logprobs: Integer | None = Field(None, ge=0, le=20)  # shown only with the include
     stream: bool = False
 
 
@@ -197,11 +194,8 @@ def chat_body(body: ResponsesRequest) -> dict[str, Any]:
         "max_completion_tokens": body.max_output_tokens,
         "parallel_tool_calls": body.parallel_tool_calls,
     }
-    top = chat.pop("top_logprobs", None)
     if LOGPROBS_INCLUDE in (own.get("include") or []):
-        chat.update(logprobs=True, top_logprobs=top)
-    elif top is not None:  # accepted; without the include nothing shows them
-        parse_part(_TopLogprobs, {"top_logprobs": top}, "")
+        chat.update(logprobs=True, top_logprobs=body.top_logprobs)
     if body.tools:
         chat["tools"] = [_chat_tool(i, tool) for i, tool in enumerate(body.tools)]
     if body.tool_choice is not None:

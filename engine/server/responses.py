@@ -158,7 +158,7 @@ class _Answer:
             "reasoning": {"effort": None, "summary": None},
             "temperature": chat.temperature,
             "top_p": chat.top_p,
-            "top_logprobs": extra.get("top_logprobs"),
+            "top_logprobs": body.top_logprobs,
             "max_output_tokens": body.max_output_tokens,
             "metadata": extra.get("metadata") or {},
             "previous_response_id": None,

@@ -134,6 +134,11 @@ def test_integral_numbers_are_integers(server, engine):
     fraction = complete(url, max_tokens=2.5)
     assert fraction.status_code == 400
     assert fraction.json()["error"]["param"] == "max_tokens"
+    # A Response echoes the integer it validated, not the number it was sent.
+    echoed = httpx.post(url + "/v1/responses", json={"input": "hi", "top_logprobs": 3.0}).json()
+    assert type(echoed["top_logprobs"]) is int and echoed["top_logprobs"] == 3
+    refused = httpx.post(url + "/v1/responses", json={"input": "hi", "top_logprobs": 21})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_logprobs"
 
 
 # -- errors ------------------------------------------------------------------------------------
