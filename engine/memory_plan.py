@@ -19,6 +19,8 @@ the whole lm_head and the drafter):
 - `sequences` decoding at once (serve's --max-num-seqs, engine/scheduler.py): each has caches
   for the whole served context (its slot), its recurrent state and its share of a batched
   verify pass, so the per-token and per-sequence figures count `sequences` times;
+  `sequences_fitting(context)` is how many fit at a context, `problem()` says why
+  `sequences` at the asked context do not (and how many do);
 - the largest transient: a prefill chunk (the widest layer's live activations for
   `prefill_chunk` tokens, and one row of float32 logits) or a verify round (`verify_tokens`
   tokens through the widest layer, their logits, what the GDN layers keep for commit, the
@@ -48,7 +50,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
@@ -412,36 +414,49 @@ class Plan:
         return (context + self.draft_block) * self.bytes_per_token
 
     def sequences_fitting(self, context: int) -> int:
-        """How many sequences of `context` tokens fit at once beside the weights, a prefill
-        chunk's transient and a prefix cache asked for: each its slot, recurrent state and
-        verify share."""
+        """How many sequences of `context` tokens fit at once beside the weights, the largest
+        transient and a prefix cache asked for (each its slot, recurrent state and verify share):
+        the most for which `total_bytes(context)` stays within the device."""
         asked = (self.prefix_cache_memory or 0) if self.prefix_caching else 0
-        base = self.weights + self.prefill_transient + self.reserve + asked
-        each = self.sequence_kv_bytes(context) + self.recurrent_state + self.verify_transient
-        return max(0, (self.device_memory - base) // each)
+        room = self.device_memory - self.weights - self.reserve - asked
+        each = self.sequence_kv_bytes(context) + self.recurrent_state
+        # total = n * each + max(prefill, n * verify): within room iff both sums are
+        return max(
+            0, min((room - self.prefill_transient) // each, room // (each + self.verify_transient))
+        )
 
     @property
     def sequence_bytes(self) -> int:
         """What one more sequence at once costs at the served context: its slot, its recurrent
         state and its round's share of the verify pass."""
-        return (
-            self.sequence_kv_bytes(self.served_context)
-            + self.recurrent_state
-            + self.verify_transient
-        )
+        return self._each_bytes(self.served_context)
 
     def problem(self, max_model_len: int | None = None) -> str | None:
-        """Why a context of `max_model_len` tokens (default: the one asked for) does not fit,
-        with the numbers; None if it does (or none was asked for)."""
+        """Why `sequences` sequences of `max_model_len` tokens (default: the context asked
+        for) do not fit at once, with the numbers; None if they do (or no context was asked)."""
         max_model_len = max_model_len or self.max_model_len
         if max_model_len is None or max_model_len <= self.longest_fit:
             return None
+        fitting = self.sequences_fitting(max_model_len)
+        if not fitting:
+            one = replace(self, sequences=1)
+            return (
+                f"max_model_len {max_model_len} needs {one.total_bytes(max_model_len) / GIB:.2f} "
+                f"GiB for one sequence but the device has {self.device_memory / GIB:.2f} GiB "
+                f"(weights {self.weights / GIB:.2f} GiB, {self.bytes_per_token / KIB:.1f} KiB per "
+                f"token); the longest context that fits is {one.longest_fit} tokens"
+            )
         return (
-            f"max_model_len {max_model_len} needs {self.total_bytes(max_model_len) / GIB:.2f} GiB "
-            f"but the device has {self.device_memory / GIB:.2f} GiB (weights "
-            f"{self.weights / GIB:.2f} GiB, {self.bytes_per_token / KIB:.1f} KiB per token); "
-            f"the longest context that fits is {self.longest_fit} tokens"
+            f"{self.sequences} sequences of {max_model_len} tokens need "
+            f"{self.total_bytes(max_model_len) / GIB:.2f} GiB but the device has "
+            f"{self.device_memory / GIB:.2f} GiB (weights {self.weights / GIB:.2f} GiB, "
+            f"{self._each_bytes(max_model_len) / GIB:.2f} GiB a sequence); {fitting} fit at that "
+            f"length, or {self.sequences} at up to {self.longest_fit} tokens"
         )
+
+    def _each_bytes(self, context: int) -> int:
+        """What one more sequence of `context` tokens costs: its slot, recurrent state, verify share."""
+        return self.sequence_kv_bytes(context) + self.recurrent_state + self.verify_transient
 
     def to_dict(self) -> dict:
         return {
@@ -480,7 +495,7 @@ class Plan:
             f"runtime reserve      {size(self.reserve)}",
             f"sequences at once    {self.sequences}, {size(self.sequence_bytes)} each at the "
             f"served context (its caches, recurrent state and verify share); "
-            f"{self.sequences_fitting(CONVERSATION_TOKENS)} of {CONVERSATION_TOKENS} tokens fit",
+            f"{self._fitting_text()} fit",
             f"longest context      {self.longest_context} tokens (memory allows "
             f"{self.longest_fit}, the model {self.model_limit})",
             self._prefix_cache_line(size),
@@ -490,6 +505,14 @@ class Plan:
             f"the prefix cache's blocks shared: a {CONVERSATION_TOKENS}-token hit hands over "
             f"{size(self.hit_shared_bytes())}, nothing copied)",
         ]
+
+    def _fitting_text(self) -> str:
+        """How many sequences fit at the served context (and at CONVERSATION_TOKENS)."""
+        text = f"{self.sequences_fitting(self.served_context)} of {self.served_context} tokens"
+        if self.served_context != CONVERSATION_TOKENS:
+            fitting = self.sequences_fitting(CONVERSATION_TOKENS)
+            text += f" ({fitting} of {CONVERSATION_TOKENS})"
+        return text
 
     def _prefix_cache_line(self, size) -> str:
         if not self.prefix_cache_bytes:

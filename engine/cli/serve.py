@@ -20,9 +20,14 @@ the plan's lines are logged at start.
 Up to --max-num-seqs requests decode at once (engine/scheduler.py), each pass of the target at
 most --max-num-batched-tokens tokens (decode rounds first, then prefill pieces: a smaller value
 lets a short request's first token through sooner while a long prompt prefills). Each running
-sequence holds caches for the whole served context, so the plan counts them; without the flag
-as many as fit at the served context, up to DEFAULT_MAX_NUM_SEQS. Under tensor parallelism
-requests run one at a time (logged).
+sequence holds caches for the whole served context, so the plan counts them, and the server's
+cache pool is made for the plan's context, sequences and prefix-cache budget: with
+--max-num-seqs that many (the context, unless given, is the longest they leave); without it as
+many as fit at the served context, up to DEFAULT_MAX_NUM_SEQS. More than fit at --max-model-len
+refuse to start (one line: how many do); the start-up log says how many of the served context
+fit, and when neither flag was given and the model's full context leaves one slot (Qwen3.6-27B's
+262,144 tokens on a 96 GB card), what to pass for more. Under tensor parallelism requests run
+one at a time (logged).
 
 The model loads after the port opens: `/health` answers at once, `/ready` once the model is
 loaded and a 1-token generation succeeded. A load failure stops the server with exit code 1.
@@ -39,6 +44,7 @@ import sys
 from pathlib import Path
 
 from engine.cli.plan import add_batching_arguments, add_prefix_cache_arguments, prefix_cache_memory
+from engine.memory_plan import CONVERSATION_TOKENS, GIB
 from engine.methods import METHODS
 from engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from engine.server import API_KEY_ENV
@@ -210,17 +216,46 @@ def context_limit(args: argparse.Namespace) -> tuple[int, str | None]:
 
 
 def served_context(plan, args: argparse.Namespace) -> tuple[int, str | None]:
-    from engine.memory_plan import GIB
-
+    """(the context to serve, or 0 and why not): the plan's sequences at --max-model-len, or at
+    the longest context they leave (at least 2 tokens: a prompt token and a generated one)."""
     if problem := plan.problem():
-        return 0, f"--max-model-len does not fit: {problem}"
-    limit = args.max_model_len or plan.longest_context
-    if limit < 2:
-        return 0, (
-            f"the model does not fit: it needs {plan.fixed_bytes / GIB:.2f} GiB before any "
-            f"context, the device has {plan.device_memory / GIB:.2f} GiB free"
+        flag = (
+            "--max-model-len"
+            if not plan.sequences_fitting(plan.max_model_len)
+            else "--max-num-seqs"
         )
-    return limit, None
+        return 0, f"{flag} does not fit: {problem}"
+    limit = args.max_model_len or plan.longest_context
+    if limit >= 2:
+        return limit, None
+    if plan.sequences > 1 and plan.sequences_fitting(2):
+        return 0, (
+            f"--max-num-seqs {plan.sequences} does not fit: {plan.sequences} sequences at once "
+            f"leave no context (at most {plan.sequences_fitting(2)} fit, "
+            f"{plan.sequences_fitting(CONVERSATION_TOKENS)} at {CONVERSATION_TOKENS} tokens)"
+        )
+    return 0, (
+        f"the model does not fit: it needs {plan.fixed_bytes / GIB:.2f} GiB before any "
+        f"context, the device has {plan.device_memory / GIB:.2f} GiB free"
+    )
+
+
+def sequences_note(plan, args: argparse.Namespace) -> str:
+    """The start-up line on the sequences at once: how many of the served context fit, and,
+    when the user chose neither --max-model-len nor --max-num-seqs and the context leaves one
+    slot, what to pass for more."""
+    context = plan.served_context
+    fitting = plan.sequences_fitting(context)
+    line = f"sequences at once: {plan.sequences}, each up to {context} tokens ({fitting} fit)"
+    shorter = plan.sequences_fitting(CONVERSATION_TOKENS)
+    chose = args.max_model_len is not None or args.max_num_seqs is not None
+    if chose or args.tp > 1 or plan.sequences > 1 or context <= CONVERSATION_TOKENS or shorter < 2:
+        return line
+    return (
+        f"{line}: the default context ({context} tokens) leaves room for one sequence at a time; "
+        f"pass --max-model-len {CONVERSATION_TOKENS} for {shorter} at once "
+        f"(or --max-num-seqs N for the longest context N fit)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -281,6 +316,7 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger(__name__)
     for line in plan.lines():
         log.info("memory plan: %s", line)
+    log.info("%s", sequences_note(plan, args))
     log.info("serving a context of up to %d tokens", max_model_len)
     server.run()
     return 1 if app.state.server.worker.startup_error else 0

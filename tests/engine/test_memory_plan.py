@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -280,3 +281,15 @@ def test_cli_prints_the_prefix_cache_and_refuses_a_bad_size():
     assert document["prefix_cache_bytes"] == 8 * GIB and document["snapshot_bytes"] == RECURRENT
     bad = run_plan(*base, "--prefix-cache-memory", "lots")
     assert bad.returncode == 2 and bad.stderr.startswith("Error: not a size")
+
+
+def test_sequences_fitting_is_the_most_whose_total_stays_within_the_device():
+    for device in (64 * GIB, 96 * GIB, 141 * GIB):
+        plan = qwen36_plan(device)
+        for context in (4096, 32_768, 131_072):
+            n = plan.sequences_fitting(context)
+            within = replace(plan, sequences=max(1, n))
+            beyond = replace(plan, sequences=n + 1)
+            assert n == 0 or within.total_bytes(context) <= device
+            assert beyond.total_bytes(context) > device
+            assert (within.problem(context) is None) == (n >= 1)

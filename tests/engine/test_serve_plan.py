@@ -124,3 +124,86 @@ def test_a_bad_prefix_cache_size_refuses_to_start(hybrid_dir):
         done.stderr.strip()
         == "Error: --prefix-cache-memory: not a size: 'lots' (e.g. 96GiB, 80GB, 512MiB)"
     )
+
+
+QWEN = Path(__file__).resolve().parents[1] / "data" / "qwen36_27b"  # the published configs
+
+
+def qwen_serve_args(monkeypatch, *flags: str) -> argparse.Namespace:
+    """serve's arguments for Qwen3.6-27B + drafter in bf16 on a 96 GiB device."""
+    monkeypatch.setattr(serve, "available_memory", lambda device: 96 * GIB)
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    model = ["--model", str(QWEN / "target"), "--draft", str(QWEN / "draft")]
+    return parser.parse_args([*model, "--dtype", "bfloat16", *flags])
+
+
+def test_serve_plans_max_num_seqs_sequences_at_max_model_len(monkeypatch):
+    args = qwen_serve_args(monkeypatch, "--max-model-len", "32768", "--max-num-seqs", "8")
+    plan = serve.memory_plan(args)
+    assert plan.sequences == 8 and serve.served_context(plan, args) == (32768, None)
+    one = plan_from_dirs(QWEN / "target", QWEN / "draft", "bfloat16", 96 * GIB, 32768)
+    # eight slots of 32k and their states (eight rounds' verify pass stays within a prefill
+    # chunk's transient): seven more sequences' than one
+    each = plan.sequence_kv_bytes(32768) + plan.recurrent_state
+    assert plan.total_bytes(32768) - one.total_bytes(32768) == 7 * each
+    assert plan.total_bytes(32768) <= 96 * GIB
+    assert serve.sequences_note(plan, args) == (
+        "sequences at once: 8, each up to 32768 tokens (9 fit)"
+    )
+
+
+def test_max_num_seqs_alone_shrinks_the_context_to_what_they_leave(monkeypatch):
+    args = qwen_serve_args(monkeypatch, "--max-num-seqs", "8")
+    plan = serve.memory_plan(args)
+    limit, problem = serve.served_context(plan, args)
+    assert problem is None and plan.sequences == 8
+    assert 32768 < limit < 262_144 and plan.sequences_fitting(limit) == 8
+    assert plan.total_bytes(limit) <= 96 * GIB < plan.total_bytes(limit + 1)
+
+
+def test_more_sequences_than_fit_refuse_with_how_many_do(monkeypatch):
+    args = qwen_serve_args(monkeypatch, "--max-model-len", "32768", "--max-num-seqs", "12")
+    limit, problem = serve.served_context(serve.memory_plan(args), args)
+    assert limit == 0
+    assert problem.startswith("--max-num-seqs does not fit: 12 sequences of 32768 tokens need ")
+    assert "9 fit at that length, or 12 at up to " in problem
+    cached = qwen_serve_args(
+        monkeypatch,
+        "--max-model-len",
+        "32768",
+        "--max-num-seqs",
+        "8",
+        "--prefix-cache-memory",
+        "8GiB",
+    )
+    limit, problem = serve.served_context(serve.memory_plan(cached), cached)
+    assert limit == 0 and "7 fit at that length" in problem  # beside an 8 GiB prefix cache
+
+
+def test_the_model_s_full_context_says_it_leaves_one_slot_and_what_to_pass(monkeypatch):
+    args = qwen_serve_args(monkeypatch)
+    plan = serve.memory_plan(args)
+    assert plan.sequences == 1 and serve.served_context(plan, args) == (262_144, None)
+    note = serve.sequences_note(plan, args)
+    assert note.startswith("sequences at once: 1, each up to 262144 tokens (1 fit): ")
+    assert "pass --max-model-len 32768 for 9 at once" in note
+    shorter = qwen_serve_args(monkeypatch, "--max-model-len", "32768")
+    plan = serve.memory_plan(shorter)
+    assert plan.sequences == serve.DEFAULT_MAX_NUM_SEQS  # 9 fit: the default's 4 run
+    assert "pass" not in serve.sequences_note(plan, shorter)
+
+
+def test_sequences_that_cannot_fit_refuse_to_start_in_one_line(hybrid_dir):
+    done = subprocess.run(
+        [sys.executable, "-m", "engine", "serve", "--model", str(hybrid_dir)]
+        + ["--max-model-len", "512", "--max-num-seqs", str(10**7), "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("Error: --max-num-seqs does not fit: 10000000 sequences of 512 ")
+    assert " fit at that length" in lines[0]
