@@ -64,6 +64,7 @@ SOLVE_PIECE = 64  # engine/kernels/batched.py CHAIN_PIECE: a chain's decay rows 
 TRANSIENT_SLACK = 1.5
 BLOCK_TOKENS = 256  # tokens per prefix-cache KV block (engine/prefix_cache.py)
 CONVERSATION_TOKENS = 32768  # the conversation length the plan counts the prefix cache in
+MAX_NUM_SEQS = 1024  # the most sequences at once serve and an inventory may ask for
 FULL, LINEAR = "full_attention", "linear_attention"
 _SIZE_UNITS = {
     "": 1,

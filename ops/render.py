@@ -24,6 +24,7 @@ from typing import Any, ClassVar, NoReturn
 
 import jinja2
 
+from engine.memory_plan import MAX_NUM_SEQS
 from engine.methods import METHODS
 from ops.errors import DdopsError
 from ops.resources import templates_dir
@@ -242,6 +243,7 @@ class EngineUnit(TemplateSpec):
     host: str = "127.0.0.1"
     port: int = 8000
     max_model_len: int | None = None  # None: the model's own limit
+    max_num_seqs: int | None = None  # None: the engine's default
     method: str = "ddtree"
     budget: int = 15
     tp: int = 1
@@ -264,6 +266,8 @@ class EngineUnit(TemplateSpec):
         _check_int(t, "port", self.port, range(1, 65536))
         if self.max_model_len is not None:
             _check_int(t, "max_model_len", self.max_model_len, range(1, 10_000_001))
+        if self.max_num_seqs is not None:
+            _check_int(t, "max_num_seqs", self.max_num_seqs, range(1, MAX_NUM_SEQS + 1))
         _check_choice(t, "method", self.method, METHODS)
         _check_int(t, "budget", self.budget, range(1, 4097))
         _check_int(t, "tp", self.tp, range(1, 65))

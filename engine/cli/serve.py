@@ -44,7 +44,7 @@ import sys
 from pathlib import Path
 
 from engine.cli.plan import add_batching_arguments, add_prefix_cache_arguments, prefix_cache_memory
-from engine.memory_plan import CONVERSATION_TOKENS, GIB
+from engine.memory_plan import CONVERSATION_TOKENS, GIB, MAX_NUM_SEQS
 from engine.methods import METHODS
 from engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from engine.server import API_KEY_ENV
@@ -155,8 +155,10 @@ def _usage_problem(args: argparse.Namespace, method: str) -> str | None:
         return "--max-request-bytes must be at least 1, --shutdown-grace-s within 0..3600"
     if args.prefill_chunk < 1:
         return "--prefill-chunk must be at least 1"
-    if (args.max_num_seqs is not None and args.max_num_seqs < 1) or args.max_num_batched_tokens < 1:
-        return "--max-num-seqs and --max-num-batched-tokens must be at least 1"
+    if args.max_num_seqs is not None and not 1 <= args.max_num_seqs <= MAX_NUM_SEQS:
+        return f"--max-num-seqs must be from 1 to {MAX_NUM_SEQS}"
+    if args.max_num_batched_tokens < 1:
+        return "--max-num-batched-tokens must be at least 1"
     try:
         prefix_cache_memory(args)
     except ValueError as error:

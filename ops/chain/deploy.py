@@ -189,6 +189,7 @@ def engine_unit(t: Transport, deployment: EngineDeployment) -> EngineUnit:
         host=ENGINE_HOST,
         port=engine.port,
         max_model_len=engine.max_model_len,
+        max_num_seqs=engine.max_num_seqs,
         method=engine.method,
         budget=engine.budget,
         tp=engine.tp,

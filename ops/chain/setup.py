@@ -196,8 +196,9 @@ class GpuFit:
 def gpu_capacity(
     t: Transport, ct: ContainerSpec, model: ModelSpec, engine: EngineSpec, token: str | None
 ) -> GpuFit:
-    """Whether the target and drafter, with engine.max_model_len tokens (or any context when it
-    is unset), fit each GPU the CT's engine runs on (under tensor parallelism, per rank)."""
+    """Whether the target and drafter, with engine.max_num_seqs sequences of engine.max_model_len
+    tokens at once (one when unset: the engine then runs as many as fit; one under tensor
+    parallelism, which runs one at a time), fit each GPU the CT's engine runs on (per rank)."""
     from engine.memory_plan import GIB, plan_from_configs  # arithmetic only: no torch
 
     memory = gpu_memory(t)
@@ -208,7 +209,10 @@ def gpu_capacity(
     target = model_config(model.target, model.hub_endpoint, token)
     draft = model_config(model.draft, model.hub_endpoint, token) if model.draft else None
     _, dtype = engine_device_dtype(t, engine)
-    plan = plan_from_configs(target, draft, dtype, memory[gpu], engine.max_model_len, engine.tp)
+    sequences = (engine.max_num_seqs or 1) if engine.tp == 1 else 1
+    plan = plan_from_configs(
+        target, draft, dtype, memory[gpu], engine.max_model_len, engine.tp, sequences=sequences
+    )
     where = f"CT {ct.vmid}: GPU {gpu} ({memory[gpu] / GIB:.1f} GiB, {dtype}, tp {engine.tp})"
     if plan.longest_fit < 1:
         return GpuFit(
@@ -217,12 +221,20 @@ def gpu_capacity(
             "",
         )
     if problem := plan.problem():
-        return GpuFit(f"{where}: {problem}", "")
+        return GpuFit(f"{where}: {problem}{_max_num_seqs_hint(plan)}", "")
+    context = plan.served_context
     return GpuFit(
         None,
         f"{where}: weights {plan.weights / GIB:.2f} GiB, {plan.bytes_per_token / 1024:.1f} KiB per "
-        f"token, longest context {plan.longest_context} tokens",
+        f"token, longest context {plan.longest_context} tokens; "
+        f"{plan.sequences_fitting(context)} sequences of {context} tokens fit at once",
     )
+
+
+def _max_num_seqs_hint(plan) -> str:
+    """What to set when the context fits but not max_num_seqs sequences of it."""
+    fitting = plan.sequences_fitting(plan.max_model_len)
+    return f": set max_num_seqs to at most {fitting}" if 0 < fitting < plan.sequences else ""
 
 
 def model_bytes(ref: ModelRef, endpoint: str | None, token: str | None) -> int:

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from engine.memory_plan import MAX_NUM_SEQS
 from engine.methods import METHODS
 from ops.errors import DdopsError, InputError
 from ops.host.pve import VMID_RANGE, VMID_RULE, validate_vmid
@@ -163,6 +164,9 @@ class EngineSpec:
     budget: int = 15
     port: int = 8000
     max_model_len: int = 32768
+    max_num_seqs: int | None = (
+        None  # sequences at once; None: the engine's (as many as fit, up to 4)
+    )
     tp: int = 1
     dtype: str = "auto"
     device: str = "auto"
@@ -174,6 +178,8 @@ class EngineSpec:
         check_int(obj, "budget", self.budget, 1, 1024)
         check_int(obj, "port", self.port, 1, 65535)
         check_int(obj, "max_model_len", self.max_model_len, 16, 1 << 24)
+        if self.max_num_seqs is not None:
+            check_int(obj, "max_num_seqs", self.max_num_seqs, 1, MAX_NUM_SEQS)
         check_int(obj, "tp", self.tp, 1, 8)
         if self.tp not in (1, 2, 4, 8):
             raise _bad(obj, "tp", self.tp, "choose one of 1, 2, 4, 8")

@@ -195,9 +195,12 @@ def test_the_model_s_full_context_says_it_leaves_one_slot_and_what_to_pass(monke
 
 
 def test_sequences_that_cannot_fit_refuse_to_start_in_one_line(hybrid_dir):
+    # a context a quarter of what this machine's free memory holds: ~4 sequences fit, not 1024
+    plan = plan_from_dirs(hybrid_dir, None, "float32", serve.available_memory("cpu"))
+    context = plan.longest_fit // 4
     done = subprocess.run(
         [sys.executable, "-m", "engine", "serve", "--model", str(hybrid_dir)]
-        + ["--max-model-len", "512", "--max-num-seqs", str(10**7), "--port", "1"],
+        + ["--max-model-len", str(context), "--max-num-seqs", "1024", "--port", "1"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -205,5 +208,19 @@ def test_sequences_that_cannot_fit_refuse_to_start_in_one_line(hybrid_dir):
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
-    assert lines[0].startswith("Error: --max-num-seqs does not fit: 10000000 sequences of 512 ")
+    expected = f"Error: --max-num-seqs does not fit: 1024 sequences of {context} tokens need "
+    assert lines[0].startswith(expected)
     assert " fit at that length" in lines[0]
+
+
+def test_max_num_seqs_out_of_range_is_refused():
+    done = subprocess.run(
+        [sys.executable, "-m", "engine", "serve", "--model", "/nonexistent", "--max-num-seqs", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (done.returncode, done.stderr.strip()) == (
+        2,
+        "Error: --max-num-seqs must be from 1 to 1024",
+    )

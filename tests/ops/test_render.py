@@ -6,6 +6,7 @@ python -m pytest -q tests/ops/test_render.py
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -213,6 +214,16 @@ def test_the_engine_accepts_the_rendered_command_line():
         "cuda",
     )
     assert str(args.draft) == ENGINE.draft
+    assert args.max_num_seqs is None  # not given: the engine's default
+
+
+def test_max_num_seqs_reaches_the_engine_s_command_line():
+    argv = _exec_start_argv(render(dataclasses.replace(ENGINE, max_num_seqs=8)))
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    assert parser.parse_args(argv[4:]).max_num_seqs == 8
+    with pytest.raises(DdopsError, match="max_num_seqs"):
+        dataclasses.replace(ENGINE, max_num_seqs=0)
 
 
 def test_hookscript_golden_head():

@@ -39,14 +39,18 @@ def qwen_model(hub_url: str) -> ModelSpec:
     return ModelSpec(ModelRef(TARGET, "main", "target"), ModelRef(DRAFT, "main", "draft"), hub_url)
 
 
-def fit_on(tmp_path: Path, hub_root: Path, gpu_mib: int, max_model_len: int | None):
-    root = tmp_path / f"pve-{gpu_mib}"
-    init_host(root, gpus=1, containers="process", gpu_memory_mib=gpu_mib)
+def fit_on(
+    tmp_path: Path, hub_root: Path, gpu_mib: int, max_model_len: int, max_num_seqs=None, tp=1
+):
+    root = tmp_path / f"pve-{gpu_mib}-{max_num_seqs}-{tp}"
+    init_host(root, gpus=tp, containers="process", gpu_memory_mib=gpu_mib)
     try:
         with LocalHub(hub_root) as hub:
             t = LocalTransport(sysroot=str(root))
-            engine = EngineSpec(dtype="bfloat16", max_model_len=max_model_len)
-            ct = ContainerSpec(200)
+            engine = EngineSpec(
+                dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=max_num_seqs, tp=tp
+            )
+            ct = ContainerSpec(200, gpus=tuple(range(tp)))
             return host_setup.gpu_capacity(t, ct, qwen_model(hub.url), engine, None)
     finally:
         destroy_host(root)
@@ -58,6 +62,27 @@ def test_qwen_27b_with_32k_fits_a_96_gb_card(tmp_path, qwen_hub_root):
     assert fit.evidence.startswith("CT 200: GPU 0 (95.6 GiB, bfloat16, tp 1): weights ")
     weights = float(fit.evidence.split("weights ")[1].split(" GiB")[0])
     assert 50 < weights < 56  # ~26.9B + ~1.7B parameters at 2 bytes (FACTS.md)
+
+
+def test_the_evidence_says_how_many_sequences_of_the_context_fit(tmp_path, qwen_hub_root):
+    fit = fit_on(tmp_path, qwen_hub_root, 97887, 32768, max_num_seqs=8)
+    assert fit.problem is None
+    assert fit.evidence.endswith("; 9 sequences of 32768 tokens fit at once")
+
+
+def test_more_sequences_than_the_card_holds_fail_with_how_many_do(tmp_path, qwen_hub_root):
+    fit = fit_on(tmp_path, qwen_hub_root, 97887, 32768, max_num_seqs=12)
+    assert fit.problem.startswith(
+        "CT 200: GPU 0 (95.6 GiB, bfloat16, tp 1): 12 sequences of 32768 tokens need "
+    )
+    assert fit.problem.endswith(": set max_num_seqs to at most 9")
+    # one sequence of the same length fits: the sequences are what fail
+    assert fit_on(tmp_path, qwen_hub_root, 97887, 32768, max_num_seqs=1).problem is None
+
+
+def test_tensor_parallel_counts_one_sequence_as_its_engine_runs(tmp_path, qwen_hub_root):
+    fit = fit_on(tmp_path, qwen_hub_root, 97887, 32768, max_num_seqs=64, tp=2)
+    assert fit.problem is None
 
 
 def test_a_context_that_cannot_fit_is_refused_with_the_numbers(tmp_path, qwen_hub_root):

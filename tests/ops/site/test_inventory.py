@@ -61,6 +61,8 @@ def test_parses_hosts_containers_model_engine(tmp_path):
         ("method: ddtree", "method: beam", "choose one of ar, linear, ddtree"),
         ("hostname: llm", "hostname: 'bad host'", "not a valid hostname"),
         ("cores: 16", "corez: 16", "unknown key(s) corez"),
+        ("max_model_len: 32768}", "max_model_len: 32768, max_num_seqs: 0}", "out of range 1..1024"),
+        ("max_model_len: 32768}", "max_model_len: 32768, max_num_seqs: '8'}", "must be an integer"),
     ],
 )
 def test_bad_values_get_a_clear_error(tmp_path, old, new, message):
@@ -76,6 +78,12 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_site(write(tmp_path, "all: [unclosed"))
     with pytest.raises(DdopsError, match="CT 999: not in the inventory"):
         load_site(write(tmp_path, SITE)).find_container(999)
+
+
+def test_max_num_seqs_is_read_and_defaults_to_the_engine_s(tmp_path):
+    assert load_site(write(tmp_path, SITE)).engine.max_num_seqs is None
+    text = SITE.replace("max_model_len: 32768}", "max_model_len: 32768, max_num_seqs: 8}")
+    assert load_site(write(tmp_path, text)).engine.max_num_seqs == 8
 
 
 def test_tp_needs_as_many_gpus_in_the_ct(tmp_path):
