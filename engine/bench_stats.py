@@ -10,6 +10,7 @@
     exceeds_tau(ratio, tau)                          # above tau (+ slack): a disturbed measurement
     beyond_tau(rates, taus, "ar")                    # a repeat's methods above their tau
     verdict({"linear": s1, "ddtree:15": s2})         # a winner only when its interval clears
+    verdict({"s2": ttft_ratio}, "s1", lower_is_better=True)  # a time: the lowest wins
 
 Why these rules (issue 31): load that comes and goes during a run must land on every method
 alike, so methods run interleaved and rotated, and a speedup is the ratio of two measurements
@@ -174,24 +175,35 @@ class Verdict:
         return {"winner": self.winner, "leaders": list(self.leaders), "text": self.text}
 
 
-def verdict(speedups: Mapping[str, Spread | None], baseline: str = "ar") -> Verdict:
+def verdict(
+    speedups: Mapping[str, Spread | None], baseline: str = "ar", *, lower_is_better: bool = False
+) -> Verdict:
     """Name a winner only when its speedup interval clears every other method's and the
     baseline's 1.0, over at least MIN_REPEATS_FOR_VERDICT clean repeats; else say no method
-    clearly won and list the leaders (the top one and those whose intervals overlap it)."""
+    clearly won and list the leaders (the top one and those whose intervals overlap it).
+    `lower_is_better`: the figures are ratios of a time (a TTFT over the baseline's), so the
+    lowest wins, and only when its interval lies wholly below every other's."""
     one = Spread(1.0, 1.0, 1.0, MIN_REPEATS_FOR_VERDICT)
     measured = {m: s for m, s in speedups.items() if s is not None and m != baseline}
     if not measured:
-        return Verdict(None, (), "no verdict: no method measured against ar")
+        return Verdict(None, (), f"no verdict: no method measured against {baseline}")
     spreads = {baseline: one, **measured}
-    ranked = sorted(spreads, key=lambda m: -spreads[m].median)
+    sign = 1 if lower_is_better else -1
+    ranked = sorted(spreads, key=lambda m: sign * spreads[m].median)
     top = ranked[0]
-    leaders = tuple(m for m in ranked if m == top or not spreads[top].clears(spreads[m]))
+
+    def beats(a: Spread, b: Spread) -> bool:
+        return b.clears(a) if lower_is_better else a.clears(b)
+
+    leaders = tuple(m for m in ranked if m == top or not beats(spreads[top], spreads[m]))
     few = min(s.n for s in measured.values())
     if len(leaders) == 1 and few >= MIN_REPEATS_FOR_VERDICT:
         if top == baseline:
-            return Verdict(top, leaders, f"{baseline} wins: every method is clearly slower")
+            worse = "higher" if lower_is_better else "slower"
+            return Verdict(top, leaders, f"{baseline} wins: every other is clearly {worse}")
+        against = f"of {baseline}'s" if lower_is_better else f"over {baseline}"
         return Verdict(
-            top, leaders, f"{top} wins: {spreads[top].text('x')} over {baseline}, clear of the rest"
+            top, leaders, f"{top} wins: {spreads[top].text('x')} {against}, clear of the rest"
         )
     listed = ", ".join(f"{m} {spreads[m].text('x')}" for m in leaders)
     why = "intervals overlap"

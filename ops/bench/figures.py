@@ -16,6 +16,9 @@ every figure. A cell stored before issue 31 (no samples) shows its stored metric
 Serving figures (issue 37), every cell: aggregate output tok/s (with its interval over repeats),
 requests/s and goodput (requests/s meeting the run's SLO) as medians over repeats, and TTFT,
 TPOT and ITL (per token, ops/bench/client.py) at p50 / p90 / p99 over the clean requests.
+With several servers each row of a later server has its rate and its TTFT p50 over the same
+method's on the first server, paired by repeat (`vs_first`, `ttft_vs_first`), and
+`server_verdicts` judges both (TTFT: the lowest wins).
 """
 
 from __future__ import annotations
@@ -38,8 +41,11 @@ from ops.bench.matrix import BENCH_METHODS, SCENARIOS, Slo, column_name, parse_m
 
 BASELINE = "ar"
 CACHE_OFF = "off"  # a sample's "cache" field: the agentic turn re-sent with the cache off
+# With several servers, a row's figures over the same method's on the first server, paired by
+# repeat: its rate (decode tok/s, or output tok/s above concurrency 1), and its TTFT p50.
+SERVER_RATIOS = ("vs_first", "ttft_vs_first")
 # Figures with a spread: the row has NAME (the median), NAME_low and NAME_high.
-SPREAD_FIGURES = ("decode_tok_s", "speedup", "ttft_s", "output_tok_s")
+SPREAD_FIGURES = ("decode_tok_s", "speedup", "ttft_s", "output_tok_s", *SERVER_RATIOS)
 PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft", "tpot", "itl")
 SERVING_FIGURES = (
@@ -74,6 +80,7 @@ class RepeatFigure:
     output_tok_s: float | None = None  # every request's tokens / (first send -> last end)
     requests_per_s: float | None = None
     goodput_rps: float | None = None  # requests meeting the SLO a second (None: no SLO)
+    ttft_p50_s: float | None = None  # the median TTFT of the repeat's requests
 
 
 def measured(samples: Iterable[dict]) -> list[dict]:
@@ -119,6 +126,7 @@ def repeat_figures(
             output_tok_s=output,
             requests_per_s=_per_s(len(parsed), seconds),
             goodput_rps=None if good is None else _per_s(good, seconds),
+            ttft_p50_s=statistics.median(s.ttft_s for s in parsed),
         )
     return figures
 
@@ -283,7 +291,6 @@ def _row(cell: dict) -> dict:
         "concurrency": _concurrency(cell),
         "server": _server(cell["cell"]),
         **dict.fromkeys((*SPREAD_FIGURES, *POINT_FIGURES, *SERVING_FIGURES)),
-        **spread_fields("vs_first", None),
         **{f"{n}_{end}": None for n in SPREAD_FIGURES for end in ("low", "high")},
         "skipped": cell.get("skipped"),
         "turns": turn_figures(cell),
@@ -296,20 +303,25 @@ def _row(cell: dict) -> dict:
     return row
 
 
-def _paired(cell: dict, base: dict | None) -> Spread | None:
-    """The cell's rate over `base`'s, paired by repeat when both have samples (else the ratio
-    of their stored decode tok/s)."""
+# A repeat's figure, and a stored cell's metric of the same (a cell stored before issue 31).
+PAIRED = {"rate": "decode_tok_s", "ttft_p50_s": "ttft_s"}
+
+
+def _paired(cell: dict, base: dict | None, figure: str = "rate") -> Spread | None:
+    """The cell's `figure` (a RepeatFigure field) over `base`'s, paired by repeat when both have
+    samples (else the ratio of their stored metrics)."""
     if base is None:
         return None
     if cell.get("samples") and base.get("samples"):
         mine, theirs = cell_repeats(cell), cell_repeats(base)
         return median_interval(
             paired_ratios(
-                {r: f.rate for r, f in mine.items()}, {r: f.rate for r, f in theirs.items()}
+                {r: getattr(f, figure) for r, f in mine.items()},
+                {r: getattr(f, figure) for r, f in theirs.items()},
             )
         )
-    rate, base_rate = ((c.get("metrics") or {}).get("decode_tok_s") for c in (cell, base))
-    ratio = rate / base_rate if rate and base_rate else None
+    value, base_value = ((c.get("metrics") or {}).get(PAIRED[figure]) for c in (cell, base))
+    ratio = value / base_value if value and base_value else None
     return Spread(ratio, ratio, ratio, 1) if ratio else None
 
 
@@ -319,8 +331,9 @@ def _server(cell_or_row: dict) -> int:
 
 def rows_from_cells(cells: list[dict]) -> list[dict]:
     """One flat row per cell, every figure with its interval where it has one: `speedup` over
-    the same server's ar, and with several servers `vs_first` (the same method on the first
-    server) and a `label` naming the server."""
+    the same server's ar, and with several servers `vs_first` and `ttft_vs_first` (its rate
+    and its TTFT p50 over the same method's on the first server) and a `label` naming the
+    server."""
     by_key = {(column_of(c["cell"]), _server(c["cell"]), c["cell"]["method"]): c for c in cells}
     several = len({_server(c["cell"]) for c in cells}) > 1
     rows = []
@@ -332,6 +345,7 @@ def rows_from_cells(cells: list[dict]) -> list[dict]:
             if server:
                 first = by_key.get((where, 0, row["method"]))
                 row |= spread_fields("vs_first", _paired(cell, first))
+                row |= spread_fields("ttft_vs_first", _paired(cell, first, "ttft_p50_s"))
         row["label"] = f"{row['method']} @s{server + 1}" if several else row["method"]
         rows.append(row)
     return sorted(rows, key=lambda r: (_column_order(r), _label_order(r)))
@@ -387,18 +401,27 @@ def verdicts(rows: list[dict]) -> list[dict]:
 
 def server_verdicts(rows: list[dict]) -> list[dict]:
     """With several servers, per column and method: which server was faster (each server's
-    rate over the first's, paired by repeat), a winner only when its interval clears."""
+    rate over the first's, paired by repeat), a winner only when its interval clears; and
+    under `ttft_p50` which answered first (each server's TTFT p50 over the first's, paired by
+    repeat: the lowest wins, only when its interval lies wholly below the others')."""
     if len({_server(r) for r in rows}) < 2:
         return []
     found = []
     for column in columns(rows):
         for method in methods(rows):
-            same = [r for r in rows if column_of(r) == column and r["method"] == method]
-            spreads = {f"s{_server(r) + 1}": spread_of(r, "vs_first") for r in same if _server(r)}
-            if not any(spreads.values()):
+            same = [
+                r for r in rows if column_of(r) == column and r["method"] == method and _server(r)
+            ]
+            rates = {f"s{_server(r) + 1}": spread_of(r, "vs_first") for r in same}
+            if not any(rates.values()):
                 continue
-            text = verdict(spreads, baseline="s1").to_json()
-            found.append({"column": column_name(*column), "method": method} | text)
+            ttfts = {f"s{_server(r) + 1}": spread_of(r, "ttft_vs_first") for r in same}
+            first = verdict(ttfts, baseline="s1", lower_is_better=True).to_json()
+            found.append(
+                {"column": column_name(*column), "method": method}
+                | verdict(rates, baseline="s1").to_json()
+                | {"ttft_p50": first}
+            )
     return found
 
 

@@ -48,6 +48,7 @@ CSV_FIELDS = (
     "scenario",
     "length",
     "concurrency",
+    "server",
     *(f"{name}{end}" for name in SPREAD_FIGURES for end in ("", "_low", "_high")),
     *POINT_FIGURES,
     *SERVING_FIGURES,
@@ -139,9 +140,15 @@ def verdict_lines(rows: list[dict]) -> list[str]:
     return [f"- {v['column']}: {v['text']}" for v in verdicts(rows)]
 
 
+SERVERS_NOTE = (
+    "Each server's figure over the same method's on s1, paired by repeat: decode tok/s at",
+    "concurrency 1, output tok/s above it; TTFT p50 is a time, so below 1x answers sooner.",
+)
+
+
 def servers_lines(rows: list[dict], servers: list[dict] | None) -> list[str]:
-    """With several servers: what each one is and answered, and each method's verdict between
-    them (paired by repeat)."""
+    """With several servers: what each one is and answered, each server's rate and TTFT p50
+    over the first's per method and column, and the verdicts on both (paired by repeat)."""
     found = server_verdicts(rows)
     if not found:
         return []
@@ -151,7 +158,29 @@ def servers_lines(rows: list[dict], servers: list[dict] | None) -> list[str]:
         lines.append(
             f"- s{index + 1}: {server['url']}: model {server.get('model')}, answered {answered}"
         )
-    return [*lines, "", *(f"- {v['column']}, {v['method']}: {v['text']}" for v in found)]
+    ratios = [
+        [r["label"], column_name(*column_of(r)), _spread(r, "vs_first", suffix="x"),
+         _spread(r, "ttft_vs_first", suffix="x")]
+        for r in rows
+        if r["server"] and r["vs_first"] is not None
+    ]  # fmt: skip
+    header = ["method", "column", "tok/s vs s1", "TTFT p50 vs s1"]
+    return [
+        *lines,
+        "",
+        *SERVERS_NOTE,
+        "",
+        *_table(header, ratios, right_from=2),
+        "",
+        *(
+            line
+            for v in found
+            for line in (
+                f"- {v['column']}, {v['method']}: {v['text']}",
+                f"- {v['column']}, {v['method']}, TTFT p50: {v['ttft_p50']['text']}",
+            )
+        ),
+    ]
 
 
 def details_table(rows: list[dict]) -> list[str]:

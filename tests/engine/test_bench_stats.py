@@ -143,11 +143,27 @@ def test_ar_is_a_rival_at_one_and_few_repeats_name_no_winner():
     near_one = verdict({"ddtree:15": three(0.95, 1.1, 1.2)})
     assert near_one.winner is None and near_one.leaders == ("ddtree:15", "ar")
     slower = verdict({"linear": three(0.4, 0.5, 0.6), "ddtree:15": three(0.5, 0.6, 0.7)})
-    assert slower.winner == "ar" and "every method is clearly slower" in slower.text
+    assert slower.winner == "ar" and "every other is clearly slower" in slower.text
     few = verdict({"ddtree:15": median_interval([3.0, 3.1])})
     assert few.winner is None and "only 2 clean repeats" in few.text
     assert MIN_REPEATS_FOR_VERDICT == 3
     assert verdict({"ar": three(1, 1, 1)}).text == "no verdict: no method measured against ar"
+
+
+def test_a_time_is_won_by_the_lowest_and_only_when_its_interval_lies_below_the_rest():
+    """A TTFT over the first server's: below 1x answers sooner (issue 37's servers verdict)."""
+    sooner = verdict({"s2": three(0.4, 0.5, 0.6), "s3": three(0.9, 1.0, 1.1)}, "s1",
+                     lower_is_better=True)  # fmt: skip
+    assert sooner.winner == "s2" and sooner.leaders == ("s2",)
+    assert sooner.text == "s2 wins: 0.50x (0.40-0.60) of s1's, clear of the rest"
+    later = verdict({"s2": three(1.5, 2.0, 2.5)}, "s1", lower_is_better=True)
+    assert later.winner == "s1" and later.text == "s1 wins: every other is clearly higher"
+    # The same figures read as rates would name s3 (the highest): the direction matters.
+    assert verdict({"s2": three(0.4, 0.5, 0.6), "s3": three(1.2, 1.3, 1.4)}, "s1").winner == "s3"
+    noise = verdict({"s2": three(0.8, 0.95, 1.05)}, "s1", lower_is_better=True)
+    assert noise.winner is None and noise.leaders == ("s2", "s1")
+    few = verdict({"s2": median_interval([0.2, 0.3])}, "s1", lower_is_better=True)
+    assert few.winner is None and "only 2 clean repeats" in few.text
 
 
 def test_the_schedule_runs_the_minimum_then_fills_its_share_and_redoes_disturbed_repeats():

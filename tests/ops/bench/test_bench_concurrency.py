@@ -8,6 +8,8 @@ engine, which decodes one request at a time as today's engine does.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import statistics
 
@@ -216,6 +218,43 @@ def test_two_servers_run_interleaved_in_one_report_with_a_verdict_between_them(t
     assert "- decode 16, ddtree:15: no clear winner at this noise" in text
     document = json.loads(files.json.read_text())
     assert [v["method"] for v in document["server_verdicts"]] == ["ar", "ddtree:15"] * 2
+
+
+def test_ttft_gets_its_own_verdict_between_servers_in_every_report_format(tmp_path):
+    """s2 prefills 4x slower and decodes as fast: decode tok/s has no winner between them,
+    TTFT p50 does (s1, the lower), paired by repeat; the markdown, CSV, JSON and `bench
+    report` all carry it."""
+    clock = ScriptedClock()
+    first, second = (BenchEngine(clock=clock, step_s=STEPS, tau=TAUS, prefill_s=p)
+                     for p in (0.001, 0.004))  # fmt: skip
+    config = config_of(servers=2)
+    store = RunStore.open(tmp_path / "results", {"bench": config.to_json()}, {})
+    store.manifest["versions"] = {
+        "servers": [{"url": "http://a", "model": "m"}, {"url": "http://b", "model": "m"}]
+    }
+    watch = ScriptedMachine(first, others=0.02).watch()
+    result = run_bench(config, [first.client(), second.client()], store, NullProgress(), watch)
+    rows = {r["label"]: r for r in rows_from_cells(result.cells)}
+    ttft = {label: statistics.median(s["ttft_s"] for s in cell["samples"])
+            for label, cell in zip(("s2", "s1"), result.cells[:2], strict=True)}  # fmt: skip
+    assert rows["ar @s2"]["ttft_vs_first"] == pytest.approx(ttft["s2"] / ttft["s1"])
+    assert rows["ar @s2"]["ttft_vs_first"] > 2 and rows["ar @s2"]["vs_first"] == 1.0
+    assert rows["ar @s1"]["ttft_vs_first"] is None  # the first server is the baseline
+    files = render_report(result.run_dir)
+    text = files.markdown.read_text()
+    assert "- decode 16, ar: no clear winner at this noise" in text
+    assert "- decode 16, ar, TTFT p50: s1 wins: every other is clearly higher" in text
+    assert "| ar @s2 | decode 16 | 1.00x | " in text  # the ratios' table: tok/s, TTFT p50
+    found = json.loads(files.json.read_text())["server_verdicts"]
+    assert [(v["method"], v["winner"], v["ttft_p50"]["winner"]) for v in found] == [
+        ("ar", None, "s1"),
+        ("ddtree:15", None, "s1"),
+    ]
+    table = list(csv.DictReader(io.StringIO(files.csv.read_text())))
+    second_ar = next(r for r in table if r["method"] == "ar" and r["server"] == "1")
+    assert float(second_ar["ttft_vs_first_low"]) > 2 and second_ar["vs_first"] == "1.0"
+    shown = CliRunner().invoke(cli, ["bench", "report", str(result.run_dir)])
+    assert shown.exit_code == 0 and "ar, TTFT p50: s1 wins" in shown.output
 
 
 def test_ddops_bench_takes_each_url_once():

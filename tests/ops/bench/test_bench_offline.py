@@ -357,8 +357,10 @@ def test_speedup_is_against_ar_of_the_same_cell_and_csv_has_every_row():
     assert by[("linear", "long", 256)]["speedup"] == pytest.approx(70.3 / 21.0)
     assert by[("ar", "long", 32768)]["speedup"] is None
     lines = csv_text(rows).splitlines()
-    assert lines[0].startswith("method,scenario,length,concurrency,decode_tok_s,decode_tok_s_low")
-    assert len(lines) == 17 and "ddtree:15,decode,256,1,123.9,123.9,123.9," in lines[4]
+    assert lines[0].startswith(
+        "method,scenario,length,concurrency,server,decode_tok_s,decode_tok_s_low"
+    )
+    assert len(lines) == 17 and "ddtree:15,decode,256,1,0,123.9,123.9,123.9," in lines[4]
 
 
 def test_ddops_bench_report_re_renders_a_stored_run(tmp_path):
