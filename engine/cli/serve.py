@@ -227,7 +227,7 @@ def served_context(plan, args: argparse.Namespace) -> tuple[int, str | None]:
             else "--max-num-seqs"
         )
         return 0, f"{flag} does not fit: {problem}"
-    limit = args.max_model_len or plan.longest_context
+    limit = plan.served_context  # the context the server's cache pool is made for
     if limit >= 2:
         return limit, None
     if plan.sequences > 1 and plan.sequences_fitting(2):
