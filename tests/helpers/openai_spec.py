@@ -12,6 +12,7 @@ examples.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import sys
@@ -37,6 +38,23 @@ _PROSE = ("description", "example", "examples", "x-oaiMeta", "x-oaiExpandable")
 @functools.cache
 def spec() -> dict:
     return json.loads(SPEC_PATH.read_text())
+
+
+def served_spec_file(directory: Path) -> Path:
+    """The spec with the one difference the server keeps on purpose, written into `directory`.
+
+    With `echo`, nothing predicts the prompt's first token, so its `token_logprobs` and
+    `top_logprobs` entries are null, as OpenAI and vLLM answer; the spec types them as a number
+    and an object.
+    """
+    served = copy.deepcopy(spec())
+    choice = served["components"]["schemas"]["CreateCompletionResponse"]["properties"]["choices"]
+    logprobs = choice["items"]["properties"]["logprobs"]["anyOf"][0]["properties"]
+    for name in ("token_logprobs", "top_logprobs"):
+        logprobs[name]["items"] = {"anyOf": [logprobs[name]["items"], {"type": "null"}]}
+    path = directory / "openapi-as-served.json"
+    path.write_text(json.dumps(served))
+    return path
 
 
 def validator(schema_name: str) -> Draft202012Validator:
