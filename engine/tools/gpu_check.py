@@ -3,7 +3,11 @@
 Run on a CUDA machine (sized to finish within 8 minutes on an H200 with the defaults):
 
     python -m engine.tools.gpu_check [--out gpu_check.json] [--layers 4] [--prefix 4096] \\
-        [--memory-layers 4] [--memory-prompt 32768] [--rounds-layers 4]
+        [--memory-layers 4] [--memory-prompt 32768] [--rounds-layers 4] \\
+        [--batched-layers 4] [--batched-prefix 4096]
+
+    # the batched figures alone (estimated 2-4 minutes on an H200; not yet run on CUDA):
+    python -m engine.tools.gpu_batched [--layers 4] [--prefix 4096]
 
 1. Correctness: each Triton kernel against its reference (engine/kernels/reference.py), both on
    CUDA, at Qwen3.6-27B shapes, float32 and bf16 (float64 at a small shape): the tree kernels on
@@ -22,6 +26,10 @@ Run on a CUDA machine (sized to finish within 8 minutes on an H200 with the defa
 6. Rounds (engine/tools/gpu_rounds.py `check_rounds`, with --rounds-layers layers and twice as
    many; 0 skips them): the ar step against the bandwidth floor, verify / step, host syncs per
    round, graphs vs eager, recompiles of whole generations as the prefix grows.
+7. Batched (engine/tools/gpu_batched.py `check_batched`, --batched-layers and twice as many; 0
+   skips them): aggregate tok/s and per-sequence inter-token latency at concurrency 1, 4, 8, 16
+   for ar, ddtree:15 (and auto) through the scheduler, and the verify pass's cost by token count
+   (the table a cost model uses), each also fitted to 64 layers.
 
 Prints a report ending in every figure beside its target, and writes it as JSON with --out.
 Exit status: 0 every figure met its target, 1 one did not, 2 no CUDA device or no triton
@@ -47,6 +55,7 @@ from engine import kernels
 from engine.kernels import reference
 from engine.kernels.batched import ancestor_matrix
 from engine.models.common import Rotary
+from engine.tools.gpu_batched import check_batched, print_batched
 from engine.tools.gpu_memory import LOAD_PEAK_LIMIT, check_memory, print_memory_report
 from engine.tools.gpu_rounds import check_rounds, counted_compiles
 
@@ -488,6 +497,25 @@ def figures(report: dict) -> list[Figure]:
         target = "-" if row["limit"] is None else f"<= {row['limit']:g}"
         value, unit = round(row["value"], 3), row["unit"].strip()
         out.append(Figure(row["name"], value, target, bool(row["passed"]), unit))
+    if batched := report.get("batched"):
+        out += batched_figures(batched)
+    return out
+
+
+def batched_figures(batched: dict) -> list[Figure]:
+    """Each method's aggregate tok/s at its highest concurrency over its own at the lowest, as
+    measured on the deeper stack: what batching gives (no target: issue 36 sets none here)."""
+    layers = 2 * batched["layers"]
+    by_method: dict[str, dict[int, float]] = {}
+    for row in batched["rows"]:
+        by_method.setdefault(row["method"], {})[row["concurrency"]] = row[f"tokens_per_s_{layers}"]
+    out = []
+    for method, rates in by_method.items():
+        low, high = min(rates), max(rates)
+        if low != high and rates[low] > 0:
+            ratio = round(rates[high] / rates[low], 2)
+            name = f"batched {method}: tok/s at {high} / at {low} ({layers} layers)"
+            out.append(Figure(name, ratio, "-", True, "x"))
     return out
 
 
@@ -516,6 +544,8 @@ def _print_report(report: dict) -> None:
         print(f"  {form:<14} {compiles}")
     if "memory" in report:
         print_memory_report(report["memory"])
+    if "batched" in report:
+        print_batched(report["batched"])
     print(f"figures ({report['seconds']} s):")
     for fig in report["figures"]:
         value = f"{fig['value']} {fig['unit']}".strip()
@@ -531,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-layers", type=int, default=4, help="0 skips the memory check")
     parser.add_argument("--memory-prompt", type=int, default=32768, help="prefill tokens")
     parser.add_argument("--rounds-layers", type=int, default=4, help="0 skips the round figures")
+    parser.add_argument("--batched-layers", type=int, default=4, help="0 skips the batched figures")
+    parser.add_argument("--batched-prefix", type=int, default=4096, help="each request's prompt")
     args = parser.parse_args(argv)
     if reason := _no_device_reason():
         print(f"gpu_check: {reason}: nothing to check", file=sys.stderr)
@@ -550,6 +582,10 @@ def main(argv: list[str] | None = None) -> int:
         report["memory"] = check_memory(device, args.memory_layers, args.memory_prompt)
     if args.rounds_layers:
         report["rounds"] = check_rounds(device, layers=args.rounds_layers)
+    if args.batched_layers:
+        report["batched"] = check_batched(
+            device, layers=args.batched_layers, prefix=args.batched_prefix
+        )
     report["seconds"] = round(time.monotonic() - started, 1)
     report["figures"] = [vars(f) for f in figures(report)]
     _print_report(report)

@@ -34,8 +34,9 @@ SHARD_BYTES = 2 * GIB
 TEXT_PREFIX = "model.language_model."
 
 
-def stack_config(layers: int, vocab: int = 248320) -> dict:
-    """A `qwen3_5` config.json of `layers` layers at Qwen3.6-27B's widths (every 4th attention)."""
+def stack_config(layers: int, vocab: int = 248320, **widths: int) -> dict:
+    """A `qwen3_5` config.json of `layers` layers at Qwen3.6-27B's widths (every 4th attention),
+    or at `widths` (text_config keys: a tiny stack for a CPU test)."""
     text = {
         "model_type": "qwen3_5_text",
         "vocab_size": vocab,
@@ -58,6 +59,7 @@ def stack_config(layers: int, vocab: int = 248320) -> dict:
             "partial_rotary_factor": 0.25,
         },
         "tie_word_embeddings": False,
+        **widths,
     }
     if FULL not in hybrid_layer_types(text):  # fewer than 4 layers: the last one attends
         text["layer_types"] = [*hybrid_layer_types(text)[:-1], FULL]

@@ -53,6 +53,14 @@ TURN_TOKENS = 64  # what each turn of the pooled conversation adds after the las
 DRAFT_LAYERS = 1
 NEW_TOKENS = 48
 WARM_ROUNDS = 2  # the first rounds of a generation capture its graphs: left out
+DRAFT_HEADS = (32, 8, 128)  # the drafter's attention heads, KV heads, head dim (z-lab's 27B)
+# a tiny pair for CPU tests of the tools (the same layer pattern, every width small)
+TINY_VOCAB, TINY_DRAFT_HEADS = 512, (4, 2, 16)
+TINY_WIDTHS = dict(
+    hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)  # fmt: skip
 
 
 @dataclass
@@ -115,17 +123,20 @@ def copy_bandwidth(device: torch.device, size: int = 1 << 30) -> float:
     return 2 * size * repeats / (time.perf_counter() - started)
 
 
-def random_pair(device: torch.device, dtype: torch.dtype, layers: int):
-    """A target of `layers` layers at Qwen3.6-27B's widths and a DFlash drafter of DRAFT_LAYERS
-    layers reading up to five of them, random weights."""
-    config = Qwen3_5Config.from_hf(stack_config(layers))
+def random_pair(device: torch.device, dtype: torch.dtype, layers: int, tiny: bool = False):
+    """A target of `layers` layers at Qwen3.6-27B's widths (`tiny`: TINY_WIDTHS) and a DFlash
+    drafter of DRAFT_LAYERS layers reading up to five of them, random weights."""
+    widths, draft_heads = (TINY_WIDTHS, TINY_DRAFT_HEADS) if tiny else ({}, DRAFT_HEADS)
+    vocab = TINY_VOCAB if tiny else 248320
+    config = Qwen3_5Config.from_hf(stack_config(layers, vocab, **widths))
+    heads, kv_heads, head_dim = draft_heads
     draft_config = DFlashConfig(
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
         num_hidden_layers=DRAFT_LAYERS,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         block_size=16,
         mask_token_id=config.vocab_size - 1,
         target_layer_ids=tuple(range(min(5, layers))),

@@ -1,0 +1,85 @@
+"""engine/tools/gpu_batched.py on the CPU at tiny widths (--tiny): the scheduler driven at each
+concurrency for each method, the figures it reports, the verify cost table, and its refusals.
+On CUDA it runs at Qwen3.6-27B's widths (via engine/tools/gpu_check.py).
+
+    python -m pytest -q tests/engine/tools/test_gpu_batched.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.tools import gpu_batched, gpu_check
+from engine.tools.gpu_rounds import random_pair
+
+METHODS = ("ar", "ddtree:15")
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    return gpu_batched.check_batched(
+        torch.device("cpu"), torch.float32, layers=1, prefix=40, new_tokens=6,
+        concurrency=(1, 2), methods=METHODS, tiny=True,
+    )  # fmt: skip
+
+
+def test_every_method_at_every_concurrency_has_its_figures(report):
+    assert [(row["method"], row["concurrency"]) for row in report["rows"]] == [
+        ("ar", 1), ("ar", 2), ("ddtree:15", 1), ("ddtree:15", 2),
+    ]  # fmt: skip
+    for row in report["rows"]:
+        assert row["tokens_per_s_1"] > 0 and row["tokens_per_s_2"] > 0
+        assert 0 < row["itl_ms_p50_1"] <= row["itl_ms_max_1"]
+        fitted = row["itl_ms_p50_64"]  # None where noise made the deeper stack faster
+        assert fitted is None or (fitted > 0 and row["tokens_per_s_64"] > 0)
+
+
+def test_the_verify_table_has_each_batch_of_ar_steps_and_of_trees(report):
+    shapes = {(row["sequences"], row["tokens"]) for row in report["verify_ms"]}
+    assert {(1, 1), (2, 2), (1, 16), (2, 32)} <= shapes  # ar steps, 16-token trees
+    assert all(row["ms_1"] > 0 and row["ms_2"] > 0 for row in report["verify_ms"])
+    tokens = [row["tokens"] for row in report["verify_ms"]]
+    assert tokens == sorted(tokens)
+
+
+def test_gpu_check_reports_each_method_s_batching_gain(report):
+    figures = {f.name: f for f in gpu_check.figures(_gpu_check_report(report))}
+    for method in METHODS:
+        figure = figures[f"batched {method}: tok/s at 2 / at 1 (2 layers)"]
+        assert figure.value > 0 and figure.target == "-" and figure.passed
+
+
+def _gpu_check_report(batched: dict) -> dict:
+    rows = [{"passed": True}]
+    stack = {"triton: verify 16-token tree": 1.0, "triton: decode step": 1.0}
+    return {"correctness": rows, "stack_ms": stack, "recompiles": {}, "batched": batched}
+
+
+def test_the_pass_timer_times_alike_decode_passes_and_restores_the_model():
+    target, _ = random_pair(torch.device("cpu"), torch.float32, 1, tiny=True)
+    scheduler_pass = type(target).forward_batch
+    with gpu_batched.PassTimes(target) as passes:
+        assert target.forward_batch != scheduler_pass.__get__(target)
+    assert "forward_batch" not in vars(target)  # the class's own again
+    assert passes.table() == {}
+
+
+def test_a_window_counts_only_the_tokens_every_sequence_decoded_in():
+    stream = gpu_batched.Emissions([(1.0, 1), (2.0, 2), (3.0, 1), (4.0, 1)])
+    assert stream.within(1.0, 3.0) == 3 and stream.itl_ms == pytest.approx(1000 * 3 / 4)
+
+
+@pytest.mark.parametrize("method", ["beam", "ddtree:x", "ddtree:0"])
+def test_a_bad_method_is_refused(method):
+    with pytest.raises(ValueError, match="not a method"):
+        gpu_batched.method_config(method, 8)
+
+
+def test_without_cuda_the_tool_says_so_and_exits_2(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_batched.main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        gpu_batched.main(["--concurrency", "0,4"])
+    assert exited.value.code == 2
