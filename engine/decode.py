@@ -51,7 +51,7 @@ import torch
 
 from engine.cache_pool import CachePool, chunk_bounds
 from engine.grammar import Constraint, Guide, mask_logits
-from engine.methods import METHODS
+from engine.methods import METHODS, TREE_METHODS
 from engine.models.common import key_window
 from engine.models.dflash import DraftInputs
 from engine.sampling import (
@@ -85,8 +85,8 @@ STAGES = ("prefill", "draft", "tree", "verify", "commit")
 
 @dataclass
 class GenerationConfig:
-    method: str = "ddtree"  # "ar" | "linear" (DFlash chain of B-1) | "ddtree"
-    budget: int = 15  # ddtree node budget (verify = budget + 1 tokens)
+    method: str = "ddtree"  # "ar" | "linear" (DFlash chain of B-1) | "ddtree" | "auto"
+    budget: int = 15  # ddtree node budget (verify = budget + 1 tokens); auto's cap
     max_new_tokens: int = 256
     temperature: float = 0.0  # 0 = greedy
     seed: int | None = None
@@ -113,6 +113,7 @@ class GenerationResult:
     rounds: list[dict] | None  # with trace: {"tree": {"tokens", "parents"}, "accepted"}
     round_seconds: list[dict[str, float]] | None = None  # with trace: each round's stage seconds
     cached_tokens: int = 0  # prompt tokens the prefix cache held (not prefilled)
+    budgets: list[int] | None = None  # auto: the nodes each round verified (0: plain decoding)
     logprobs: list[TokenLogprob] | None = None  # with cfg.logprobs: one per output token
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with cfg.prompt_logprobs
 
@@ -260,8 +261,8 @@ def _check(cfg: GenerationConfig, drafter) -> None:
         raise ValueError(f"method must be one of {METHODS}, not {cfg.method!r}")
     if cfg.method != "ar" and drafter is None:
         raise ValueError(f"method {cfg.method!r} needs a drafter")
-    if cfg.method == "ddtree" and cfg.budget < 1:
-        raise ValueError(f"ddtree budget must be >= 1, not {cfg.budget}")
+    if cfg.method in TREE_METHODS and cfg.budget < 1:
+        raise ValueError(f"{cfg.method} budget must be >= 1, not {cfg.budget}")
     if cfg.max_new_tokens < 1 or cfg.temperature < 0:
         raise ValueError("max_new_tokens must be >= 1 and temperature >= 0")
     if cfg.prefill_chunk < 1:
@@ -421,6 +422,13 @@ class _Sequence:
         with self.clock.stage("tree"):
             return _shape_draft(self.cfg, logits, depth_room, node_room, self.guide)
 
+    def trim(self, tree: DraftTree, count: int) -> DraftTree:
+        """The round's tree cut to its first `count` nodes (a budget chosen after the draft,
+        engine/budgets.py); the grammar keeps the states of those alone."""
+        if self.guide is not None:
+            del self.guide.nodes[count + 1 :]
+        return tree.first(count)
+
     def _draft(self) -> torch.Tensor:  # [B-1, V]
         """The drafter's logits after the bonus: a static pass unless the context is longer
         than a round commits (the prompt's, after the prefill) or nears the cache's end."""
@@ -487,10 +495,12 @@ class _Sequence:
         return (*self.target.forward(ids, self.cache, parents, self.layers), None)
 
     def verify_inputs(self, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The dynamic-shape verify's token ids [bonus, nodes...] and parents (None: a chain)."""
+        """The dynamic-shape verify's token ids [bonus, nodes...] and parents (None: a chain,
+        as the bonus alone is)."""
         ids = to_device(np.array([self.bonus, *tree.tokens.tolist()], np.int64), self.device)
-        parents = None if self.cfg.method != "ddtree" else torch.from_numpy(tree.verify_parents())
-        return ids, parents
+        if self.cfg.method not in TREE_METHODS or tree.size == 0:
+            return ids, None
+        return ids, torch.from_numpy(tree.verify_parents())
 
     def commit(
         self,
@@ -600,6 +610,7 @@ class Run:
         self.acceptance: list[int] = []
         self.rounds: list[dict] | None = [] if seq.cfg.trace else None
         self.round_seconds: list[dict[str, float]] = []
+        self.budgets: list[int] | None = [] if seq.cfg.method == "auto" else None
         self.ttft = 0.0
 
     def prefilled(self, bonus: int) -> None:
@@ -632,6 +643,8 @@ class Run:
     def committed(self, tree: DraftTree, accepted: list[int], new_tokens: list[int]) -> None:
         """A round committed `accepted` of `tree`, giving `new_tokens`."""
         self.acceptance.append(self.out.add(new_tokens, self.seq.logprobs_of(accepted)))
+        if self.budgets is not None:
+            self.budgets.append(tree.size)
         if self.rounds is not None:
             self.rounds.append(_trace(tree, accepted))
             self.round_seconds.append(self.seq.clock.since_last())
@@ -650,6 +663,7 @@ class Run:
             rounds=self.rounds,
             round_seconds=self.round_seconds if self.rounds is not None else None,
             cached_tokens=seq.caches.cached_tokens,
+            budgets=self.budgets,
             logprobs=out.logprobs if seq.cfg.logprobs is not None else None,
             prompt_logprobs=seq.prompt_scores.read() if seq.prompt_scores is not None else None,
         )

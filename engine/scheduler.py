@@ -31,6 +31,7 @@ the head of the queue once (a request that fits without the cache never fails be
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from engine.budgets import Acceptance, Baseline, Budgets
 from engine.cache_pool import CachePool
 from engine.decode import (
     GenerationConfig,
@@ -94,6 +96,7 @@ class _Active:
     run: Run
     admitted: float
     prefilling: bool = True
+    acceptance: Acceptance | None = None  # auto: what its budgets are chosen from
 
 
 @dataclass
@@ -127,6 +130,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[_Active] = []
         self.passes = 0  # target passes run so far
+        self.budgets = Budgets(target.embed_tokens.weight.device.type)  # auto's cost model
         self.on_pass: Callable[[int, int], None] | None = None  # (sequences, tokens) of a pass
 
     @property
@@ -209,6 +213,8 @@ class Scheduler:
                 request.on_logprobs,
             )
             active = _Active(request, seq, pool, run, time.monotonic())
+            if request.cfg.method == "auto":
+                active.acceptance = Acceptance(request.cfg.budget)
             self.running.append(active)
             try:
                 seq.begin_prefill(request.prompt_ids)
@@ -245,23 +251,72 @@ class Scheduler:
             rounds.append((active, rooms))
             if active.seq.start_round(*rooms):
                 drafting.append(active)
-        drafts = {}
+        drafting = self._auto_drafting(rounds, drafting)
+        trees = {}
         if drafting:
+            started = time.perf_counter()
             try:
-                drafts = dict(zip(map(id, drafting), self._draft(drafting), strict=True))
+                drafts = self._draft(drafting)
             except Exception as error:
                 self._fail(drafting, error)
                 rounds = [(active, rooms) for active, rooms in rounds if active not in drafting]
-        work = []
-        for active, rooms in rounds:
-            seq = active.seq
-            if id(active) in drafts:
-                tree = seq.shape(drafts[id(active)], *rooms)
             else:
-                tree = chain_tree(np.zeros(0, np.int64))
+                room = {id(active): rooms for active, rooms in rounds}
+                for active, draft in zip(drafting, drafts, strict=True):
+                    trees[id(active)] = active.seq.shape(draft, *room[id(active)])
+                seconds = time.perf_counter() - started  # on CUDA: shape read the drafts back
+                self.budgets.observe_draft(len(drafting), seconds)
+                self._auto_nodes(rounds, trees, seconds)
+        work = []
+        for active, _ in rounds:
+            seq = active.seq
+            tree = trees.get(id(active), chain_tree(np.zeros(0, np.int64)))
             ids, parents = seq.verify_inputs(tree)
             work.append(_Work(active, Segment(ids, seq.cache, parents), tree))
         return work
+
+    def _auto_drafting(self, rounds: list, drafting: list[_Active]) -> list[_Active]:
+        """`drafting` less the auto sequences whose draft would not pay this step (a round of
+        their bonus alone instead: engine/budgets.py)."""
+        auto = [active for active in drafting if active.acceptance is not None]
+        if not auto:
+            return drafting
+        base = self._baseline(rounds, {})
+        rooms = {id(active): node_room for active, (_, node_room) in rounds}
+        asked = [(active.acceptance, rooms[id(active)]) for active in auto]
+        drafts = dict(zip(map(id, auto), self.budgets.drafting(asked, base), strict=True))
+        for active in auto:
+            active.acceptance.skipped += not drafts[id(active)]
+        return [active for active in drafting if drafts.get(id(active), True)]
+
+    def _auto_nodes(self, rounds: list, trees: dict, draft_seconds: float) -> None:
+        """Each drafted auto sequence's tree cut to the nodes chosen for this step."""
+        auto = [active for active, _ in rounds if active.acceptance is not None]
+        auto = [active for active in auto if id(active) in trees]
+        if not auto:
+            return
+        base = self._baseline(rounds, trees)
+        for active in auto:
+            active.acceptance.drafted(trees[id(active)].log_probs)
+        asked = [(active.acceptance, trees[id(active)].log_probs) for active in auto]
+        counts = self.budgets.nodes(asked, base, draft_seconds)
+        for active, count in zip(auto, counts, strict=True):
+            trees[id(active)] = active.seq.trim(trees[id(active)], count)
+
+    def _baseline(self, rounds: list, trees: dict) -> Baseline:
+        """This step's rounds beside the auto sequences (each counted as its bonus alone):
+        another's tokens are its tree's (before the draft: its widest), its gain its mean
+        tokens a round so far. Prefill pieces are left out (they fill what the rounds leave)."""
+        tokens, trees_in, gain = 0, 0, 0.0
+        for active, rooms in rounds:
+            if active.acceptance is not None:
+                tokens, gain = tokens + 1, gain + 1
+                continue
+            tree = trees.get(id(active))
+            nodes = tree.size if tree is not None else min(active.seq.width - 1, *rooms)
+            tokens, trees_in = tokens + 1 + nodes, trees_in + (nodes > 0)
+            gain += statistics.fmean(active.run.acceptance) if active.run.acceptance else 1.0
+        return Baseline(tokens, trees_in, gain)
 
     def _draft(self, drafting: list[_Active]) -> list[torch.Tensor]:
         """The drafter's logits [B-1, V] after each sequence's bonus, from one batched pass."""
@@ -292,10 +347,12 @@ class Scheduler:
         """One target pass over the work, then each sequence's commit."""
         layers = tuple(self.drafter.target_layer_ids) if self.drafter is not None else ()
         wanted = layers if any(item.active.seq.speculative for item in work) else ()
+        started = time.perf_counter()
         outputs = self.target.forward_batch([item.segment for item in work], wanted)
         self.passes += 1
+        tokens = sum(item.segment.ids.shape[0] for item in work)
         if self.on_pass is not None:
-            self.on_pass(len(work), sum(item.segment.ids.shape[0] for item in work))
+            self.on_pass(len(work), tokens)
         for item, (logits, hidden) in zip(work, outputs, strict=True):
             seq, hidden = item.active.seq, hidden if item.active.seq.speculative else None
             if item.tree is None:
@@ -308,6 +365,10 @@ class Scheduler:
                 item.tree, choices, hidden, None, item.active.run.out.taking
             )
             item.active.run.committed(item.tree, accepted, new_tokens)
+            if item.active.acceptance is not None and item.tree.size:
+                item.active.acceptance.verified_round(item.tree.log_probs, len(accepted) - 1)
+        trees = sum(item.segment.ids.shape[0] > 1 for item in work)
+        self.budgets.observe_pass(tokens, trees, time.perf_counter() - started)  # choices read
 
     def _prefilled(self, active: _Active) -> None:
         active.prefilling = False

@@ -7,7 +7,9 @@ verify pass's `parents` argument is simply [-1, *tree.parents].
 Tree build (DDTree, best-first under a node budget): take the top-k (k = budget) log-probs of
 each draft position; a max-heap over prefixes keyed by cumulative log-prob starts at (depth 1,
 rank 0); each pop adds a node, then pushes its next sibling (same depth and parent, rank + 1) and
-its first child (depth + 1, rank 0). Stop at `budget` nodes. A node is always popped after its
+its first child (depth + 1, rank 0). Stop at `budget` nodes (each keeps its path's log-prob, the
+key it was popped at: non-increasing, so the tree of budget k is the first k nodes of a larger
+one, engine/budgets.py). A node is always popped after its
 parent, so parents precede children. Equal scores pop in push order (deterministic). Under a
 grammar (engine/grammar.py) a popped candidate the grammar refuses adds no node and no child,
 only its sibling: the tree holds grammar-valid tokens only.
@@ -36,10 +38,16 @@ import torch
 class DraftTree:
     tokens: np.ndarray  # [n] int64, node tokens in build order
     parents: np.ndarray  # [n] int64, verify index of each node's parent (0 = root)
+    log_probs: np.ndarray | None = None  # [n] a best-first tree's path log-probs (non-increasing)
 
     @property
     def size(self) -> int:
         return len(self.tokens)
+
+    def first(self, count: int) -> DraftTree:
+        """The first `count` nodes: a best-first tree's first k are the tree of budget k."""
+        log_probs = None if self.log_probs is None else self.log_probs[:count]
+        return DraftTree(self.tokens[:count], self.parents[:count], log_probs)
 
     def verify_parents(self) -> np.ndarray:  # [n + 1]
         return np.concatenate([[-1], self.parents]).astype(np.int64)
@@ -81,8 +89,9 @@ def build_tree(
     depth_limit, k = log_probs.shape
     tokens: list[int] = []
     parents: list[int] = []
+    scores: list[float] = []
     if budget <= 0 or depth_limit == 0:
-        return DraftTree(np.zeros(0, np.int64), np.zeros(0, np.int64))
+        return DraftTree(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
     lp = log_probs.tolist()  # Python floats: heap work stays out of numpy scalars
     ids = token_ids.tolist()
     # entries: (-cumulative log-prob, push order, depth, rank, parent verify index)
@@ -99,11 +108,14 @@ def build_tree(
             continue
         tokens.append(token)
         parents.append(parent)
+        scores.append(-neg_score)
         node = len(tokens)  # this node's verify index
         if depth < depth_limit:
             heapq.heappush(heap, (neg_score - lp[depth][0], pushed, depth + 1, 0, node))
             pushed += 1
-    return DraftTree(np.array(tokens, dtype=np.int64), np.array(parents, dtype=np.int64))
+    return DraftTree(
+        np.array(tokens, dtype=np.int64), np.array(parents, dtype=np.int64), np.array(scores)
+    )
 
 
 def depths_and_mask(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

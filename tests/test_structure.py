@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from engine import TORCH_FREE
+from engine.methods import METHODS
 from tests.helpers import REPO
 
 PACKAGES = ("ops", "engine")
@@ -281,7 +282,7 @@ def string_constants(package: str) -> list[tuple[str, str]]:
 
 def method_lists(package: str) -> set[str]:
     """The modules of `package` that spell out the list of decoding methods."""
-    names = {"ar", "linear", "ddtree"}
+    names = set(METHODS)
     return {
         name
         for name, path in module_files().items()

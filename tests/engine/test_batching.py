@@ -10,11 +10,13 @@ each one's output is compared with the same request run alone through `generate`
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
 import torch
 
+from engine import budgets
 from engine.cache_pool import CachePool
 from engine.decode import GenerationConfig, generate
 from engine.grammar import Constraint
@@ -291,3 +293,47 @@ def test_attention_in_one_paged_launch_decodes_as_segment_by_segment(pair, monke
     for index, (prompt, cfg) in enumerate(cases):
         assert got.output(index) == solo(pair, prompt, cfg)
     assert max(launches) == 4
+
+
+def scripted_costs(sched: Scheduler, monkeypatch, period: int = 12) -> None:
+    """The scheduler's cost model fed a cost that swings every `period` passes between tokens
+    that cost nothing and tokens dearer than they bring, and cheap drafts; a random pair's
+    drafter is accepted almost never, so the model is told its drafts are (a calibration of
+    20x): `auto`'s budgets must swing with the cost (the real allocator, its fits fed these
+    seconds)."""
+    monkeypatch.setattr(budgets.Acceptance, "scale", 20.0)
+    passes = itertools.count()
+    observe_pass, observe_draft = sched.budgets.observe_pass, sched.budgets.observe_draft
+
+    def pass_seconds(tokens: int, trees: int, _: float) -> None:
+        per_token = 0.02 if next(passes) // period % 2 else 1e-7
+        observe_pass(tokens, trees, 0.001 + 1e-5 * trees + per_token * tokens)
+
+    sched.budgets.observe_pass = pass_seconds
+    sched.budgets.observe_draft = lambda sequences, _: observe_draft(sequences, 1e-6 * sequences)
+
+
+@pytest.mark.parametrize("grammar", [False, True], ids=["plain", "grammar"])
+def test_auto_budgets_vary_and_each_output_equals_its_solo_ar_run(pair, grammar, monkeypatch):
+    """`auto` chooses each round's node count (0 included) for the batch: only how many of
+    its tree's nodes are verified changes, so its greedy tokens are plain decoding's."""
+    changes = {}
+    if grammar:
+        vocab = pair[0].lm_head.weight.shape[0]
+        constraint = Constraint.from_json_schema(char_tokenizer(vocab), SCHEMA)
+        changes = {"constraint": constraint, "stop_token_ids": (STOP,)}
+    cfg = GenerationConfig("auto", 15, max_new_tokens=32, prefill_chunk=16, **changes)
+    cases = prompts(pair, [5, 40, 9, 30], seed=9)
+    sched, got = scheduler(pair, slots=4, tokens=48), Collector()
+    scripted_costs(sched, monkeypatch)
+    for index, prompt in enumerate(cases):
+        sched.add(got.request(index, prompt, cfg))
+    drain(sched)
+    chosen = []
+    for index, prompt in enumerate(cases):
+        assert got.output(index) == solo(pair, prompt, replace(cfg, method="ar"))
+        budgets = got.finished[index].result.budgets
+        assert len(budgets) == len(got.finished[index].result.acceptance_lengths)
+        chosen += budgets
+    assert 0 in chosen and max(chosen) >= (1 if grammar else 8), chosen  # a random pair's
+    assert len(set(chosen)) >= (2 if grammar else 3), chosen  # grammar-valid trees are small

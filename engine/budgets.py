@@ -1,0 +1,215 @@
+"""Tree budgets chosen for the batch (`auto`): each scheduler step picks every `auto` sequence's
+node count, 0 (plain decoding: its bonus token alone, no draft) to its cap, to maximise the
+step's expected committed tokens per second.
+
+The model, in three parts:
+  cost      `LinearCost`: a target pass's seconds = fixed + per token * its tokens (prefill
+            pieces included) + per tree * its segments of more than one token (a tree's GDN
+            and mask work: the step from a bonus alone to a 2-token tree is dearer than a
+            token); a draft pass's = fixed + per sequence * its sequences. Least squares over
+            what the scheduler measured, recent passes weighing most (each older sample counts
+            FORGET times less), pulled toward a prior whose shape is per device kind and whose
+            scale is the first sample. Before any sample every `auto` sequence drafts its cap;
+  gain      `Acceptance` (one per sequence): node i of a best-first tree (DDTree's order, its
+            cumulative log-probs non-increasing) is accepted with probability
+            scale * exp(log-prob of its path under the drafter), at most 1, where scale is the
+            sequence's accepted drafted tokens over the probability mass it verified, both
+            decayed by DECAY a round and started from a prior of 1;
+  choice    `choose`: the node counts maximising (tokens committed) / (seconds of the step),
+            by Dinkelbach's iteration: at a rate R every sequence takes the nodes whose gain
+            beats R * per-token cost (its gains are non-increasing, so a prefix), then drops
+            them all if their surplus does not pay its entry cost (its draft); R becomes the
+            rate of that choice; repeat until R stops rising (a few iterations; each is at
+            least as good as the last, and a fixed point is the optimum of this separable
+            problem). A tree's entry is its per-tree cost (before the draft, its share of the
+            draft pass too).
+The scheduler asks twice a step: `drafting` before the drafter runs (who drafts: gains from each
+sequence's running profile of past trees, entry = its share of the draft pass) and `nodes` after
+(how many of each fresh tree's nodes to verify: its own path probabilities, the draft paid). A
+sequence that has not drafted for PROBE_AFTER rounds drafts again, so a sequence turned off by a
+busy batch sees the batch thin out and its own acceptance change.
+
+Lossless: a budget only says how many of the tree's first nodes are verified (a best-first tree
+of k nodes is the first k of a larger one), and every output token is still the target's own
+choice. Memory: per sequence an `Acceptance` keeps its profile (cap float64s) and four numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+FORGET = 0.98  # a cost sample's weight falls by this factor each newer one (~50 samples count)
+DECAY = 0.95  # acceptance sums fall by this each round (~20 rounds count)
+PROFILE_KEEP = 0.5  # the profile's share kept each drafted round
+PROBE_AFTER = 8  # rounds without a draft before a sequence drafts again
+PRIOR_WEIGHT = 0.05  # each of the prior's points, against ~50 of measured weight
+MAX_ITERATIONS = 20
+# The priors' shapes, per device kind: a pass's seconds per (pass, token, tree) and the draft's
+# per (pass, sequence), relative to the first; the first sample scales them. Demo pair on the
+# CPU (engine/NOTES.md): a pass 6.9 ms, a tree segment +2.7 ms, a token +0.25 ms; a draft pass
+# 3 ms + 2.5 ms a sequence. A GPU's pass is flat far longer (memory-bound at small batches).
+PASS_PRIOR = {"cpu": (1.0, 0.04, 0.4), "cuda": (1.0, 0.004, 0.05)}
+DRAFT_PRIOR = {"cpu": (1.0, 0.8), "cuda": (1.0, 0.1)}
+PASS_DESIGN = ((1, 1, 0), (1, 2, 1), (1, 256, 16))  # where the prior's points sit
+DRAFT_DESIGN = ((1, 1), (1, 16))
+
+
+class LinearCost:
+    """seconds = features . weights (a pass: 1, its tokens, its tree segments; a draft: 1, its
+    sequences), least squares over the samples with forgetting, pulled toward a prior (its
+    points at `design`, weighing PRIOR_WEIGHT each, never forgotten: the fit is defined from
+    the first sample on, and the prior rules what the samples do not vary)."""
+
+    def __init__(self, shape: tuple[float, ...], design: tuple[tuple[int, ...], ...]) -> None:
+        self.shape, self.design = np.array(shape, np.float64), np.array(design, np.float64)
+        size = len(shape)
+        self.gram, self.moment = np.zeros((size, size)), np.zeros(size)  # sum w x x^T, w x y
+        self.prior: tuple[np.ndarray, np.ndarray] | None = None
+        self.weights: np.ndarray | None = None
+
+    def observe(self, features: tuple[int, ...], seconds: float) -> None:
+        x = np.array(features, np.float64)
+        if self.prior is None:  # the first sample sets the prior's scale
+            weights = self.shape * seconds / float(self.shape @ x)
+            d = self.design
+            self.prior = (PRIOR_WEIGHT * d.T @ d, PRIOR_WEIGHT * d.T @ (d @ weights))
+        self.gram = self.gram * FORGET + np.outer(x, x)
+        self.moment = self.moment * FORGET + x * seconds
+        solved = np.linalg.solve(self.gram + self.prior[0], self.moment + self.prior[1])
+        self.weights = np.maximum(solved, 0.0)
+
+    @property
+    def known(self) -> bool:
+        return self.weights is not None
+
+    def seconds(self, *features: float) -> float:
+        return float(self.weights @ np.array(features, np.float64))
+
+
+@dataclass
+class Acceptance:
+    """One `auto` sequence's acceptance so far (see the module docstring)."""
+
+    cap: int
+    accepted: float = 1.0  # drafted tokens accepted (decayed), the prior's 1
+    verified: float = 1.0  # the drafter's probability mass of the nodes verified (decayed)
+    profile: np.ndarray | None = None  # [cap] expected gain by node rank, over past trees
+    skipped: int = 0  # rounds in a row without a draft
+
+    @property
+    def scale(self) -> float:
+        return self.accepted / self.verified
+
+    def gains(self, log_probs: np.ndarray) -> np.ndarray:
+        """Expected accepted tokens of each node of a best-first tree (non-increasing)."""
+        return np.minimum(self.scale * np.exp(log_probs.astype(np.float64)), 1.0)
+
+    def drafted(self, log_probs: np.ndarray) -> None:
+        """A fresh tree's path log-probs (in build order) join the profile."""
+        fresh = np.zeros(self.cap)
+        fresh[: len(log_probs)] = np.exp(log_probs[: self.cap])
+        if self.profile is not None:
+            fresh = PROFILE_KEEP * self.profile + (1 - PROFILE_KEEP) * fresh
+        self.profile, self.skipped = fresh, 0
+
+    def verified_round(self, log_probs: np.ndarray, accepted: int) -> None:
+        """A round verified nodes of path log-probs `log_probs` and accepted `accepted` of them."""
+        self.accepted = self.accepted * DECAY + accepted
+        self.verified = self.verified * DECAY + float(np.exp(log_probs).sum())
+
+    def predicted(self, room: int) -> np.ndarray:
+        """Gains expected of its next tree, from the profile (sorted: a mean of sorted rows)."""
+        profile = np.zeros(self.cap) if self.profile is None else self.profile
+        return np.minimum(self.scale * profile[:room], 1.0)
+
+
+@dataclass
+class Candidate:
+    """A sequence the step may give nodes: their gains (non-increasing) and its entry seconds,
+    paid once if it takes any (its segment becoming a tree; before the draft, its draft too)."""
+
+    gains: np.ndarray
+    entry: float = 0.0
+
+
+def choose(
+    candidates: Sequence[Candidate], base_gain: float, base_seconds: float, per_token: float
+) -> list[int]:
+    """Node counts for `candidates` maximising the step's rate, (base_gain + the gains taken) /
+    (base_seconds + per_token * nodes + the entries of those taking any): Dinkelbach's
+    iteration (see the module docstring)."""
+    counts = [0] * len(candidates)
+    rate = base_gain / max(base_seconds, 1e-12)
+    for _ in range(MAX_ITERATIONS):
+        trial = [_best_count(candidate, rate, per_token) for candidate in candidates]
+        taken = [(c, k) for c, k in zip(candidates, trial, strict=True) if k]
+        gain = base_gain + sum(float(c.gains[:k].sum()) for c, k in taken)
+        seconds = base_seconds + sum(per_token * k + c.entry for c, k in taken)
+        if gain / max(seconds, 1e-12) <= rate * (1 + 1e-9):
+            break
+        counts, rate = trial, gain / max(seconds, 1e-12)
+    return counts
+
+
+def _best_count(candidate: Candidate, rate: float, per_token: float) -> int:
+    """The nodes worth verifying at `rate` tokens a second: those whose gain beats the time
+    they add (a prefix: the gains are non-increasing), all or none after the entry."""
+    worth = candidate.gains > rate * per_token
+    count = len(worth) if worth.all() else int(np.argmin(worth))
+    surplus = float((candidate.gains[:count] - rate * per_token).sum())
+    return count if surplus > rate * candidate.entry else 0
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The step's work beside the sequences choosing: the pass's tokens and segments of more
+    than one token, and the tokens it is expected to commit (each choosing sequence counted
+    as its bonus alone: one token, one row)."""
+
+    tokens: int
+    trees: int
+    gain: float
+
+
+class Budgets:
+    """The scheduler's budget chooser: the two cost fits and the step's two choices."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.passes = LinearCost(PASS_PRIOR.get(device, PASS_PRIOR["cpu"]), PASS_DESIGN)
+        self.drafts = LinearCost(DRAFT_PRIOR.get(device, DRAFT_PRIOR["cpu"]), DRAFT_DESIGN)
+
+    def drafting(self, sequences: list[tuple[Acceptance, int]], base: Baseline) -> list[bool]:
+        """Which `auto` sequences (each its acceptance and node room) draft this step."""
+        if not self.passes.known or not self.drafts.known:
+            return [True] * len(sequences)
+        _, per_token, per_tree = self.passes.weights
+        share = self.drafts.seconds(1, len(sequences)) / len(sequences)
+        candidates = [Candidate(acc.predicted(room), per_tree + share) for acc, room in sequences]
+        counts = choose(candidates, base.gain, self._seconds(base), per_token)
+        return [
+            count > 0 or acc.profile is None or acc.skipped >= PROBE_AFTER
+            for count, (acc, _) in zip(counts, sequences, strict=True)
+        ]
+
+    def nodes(
+        self, trees: list[tuple[Acceptance, np.ndarray]], base: Baseline, draft_seconds: float
+    ) -> list[int]:
+        """How many nodes of each fresh tree (its acceptance, its path log-probs) to verify,
+        the draft's `draft_seconds` spent."""
+        if not self.passes.known:
+            return [len(log_probs) for _, log_probs in trees]
+        _, per_token, per_tree = self.passes.weights
+        candidates = [Candidate(acc.gains(log_probs), per_tree) for acc, log_probs in trees]
+        return choose(candidates, base.gain, self._seconds(base) + draft_seconds, per_token)
+
+    def observe_pass(self, tokens: int, trees: int, seconds: float) -> None:
+        self.passes.observe((1, tokens, trees), seconds)
+
+    def observe_draft(self, sequences: int, seconds: float) -> None:
+        self.drafts.observe((1, sequences), seconds)
+
+    def _seconds(self, base: Baseline) -> float:
+        return self.passes.seconds(1, base.tokens, base.trees)

@@ -1,0 +1,161 @@
+"""engine/budgets.py: the cost fit, the acceptance model and the budget choice of `auto`.
+
+    python -m pytest -q tests/engine/test_budgets.py
+
+The choice is checked against brute force (every combination of node counts) on small cases;
+the fit against samples of a known linear cost; the chooser against the changes a batch sees
+(dearer tokens, a sequence whose drafts miss, a sequence turned off and probing again).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from engine.budgets import (
+    PROBE_AFTER,
+    Acceptance,
+    Baseline,
+    Budgets,
+    Candidate,
+    LinearCost,
+    choose,
+)
+
+
+def rate(candidates, counts, base_gain, base_seconds, per_token) -> float:
+    taken = [(c, k) for c, k in zip(candidates, counts, strict=True) if k]
+    gain = base_gain + sum(c.gains[:k].sum() for c, k in taken)
+    return gain / (base_seconds + sum(per_token * k + c.entry for c, k in taken))
+
+
+def falling(size: int, rng) -> np.ndarray:
+    return np.sort(rng.uniform(0, 1, size))[::-1]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_choice_is_the_best_rate_of_all_combinations(seed):
+    rng = np.random.default_rng(seed)
+    candidates = [Candidate(falling(5, rng), rng.uniform(0, 0.01)) for _ in range(3)]
+    base_gain, base_seconds = rng.integers(1, 6), rng.uniform(0.002, 0.02)
+    per_token = rng.uniform(0, 0.004)
+    counts = choose(candidates, base_gain, base_seconds, per_token)
+    best = max(
+        rate(candidates, combo, base_gain, base_seconds, per_token)
+        for combo in itertools.product(range(6), repeat=3)
+    )
+    assert rate(candidates, counts, base_gain, base_seconds, per_token) == pytest.approx(best)
+
+
+def test_dearer_tokens_never_get_more_nodes_and_free_ones_get_all():
+    gains = np.array([0.9, 0.7, 0.5, 0.3, 0.1, 0.05])
+    candidates = [Candidate(gains, 0.001), Candidate(gains * 0.5, 0.001)]
+    totals = [sum(choose(candidates, 2, 0.01, cost)) for cost in (0, 1e-4, 1e-3, 3e-3, 1e-2)]
+    assert totals[0] == 12  # tokens that cost nothing: every node
+    assert totals == sorted(totals, reverse=True)
+    assert totals[-1] == 0  # a token dearer than what it brings: plain decoding
+    assert len(set(totals)) >= 3
+
+
+def test_an_entry_that_costs_more_than_the_tree_brings_means_no_tree():
+    gains = np.array([0.5, 0.3])
+    assert choose([Candidate(gains, 0.0)], 1, 0.01, 1e-4) == [2]
+    assert choose([Candidate(gains, 0.05)], 1, 0.01, 1e-4) == [0]
+
+
+def test_the_fit_finds_a_linear_cost_from_varied_samples():
+    cost = LinearCost((1.0, 0.1, 0.1), ((1, 1, 0), (1, 2, 1), (1, 256, 16)))
+    assert not cost.known
+    true = np.array([0.004, 0.0003, 0.002])
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        features = (1, int(rng.integers(1, 200)), int(rng.integers(0, 8)))
+        cost.observe(features, float(true @ features))
+    np.testing.assert_allclose(cost.weights, true, rtol=0.05)
+    assert cost.seconds(1, 100, 4) == pytest.approx(float(true @ (1, 100, 4)), rel=0.02)
+
+
+def test_the_fit_follows_a_change_of_cost():
+    cost = LinearCost((1.0, 0.1), ((1, 1), (1, 16)))
+    for sequences in [1, 2, 3, 4, 5, 6] * 20:
+        cost.observe((1, sequences), 0.001 + 0.001 * sequences)
+    for sequences in [1, 2, 3, 4, 5, 6] * 40:  # the machine got 3x slower
+        cost.observe((1, sequences), 0.003 + 0.003 * sequences)
+    assert cost.seconds(1, 4) == pytest.approx(0.015, rel=0.1)
+
+
+def test_the_first_sample_scales_the_prior():
+    cost = LinearCost((1.0, 0.5), ((1, 1), (1, 16)))
+    cost.observe((1, 2), 0.02)
+    assert cost.seconds(1, 2) == pytest.approx(0.02, rel=0.05)
+    assert cost.weights[1] == pytest.approx(cost.weights[0] * 0.5, rel=0.2)
+
+
+def test_acceptance_calibrates_the_drafters_probabilities():
+    log_probs = np.log([0.9, 0.8, 0.6, 0.4])
+    sure, unsure = Acceptance(4), Acceptance(4)
+    for _ in range(40):
+        sure.verified_round(log_probs, 3)  # more accepted than the drafter believes
+        unsure.verified_round(log_probs, 0)
+    assert sure.scale > 1.0 > 0.1 > unsure.scale
+    assert sure.gains(log_probs).max() <= 1.0
+    assert np.all(np.diff(sure.gains(log_probs)) <= 0)
+    assert sure.gains(log_probs).sum() > 2.5 > 0.3 > unsure.gains(log_probs).sum()
+
+
+def measured(budgets: Budgets, per_token: float) -> Budgets:
+    """`budgets` fed passes of a known cost: 5 ms, a tree 2 ms, `per_token` a token; drafts
+    3 ms + 2 ms a sequence."""
+    for tokens, trees in [(1, 0), (16, 1), (40, 3), (6, 0), (96, 6), (20, 2)] * 10:
+        budgets.observe_pass(tokens, trees, 0.005 + 0.002 * trees + per_token * tokens)
+    for sequences in [1, 2, 4, 6] * 10:
+        budgets.observe_draft(sequences, 0.003 + 0.002 * sequences)
+    return budgets
+
+
+def test_each_sequence_gets_the_nodes_its_own_acceptance_pays_for():
+    budgets = measured(Budgets(), per_token=0.0003)
+    log_probs = np.log(np.linspace(0.9, 0.1, 15))
+    good, poor = Acceptance(15), Acceptance(15)
+    for _ in range(30):
+        good.verified_round(log_probs[:8], 6)
+        poor.verified_round(log_probs[:8], 0)
+    base = Baseline(tokens=2, trees=0, gain=2.0)
+    counts = budgets.nodes([(good, log_probs), (poor, log_probs)], base, draft_seconds=0.005)
+    assert counts[0] > 0 and counts[1] == 0
+
+
+def test_a_busier_batch_and_dearer_tokens_shrink_the_trees():
+    log_probs = np.log(np.linspace(0.95, 0.2, 15))
+    trees = [(Acceptance(15), log_probs) for _ in range(6)]
+    cheap = measured(Budgets(), per_token=0.00005)
+    dear = measured(Budgets(), per_token=0.002)
+    base = Baseline(tokens=6, trees=0, gain=6.0)
+    cheap_counts = cheap.nodes(trees, base, 0.015)
+    dear_counts = dear.nodes(trees, base, 0.015)
+    assert sum(cheap_counts) > sum(dear_counts)
+    assert max(cheap_counts) == 15
+
+
+def test_a_sequence_whose_drafts_miss_stops_drafting_then_probes_again():
+    budgets = measured(Budgets(), per_token=0.0003)
+    missing = Acceptance(15)
+    missing.drafted(np.log(np.full(15, 0.5)))
+    for _ in range(30):
+        missing.verified_round(np.log(np.full(15, 0.5)), 0)
+    base = Baseline(tokens=1, trees=0, gain=1.0)
+    decisions = []
+    for _ in range(PROBE_AFTER + 1):
+        (drafts,) = budgets.drafting([(missing, 15)], base)
+        decisions.append(drafts)
+        missing.skipped = 0 if drafts else missing.skipped + 1
+    assert decisions == [False] * PROBE_AFTER + [True]
+
+
+def test_before_any_measurement_every_sequence_drafts_its_cap():
+    budgets = Budgets()
+    acceptance = Acceptance(15)
+    assert budgets.drafting([(acceptance, 15)], Baseline(1, 0, 1.0)) == [True]
+    assert budgets.nodes([(acceptance, np.zeros(15))], Baseline(1, 0, 1.0), 0.0) == [15]
