@@ -4,7 +4,7 @@
         [--max-model-len N] [--api-key KEY | env DDOPS_API_KEY] [--dtype float32] [--device cpu] \\
         [--tp N] [--prefill-chunk 2048] [--max-num-seqs N] [--max-num-batched-tokens 2048] \\
         [--enable-prefix-caching | --no-enable-prefix-caching] [--prefix-cache-memory SIZE] \\
-        [--method ar|linear|ddtree] [--budget 15] [--max-waiting 32] [--served-model-name NAME] \\
+        [--method ar|linear|ddtree|auto] [--budget 15] [--max-waiting 32] [--served-model-name NAME] \\
         [--tool-call-parser auto|none|hermes|qwen3_coder] [--reasoning-parser auto|none|qwen3] \\
         [--max-request-bytes 8388608] [--shutdown-grace-s 5]
 
@@ -96,9 +96,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--method",
         choices=METHODS,
-        help="default decoding method (default: ddtree with --draft, else ar)",
+        help="default decoding method (default: auto with --draft, else ar)",
     )
-    parser.add_argument("--budget", type=int, default=15, help="default ddtree node budget")
+    parser.add_argument(
+        "--budget", type=int, default=15, help="default ddtree node budget (auto's cap)"
+    )
     parser.add_argument(
         "--max-waiting", type=int, default=32, help="requests that may wait (then 503)"
     )
@@ -261,7 +263,7 @@ def sequences_note(plan, args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    method = args.method or ("ddtree" if args.draft else "ar")
+    method = args.method or ("auto" if args.draft else "ar")
     if problem := _usage_problem(args, method):
         print(f"Error: {problem}", file=sys.stderr)
         return 2

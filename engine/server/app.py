@@ -18,9 +18,11 @@ the parsers follow the template, `--tool-call-parser` / `--reasoning-parser` ove
 An OpenAI field the server does not implement is a 400 naming it; a field outside the API is
 ignored with a logged warning (engine/server/schemas.py).
 
-Beyond OpenAI's fields, a request may carry `"speculative": {"method": "ar"|"linear"|"ddtree",
-"budget": N}` (defaults from the server's flags), and every response carries `"speculative":
-{"method", "budget", "rounds", "mean_acceptance_length", "decode_tokens_per_s", "ttft_s"}`.
+Beyond OpenAI's fields, a request may carry `"speculative": {"method": "ar"|"linear"|"ddtree"|
+"auto", "budget": N}` (defaults from the server's flags; a budget named without a method is
+ddtree's), and every response carries `"speculative": {"method", "budget", "rounds",
+"mean_acceptance_length", "decode_tokens_per_s", "ttft_s"}`, with auto's chosen `"budgets":
+{"mean", "histogram"}` (rounds by node count).
 
 Layout: a module per API (engine/server/completions.py, chat_completions.py, responses.py:
 OpenAI's Responses API, translated onto chat's path) over one shared

@@ -39,6 +39,7 @@ from fastapi.responses import StreamingResponse
 
 from engine.decode import GenerationConfig
 from engine.grammar import Constraint
+from engine.methods import TREE_METHODS
 from engine.sampling import Sampling
 from engine.server.schemas import ApiError
 from engine.server.state import LoadedEngine, ServerState
@@ -64,7 +65,7 @@ class Generation:
     events: asyncio.Queue
     prompt_tokens: int
     method: str
-    budget: int | None  # None unless the method is ddtree
+    budget: int | None  # None unless the method is ddtree, or auto (its cap)
     include_usage: bool
     id: str
     created: int
@@ -140,7 +141,7 @@ def _generation(
         events=events,
         prompt_tokens=len(prompt_ids),
         method=cfg.method,
-        budget=cfg.budget if cfg.method == "ddtree" else None,
+        budget=cfg.budget if cfg.method in TREE_METHODS else None,
         include_usage=body.include_usage_chunk(),
         id=request_id,
         created=created,
@@ -215,9 +216,13 @@ def _max_tokens(requested: int | None, prompt_tokens: int, engine: LoadedEngine)
 
 
 def _speculative(state: ServerState, body: Any, engine: LoadedEngine) -> tuple[str, int]:
+    """The request's method and budget, the server's where it names none: a budget named
+    without a method is ddtree's, exactly (not auto's cap)."""
     choice = body.speculative
     method = (choice and choice.method) or state.config.default_method
     budget = (choice and choice.budget) or state.config.default_budget
+    if method == "auto" and choice and choice.budget and not choice.method:
+        method = "ddtree"
     if method != "ar" and not engine.has_drafter:
         raise ApiError(
             400,
@@ -414,7 +419,14 @@ def speculative_stats(generation: Generation, done: Done) -> dict:
         "mean_acceptance_length": statistics.fmean(lengths) if lengths else 0.0,
         "decode_tokens_per_s": result.decode_tokens_per_s,
         "ttft_s": done.ttft_s,
+        **({"budgets": budget_summary(result.budgets)} if result.budgets is not None else {}),
     }
+
+
+def budget_summary(budgets: list[int]) -> dict:
+    """auto's chosen node counts, kept small: their mean and rounds by count."""
+    histogram = {str(count): budgets.count(count) for count in sorted(set(budgets))}
+    return {"mean": statistics.fmean(budgets) if budgets else 0.0, "histogram": histogram}
 
 
 def failure(event: Failed) -> ApiError:

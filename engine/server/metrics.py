@@ -17,6 +17,8 @@ Each server owns its registry, so several apps (tests) never share counters. Nam
 - `ddops_engine_queue_waiting`: requests waiting for the worker
 - `ddops_engine_requests_running`, `ddops_engine_requests_waiting`: gauges of the requests
   decoding now and of those waiting for a slot (vLLM's num_requests_running / _waiting)
+- `ddops_engine_tree_budget{method}`: histogram of the nodes each round verified (auto's
+  choices, engine/budgets.py; 0 is plain decoding)
 - `ddops_engine_batch_size`, `ddops_engine_pass_tokens`: histograms of the sequences and of
   the tokens in each target pass of the scheduler (engine/scheduler.py)
 - `process_cpu_seconds_total`, `process_resident_memory_bytes`, ...: Prometheus' standard
@@ -44,6 +46,7 @@ _SPEED_BUCKETS = (1, 5, 10, 25, 50, 100, 150, 200, 300, 500, 1000, 2000)
 _GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+_BUDGET_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 10, 12, 15, 16, 24, 32, 64)
 _PASS_TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -81,6 +84,13 @@ class ServerMetrics:
             "Tokens committed per decoding round, bonus token included.",
             ["method"],
             buckets=_ACCEPTANCE_BUCKETS,
+            registry=r,
+        )
+        self.tree_budget = Histogram(
+            "ddops_engine_tree_budget",
+            "Nodes each round verified (auto's chosen budgets; 0: plain decoding).",
+            ["method"],
+            buckets=_BUDGET_BUCKETS,
             registry=r,
         )
         self.inter_token = Histogram(
@@ -149,6 +159,8 @@ class ServerMetrics:
         self.generated_tokens.labels(method).inc(len(result.output_ids))
         for accepted in result.acceptance_lengths:
             self.acceptance_length.labels(method).observe(accepted)
+        for nodes in result.budgets or ():
+            self.tree_budget.labels(method).observe(nodes)
         self.decode_speed.labels(method).observe(result.decode_tokens_per_s)
         if result.decode_tokens_per_s > 0:
             self.inter_token.labels(method).observe(1 / result.decode_tokens_per_s)

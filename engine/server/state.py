@@ -67,7 +67,7 @@ class LoadedEngine:
 @dataclass(frozen=True)
 class ServerConfig:
     model_name: str
-    default_method: str = "ddtree"
+    default_method: str = "auto"
     default_budget: int = 15
     api_key: str | None = None
     max_waiting: int = 32

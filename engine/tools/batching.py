@@ -1,13 +1,16 @@
 """Measure a running server's batching: N chat requests at once vs one after another, and a short
 request's first token while a long prompt prefills (issue 36's Done-when).
 
-    python -m engine.tools.batching --url http://127.0.0.1:8000 [--methods ar,ddtree:15] \\
+    python -m engine.tools.batching --url http://127.0.0.1:8000 [--methods ar,ddtree:15,auto] \\
         [--concurrency 6] [--max-tokens 96] [--repeats 3] [--long-tokens 3300] [--json]
 
-Throughput: per method and repeat, the same N greedy chat requests (`cache_prompt` off, so every
-prompt is prefilled) one after another, then all at once; aggregate output tok/s = completion
-tokens / wall time of each, and their ratio, reported as the median with the min-max over the
-repeats. The outputs at once must equal those one after another (exit 1 if not).
+Throughput: per repeat and method (the methods interleaved within each repeat, so a change of
+the machine's load falls on all of them), the same N greedy chat requests (`cache_prompt` off,
+so every prompt is prefilled) one after another, then all at once; aggregate output tok/s =
+completion tokens / wall time of each, and their ratio, reported as the median with the min-max
+over the repeats. The outputs at once must equal those one after another (exit 1 if not).
+With `auto` beside other methods: auto's tok/s over the best other method's, repeat by repeat,
+one after another (concurrency 1) and at once (N), and the mean node count auto chose.
 TTFT: a ~`--long-tokens` prompt alone (streamed, 1 token: its time to first token is its prefill,
 P), then the same prompt again with a short request sent P/4 after it: the short one's time to
 first token, from its own send, against P (Done-when: at most P/5).
@@ -53,22 +56,35 @@ def parse_method(name: str) -> tuple[str, int | None]:
     return method, int(budget) if budget else None
 
 
-async def complete(client: httpx.AsyncClient, body: dict) -> tuple[str, int]:
+async def complete(client: httpx.AsyncClient, body: dict) -> dict:
     response = await client.post("/v1/chat/completions", json=body)
     response.raise_for_status()
-    answer = response.json()
-    return answer["choices"][0]["message"]["content"], answer["usage"]["completion_tokens"]
+    return response.json()
 
 
-async def throughput(client, bodies: list[dict], at_once: bool) -> tuple[float, list[str]]:
-    """(aggregate output tok/s, the texts) of `bodies`, sent at once or one after another."""
+async def throughput(client, bodies: list[dict], at_once: bool) -> tuple[float, list[dict]]:
+    """(aggregate output tok/s, the answers) of `bodies`, sent at once or one after another."""
     started = time.perf_counter()
     if at_once:
         answers = await asyncio.gather(*(complete(client, body) for body in bodies))
     else:
         answers = [await complete(client, body) for body in bodies]
     wall = time.perf_counter() - started
-    return sum(tokens for _, tokens in answers) / wall, [text for text, _ in answers]
+    return sum(answer["usage"]["completion_tokens"] for answer in answers) / wall, answers
+
+
+def texts(answers: list[dict]) -> list[str]:
+    return [answer["choices"][0]["message"]["content"] for answer in answers]
+
+
+def mean_budget(answers: list[dict]) -> float | None:
+    """The mean node count auto chose over the answers' rounds (None: not auto)."""
+    chosen = [answer.get("speculative", {}).get("budgets") for answer in answers]
+    if not all(chosen):
+        return None
+    rounds = [sum(budgets["histogram"].values()) for budgets in chosen]
+    total = sum(budgets["mean"] * count for budgets, count in zip(chosen, rounds, strict=True))
+    return total / max(sum(rounds), 1)
 
 
 async def first_token_s(client: httpx.AsyncClient, body: dict) -> float:
@@ -123,30 +139,52 @@ def spread(values: list[float]) -> dict:
 
 async def measure(args: argparse.Namespace) -> dict:
     timeout = httpx.Timeout(args.timeout)
+    names = args.methods.split(",")
+    bodies = {
+        name: [
+            chat(TOPICS[i % len(TOPICS)], *parse_method(name), args.max_tokens)
+            for i in range(args.concurrency)
+        ]
+        for name in names
+    }
+    runs: dict[str, dict[str, list]] = {name: {"serial": [], "at_once": []} for name in names}
     report: dict = {"methods": {}, "equal": True}
     async with httpx.AsyncClient(base_url=args.url, timeout=timeout) as client:
-        for name in args.methods.split(","):
-            method, budget = parse_method(name)
-            bodies = [
-                chat(TOPICS[i % len(TOPICS)], method, budget, args.max_tokens)
-                for i in range(args.concurrency)
-            ]
-            await throughput(client, bodies[:1], at_once=False)  # warm
-            serial, together, ratios = [], [], []
-            for _ in range(args.repeats):
-                one, one_texts = await throughput(client, bodies, at_once=False)
-                many, many_texts = await throughput(client, bodies, at_once=True)
-                serial.append(one)
-                together.append(many)
-                ratios.append(many / one)
-                report["equal"] &= one_texts == many_texts
+        for name in names:
+            await throughput(client, bodies[name][:1], at_once=False)  # warm
+        for _ in range(args.repeats):
+            for name in names:
+                one, one_answers = await throughput(client, bodies[name], at_once=False)
+                many, many_answers = await throughput(client, bodies[name], at_once=True)
+                runs[name]["serial"].append(one)
+                runs[name]["at_once"].append(many)
+                runs[name].setdefault("budgets", []).append(mean_budget(many_answers))
+                report["equal"] &= texts(one_answers) == texts(many_answers)
+        for name, run in runs.items():
             report["methods"][name] = {
-                "one_after_another_tok_s": spread(serial),
-                "at_once_tok_s": spread(together),
-                "ratio": spread(ratios),
+                "one_after_another_tok_s": spread(run["serial"]),
+                "at_once_tok_s": spread(run["at_once"]),
+                "ratio": spread(
+                    [m / o for m, o in zip(run["at_once"], run["serial"], strict=True)]
+                ),
             }
+        if "auto" in runs and len(runs) > 1:
+            report["auto_over_best"] = auto_over_best(runs)
         report["ttft"] = await ttft_under_prefill(client, args)
     return report
+
+
+def auto_over_best(runs: dict[str, dict[str, list]]) -> dict:
+    """auto's tok/s over the best other method's in the same repeat, one after another and
+    at once, and auto's mean chosen node count at once."""
+    others = [run for name, run in runs.items() if name != "auto"]
+    auto, out = runs["auto"], {}
+    for kind in ("serial", "at_once"):
+        best = [max(values) for values in zip(*(run[kind] for run in others), strict=True)]
+        out[kind] = spread([a / b for a, b in zip(auto[kind], best, strict=True)])
+    budgets = [value for value in auto["budgets"] if value is not None]
+    out["mean_budget_at_once"] = spread(budgets) if budgets else None
+    return out
 
 
 def lines(report: dict, args: argparse.Namespace) -> list[str]:
@@ -165,6 +203,13 @@ def lines(report: dict, args: argparse.Namespace) -> list[str]:
         f"prefills ({show(ttft['prefill_s'], ' s')}): {show(ttft['short_ttft_s'], ' s')}, "
         f"{show(ttft['short_over_prefill'], 'x')} of the prefill"
     )
+    if best := report.get("auto_over_best"):
+        chosen = best["mean_budget_at_once"]
+        out.append(
+            f"  auto over the best other method: one after another {show(best['serial'], 'x')}, "
+            f"at once {show(best['at_once'], 'x')}"
+            + (f"; mean chosen nodes at once {show(chosen)}" if chosen else "")
+        )
     out.append("  outputs at once equal those one after another: " + str(report["equal"]))
     return out
 
@@ -172,7 +217,7 @@ def lines(report: dict, args: argparse.Namespace) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--methods", default="ar,ddtree:15", help="METHOD[:BUDGET],...")
+    parser.add_argument("--methods", default="ar,ddtree:15,auto", help="METHOD[:BUDGET],...")
     parser.add_argument("--concurrency", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)

@@ -37,6 +37,7 @@ from typing import TypeVar
 
 import httpx
 
+from engine.methods import TREE_METHODS
 from ops.bench.matrix import Method
 from ops.errors import DdopsError
 
@@ -350,7 +351,7 @@ def served_label(speculative: dict) -> str | None:
     method, budget = speculative.get("method"), speculative.get("budget")
     if not method:
         return None
-    return f"{method}:{budget}" if budget and method == "ddtree" else str(method)
+    return f"{method}:{budget}" if budget and method in TREE_METHODS else str(method)
 
 
 def tokens_per_chunk(lengths: list[int], tokens: int) -> list[int]:

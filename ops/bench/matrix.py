@@ -22,7 +22,8 @@ Servers side by side: with `servers` > 1 every method runs on each server (`Cell
 the first `--url`), all of them interleaved in the same repeats.
 
 A method is `ar`, `linear` (a DFlash chain of the engine's default length), `ddtree:B` (a tree
-of B nodes; `ddtree` alone means the engine's default budget) or `default` (the request names
+of B nodes; `ddtree` alone means the engine's default budget), `auto` / `auto:B` (each round's
+nodes chosen for the batch, at most B: engine/budgets.py) or `default` (the request names
 no method: whatever the server is set to decode with, as any OpenAI client sends). Scenarios: `decode` (one fixed
 prompt), `long` (a prompt filling max-model-len minus the output length), `agentic` (a multi-turn
 tool-use pipeline at ~4k context, measured end to end). Pure data: no I/O here.
@@ -33,7 +34,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
-from engine.methods import METHODS
+from engine.methods import METHODS, TREE_METHODS
 from ops.errors import DdopsError
 
 SCENARIOS = ("decode", "long", "agentic")
@@ -45,7 +46,7 @@ DEFAULT_TIME_BUDGET_S = 600.0
 MAX_CONCURRENCY = 1024
 SERVER_DEFAULT = "default"  # the method a request that names none gets
 BENCH_METHODS = (*METHODS, SERVER_DEFAULT)  # in table order
-_METHOD = re.compile(r"^(ar|linear|ddtree|default)(?::([0-9]+))?$")
+_METHOD = re.compile(rf"^({'|'.join(BENCH_METHODS)})(?::([0-9]+))?$")
 _SLO_PART = re.compile(r"^(ttft|tpot)=([0-9]*\.?[0-9]+)(ms|s)$")
 
 
@@ -68,15 +69,17 @@ class Method:
 
 
 def parse_method(text: str) -> Method:
-    """`ar`, `linear`, `ddtree`, `ddtree:B` (B >= 1) or `default`, or DdopsError."""
+    """`ar`, `linear`, `ddtree`, `ddtree:B` (B >= 1), `auto`, `auto:B` or `default`, or
+    DdopsError."""
     match = _METHOD.match(text.strip())
     if not match:
         raise DdopsError(
-            f"method {text!r}", "expected ar, linear, ddtree, ddtree:BUDGET or default"
+            f"method {text!r}",
+            "expected ar, linear, ddtree, ddtree:BUDGET, auto, auto:BUDGET or default",
         )
     name, budget = match.group(1), match.group(2)
-    if budget is not None and (name != "ddtree" or not 1 <= int(budget) <= 1024):
-        raise DdopsError(f"method {text!r}", "only ddtree takes a budget, 1..1024")
+    if budget is not None and (name not in TREE_METHODS or not 1 <= int(budget) <= 1024):
+        raise DdopsError(f"method {text!r}", "only ddtree and auto take a budget, 1..1024")
     return Method(name, int(budget) if budget is not None else None)
 
 

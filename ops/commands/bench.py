@@ -91,7 +91,7 @@ def _parsed(parse):
     default=DEFAULT_METHODS,
     show_default=True,
     callback=_parsed(parse_methods),
-    help="ar, linear, ddtree:BUDGET, comma-separated.",
+    help="ar, linear, ddtree:BUDGET, auto, default, comma-separated.",
 )
 @click.option(
     "--lengths",

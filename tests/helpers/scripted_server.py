@@ -99,6 +99,8 @@ class ScriptedEngine:
                 finish = "stop"
                 break
         result = GenerationResult(output, finish, lengths, {}, 100.0, 0.01, None)
+        if cfg.method == "auto":  # a node verified each round (of the two tokens it commits)
+            result.budgets = [1] * len(lengths)
         if cfg.logprobs is not None:
             result.logprobs = [scripted_logprob(t, i, cfg.logprobs) for i, t in enumerate(output)]
         if cfg.prompt_logprobs is not None:

@@ -26,7 +26,7 @@ from tests.helpers.tiny_tokenizer import BYTE_VOCAB_SIZE, save_byte_tokenizer
 
 MAX_MODEL_LEN = 256
 PROMPT = "the cat sat on the mat"
-METHODS = ["ar", "linear", "ddtree"]
+METHODS = ["ar", "linear", "ddtree", "auto"]
 API_KEY = "test-key-6f1d"
 
 pytestmark = pytest.mark.slow
@@ -97,7 +97,7 @@ def test_every_method_gives_the_same_greedy_text(client):
         .text
         for method in METHODS
     }
-    assert texts["linear"] == texts["ar"] == texts["ddtree"]
+    assert texts["linear"] == texts["ar"] == texts["ddtree"] == texts["auto"]
 
 
 def test_greedy_output_equals_decode_generate_ar(models, client):
@@ -130,7 +130,7 @@ def test_chat_streamed_equals_non_streamed(client):
     assert whole.choices[0].message.role == "assistant"
     assert streamed == whole.choices[0].message.content
     assert whole.usage.completion_tokens >= 1
-    assert whole.model_extra["speculative"]["method"] == "ddtree"
+    assert whole.model_extra["speculative"]["method"] == "auto"  # the default with a drafter
     assert whole.model_extra["speculative"]["budget"] == 6
 
 

@@ -41,7 +41,7 @@ def test_tools_and_a_tool_call_history_reach_the_model(server_process, client):
     assert tokenized["tokens"] == expected
     assert completion.usage.prompt_tokens == tokenized["count"]
     assert completion.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    assert completion.model_extra["speculative"]["method"] == "ddtree"
+    assert completion.model_extra["speculative"]["method"] == "auto"
 
 
 def test_a_streamed_agent_turn_equals_the_non_streamed_one(client):

@@ -50,8 +50,11 @@ def test_completion_carries_text_usage_and_speculative_statistics(server, engine
         "prompt_tokens_details": {"cached_tokens": 0},
     }
     spec = body["speculative"]
-    assert (spec["method"], spec["budget"], spec["rounds"]) == ("ddtree", 15, 7)
+    assert (spec["method"], spec["budget"], spec["rounds"]) == ("auto", 15, 7)  # the default
     assert spec["mean_acceptance_length"] == pytest.approx(13 / 7)
+    assert spec["budgets"] == {"mean": 1.0, "histogram": {"1": 7}}  # auto's chosen node counts
+    named = complete(url, speculative={"method": "ddtree", "budget": 4}).json()["speculative"]
+    assert (named["method"], named["budget"]) == ("ddtree", 4) and "budgets" not in named
 
 
 def test_speculative_choice_per_request_else_server_default(server, engine):
@@ -59,11 +62,15 @@ def test_speculative_choice_per_request_else_server_default(server, engine):
     complete(url, temperature=0.5, seed=7, max_tokens=3)
     complete(url, speculative={"method": "linear"})
     complete(url, speculative={"method": "ddtree", "budget": 4})
-    first, second, third = engine.configs[-3:]
-    assert (first.method, first.budget, first.temperature, first.seed) == ("ddtree", 15, 0.5, 7)
+    complete(url, speculative={"budget": 6})  # a budget named alone is ddtree's, exactly
+    complete(url, speculative={"method": "auto", "budget": 8})  # auto's cap
+    first, second, third, fourth, fifth = engine.configs[-5:]
+    assert (first.method, first.budget, first.temperature, first.seed) == ("auto", 15, 0.5, 7)
     assert (first.max_new_tokens, first.stop_token_ids) == (3, (EOS,))
     assert (second.method, second.max_new_tokens) == ("linear", 16)  # OpenAI's default 16
     assert (third.method, third.budget) == ("ddtree", 4)
+    assert (fourth.method, fourth.budget) == ("ddtree", 6)
+    assert (fifth.method, fifth.budget) == ("auto", 8)
 
 
 def test_chat_completion_uses_the_chat_template(server, engine):
@@ -272,6 +279,7 @@ def test_metrics_parse_and_count_per_method(server):
     url, _ = server
     complete(url, speculative={"method": "linear"})
     complete(url, max_tokens=-1)
+    complete(url)  # auto, the default: a node a round
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
 
     def value(family: str, sample: str, **labels) -> float:
@@ -297,6 +305,11 @@ def test_metrics_parse_and_count_per_method(server):
         )
         == 7
     )
+    budget = "ddops_engine_tree_budget"
+    assert value(budget, budget + "_count", method="auto") == 7
+    assert value(budget, budget + "_bucket", method="auto", le="0.0") == 0
+    assert value(budget, budget + "_bucket", method="auto", le="1.0") == 7
+    assert value(budget, budget + "_count", method="linear") == 0
 
 
 def test_tokenize_counts_text_and_chat_messages(server):

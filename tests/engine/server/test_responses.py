@@ -97,7 +97,7 @@ def test_a_tool_call_comes_back_as_reasoning_and_function_call_items(agent):
     assert response.usage.output_tokens_details.reasoning_tokens == len(
         "<think>\nThe user wants weather.\n</think>"
     )
-    assert response.model_extra["speculative"]["method"] == "ddtree"
+    assert response.model_extra["speculative"]["method"] == "auto"
 
 
 def test_an_answer_is_a_message_item_and_output_text(agent):
