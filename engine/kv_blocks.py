@@ -315,6 +315,7 @@ class PagedKVCache:
         visible: torch.Tensor | None,  # [T, T] bool among the pending; None = causal
         scale: float,
         keys: int,  # slots that may be read (>= prefix_len + T)
+        mask: torch.Tensor | None = None,  # [T, keys] the pass's `kernels.pass_mask`
     ) -> torch.Tensor:  # [T, Hq, D]
         """Tree attention of `q` over the blocks in place: the paged kernel on CUDA; elsewhere
         the contiguous kernel over `keys` (a view when the blocks lie in order)."""
@@ -327,8 +328,10 @@ class PagedKVCache:
             else:
                 prefix = torch.full((1,), prefix_len, dtype=torch.long, device=q.device)
             return paged_tree_attention(q, k, v, self.table[None], starts, prefix, visible, scale)
-        keys = min(keys, len(self.blocks) * self.pool.block_tokens)
-        return tree_attention(q, *self.keys(layer, keys), prefix_len, visible, scale)
+        held = len(self.blocks) * self.pool.block_tokens
+        if keys > held:
+            keys, mask = held, None if mask is None else mask[:, :held]
+        return tree_attention(q, *self.keys(layer, keys), prefix_len, visible, scale, mask)
 
     # -- committing ------------------------------------------------------------------------
 

@@ -88,10 +88,28 @@ def tree_attention(
     prefix_len: int | torch.Tensor,
     tree_visible: torch.Tensor | None,  # [T, T] bool, None = causal
     scale: float,
+    mask: torch.Tensor | None = None,  # [T, S] a pass's `pass_mask`, for every layer
 ) -> torch.Tensor:  # [T, Hq, D]
-    """See `reference.tree_attention`."""
+    """See `reference.tree_attention`. `mask`, when given, is `pass_mask` of these arguments
+    (the CPU's attention adds it instead of building it again)."""
     impl = _implementation("triton_attention", q)
+    if impl is batched:
+        return batched.tree_attention(q, k, v, prefix_len, tree_visible, scale, mask)
     return impl.tree_attention(q, k, v, prefix_len, tree_visible, scale)
+
+
+def pass_mask(
+    q: torch.Tensor,  # [T, Hq, D] a layer's queries
+    keys: int,  # the keys S every layer of the pass reads
+    prefix_len: int | torch.Tensor,
+    tree_visible: torch.Tensor | None,  # [T, T] bool, None = causal
+) -> torch.Tensor | None:  # [T, keys]
+    """The mask `tree_attention` attends a pass's queries under at every layer, made once for
+    the pass where the backend takes one (the CPU's, `batched.key_mask`); None elsewhere (the
+    kernels read prefix_len and tree_visible) and for a causal pass."""
+    if tree_visible is None or _implementation("triton_attention", q) is not batched:
+        return None
+    return batched.key_mask(q.shape[0], keys, prefix_len, tree_visible, q.dtype, q.device)
 
 
 def paged_tree_attention(
@@ -186,6 +204,7 @@ __all__ = [
     "backend_for",
     "chain_gated_delta_rule",
     "paged_tree_attention",
+    "pass_mask",
     "rms_norm",
     "sequence_slots",
     "silu_mul",

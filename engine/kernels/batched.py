@@ -213,6 +213,21 @@ def tree_causal_conv1d(
     return out.to(x.dtype)
 
 
+def key_mask(
+    T: int,
+    S: int,
+    prefix_len: int | torch.Tensor,
+    tree_visible: torch.Tensor,  # [T, T] bool
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:  # [T, S] in dtype
+    """`reference.key_visibility` as the mask scaled_dot_product_attention adds to the scores
+    (0 where a key is seen, -inf elsewhere): what torch makes of a boolean mask at every call,
+    made once for all the layers of a pass (the results are the same, bit for bit)."""
+    seen = reference.key_visibility(T, S, prefix_len, tree_visible, device)
+    return torch.zeros(T, S, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
+
+
 def tree_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [S, Hkv, D], S >= prefix_len + T
@@ -220,6 +235,7 @@ def tree_attention(
     prefix_len: int | torch.Tensor,  # a tensor only with a tree (a verify round)
     tree_visible: torch.Tensor | None,  # [T, T] bool, None = causal
     scale: float,
+    mask: torch.Tensor | None = None,  # [T, S] `key_mask` of the above, when the caller has it
 ) -> torch.Tensor:  # [T, Hq, D]
     """Same contract as `reference.tree_attention`, streaming over the keys.
 
@@ -231,7 +247,8 @@ def tree_attention(
     need no mask but imports triton, which a CPU process should not pay ~150 MB for.
     """
     if tree_visible is not None:  # a verify round: few rows
-        mask = reference.key_visibility(q.shape[0], k.shape[0], prefix_len, tree_visible, q.device)
+        if mask is None:
+            mask = key_mask(q.shape[0], k.shape[0], prefix_len, tree_visible, q.dtype, q.device)
         return _attend(q, k, v, mask, scale)
     out = torch.empty_like(q)
     for start in range(0, q.shape[0], QUERY_BLOCK):
@@ -271,6 +288,7 @@ def _attend(q, k, v, mask: torch.Tensor, scale: float) -> torch.Tensor:
 
 __all__ = [
     "chain_gated_delta_rule",
+    "key_mask",
     "paged_tree_attention",
     "solve_tree",
     "tree_attention",

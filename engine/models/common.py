@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,7 +30,8 @@ from safetensors import safe_open
 from torch import nn
 
 from engine import kernels
-from engine.kernels import tree_attention
+from engine.kernels import pass_mask, tree_attention
+from engine.kernels.reference import cast
 from engine.kv_blocks import KVBlockPool, KVLayout, PagedKVCache, attend_sequences
 from engine.tree import on_device, tree_layout
 
@@ -107,16 +108,28 @@ class Rotary(nn.Module):
         super().__init__()
         self.rotary_dim = int(head_dim * partial_rotary_factor)
         self.theta = theta
+        self._inverse_frequencies: dict[torch.device, torch.Tensor] = {}
 
     def tables(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [..., T, rotary_dim] for integer positions [..., T] (angles in float32, as HF)."""
-        steps = torch.arange(0, self.rotary_dim, 2, device=positions.device).float()
-        inv_freq = 1.0 / (self.theta ** (steps / self.rotary_dim))  # [R/2]
+        inv_freq = self.inverse_frequencies(positions.device)  # [R/2]
         freqs = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, R/2]
         angles = torch.cat([freqs, freqs], dim=-1)  # [..., T, R]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return cast(angles.cos(), dtype), cast(angles.sin(), dtype)
+
+    def inverse_frequencies(self, device: torch.device) -> torch.Tensor:  # [R/2] float32
+        """theta^(-2i/R), made once per device (5 ops a pass fewer), except while a CUDA graph
+        is being captured: a tensor made then holds nothing until the graph replays."""
+        held = self._inverse_frequencies.get(device)
+        if held is not None:
+            return held
+        steps = torch.arange(0, self.rotary_dim, 2, device=device).float()
+        inv_freq = 1.0 / (self.theta ** (steps / self.rotary_dim))
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            self._inverse_frequencies[device] = inv_freq
+        return inv_freq
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [..., T, heads, D] rotated by tables [..., T, R] (broadcast over heads)."""
@@ -215,10 +228,11 @@ class KVCache:
         visible: torch.Tensor | None,  # [T, T] bool; None = causal
         scale: float,
         keys: int,  # slots that may be read (>= prefix_len + T)
+        mask: torch.Tensor | None = None,  # [T, keys] the pass's `kernels.pass_mask`
     ) -> torch.Tensor:  # [T, Hq, D]
         """Tree attention of the pending tokens' queries over the layer's first `keys` slots."""
         k, v = self.k[layer, :keys], self.v[layer, :keys]
-        return tree_attention(q, k, v, prefix_len, visible, scale)
+        return tree_attention(q, k, v, prefix_len, visible, scale, mask)
 
     def reset(self) -> None:
         """Empty: nothing committed (a pooled cache starting its next sequence)."""
@@ -278,17 +292,28 @@ def key_window(needed: int, capacity: int) -> int:
     return min(window, capacity)
 
 
+def pass_mask_once(memo: list, q, keys: int, prefix_len, visible) -> torch.Tensor | None:
+    """The attention mask of a pass (`kernels.pass_mask`, None where the kernel needs none),
+    made at its first layer and kept in `memo` (the pass's, empty until then) for the others:
+    every layer of a pass attends under the same mask."""
+    if not memo:
+        memo.append(pass_mask(q, keys, prefix_len, visible))
+    return memo[0]
+
+
 @dataclass
 class GrowingPass:
     """Attention of a pass whose keys are exactly the committed prefix and its T tokens (a
     prefill chunk; the models' dynamic-shape forward): pending K/V written right behind."""
 
     visible: torch.Tensor | None  # [T, T] bool among the pending; None = causal
+    mask: list = field(default_factory=list, repr=False)  # see pass_mask_once
 
     def attend(self, cache: KVCache, layer: int, q, k, v, scale: float) -> torch.Tensor:
         cache.store(layer, cache.length, k, v)
         keys = cache.length + k.shape[0]
-        return cache.attend(layer, q, cache.length, self.visible, scale, keys)
+        mask = pass_mask_once(self.mask, q, keys, cache.length, self.visible)
+        return cache.attend(layer, q, cache.length, self.visible, scale, keys, mask)
 
 
 @dataclass
@@ -301,10 +326,12 @@ class WindowPass:
     length: torch.Tensor  # [] committed slots before the pending ones
     visible: torch.Tensor  # [T, T] bool among the pending
     keys: int
+    mask: list = field(default_factory=list, repr=False)  # see pass_mask_once
 
     def attend(self, cache: KVCache, layer: int, q, k, v, scale: float) -> torch.Tensor:
         cache.store_at(layer, self.slots, k, v)
-        return cache.attend(layer, q, self.length, self.visible, scale, self.keys)
+        mask = pass_mask_once(self.mask, q, self.keys, self.length, self.visible)
+        return cache.attend(layer, q, self.length, self.visible, scale, self.keys, mask)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.kernels.reference import compute_dtype
+from engine.kernels.reference import cast, compute_dtype
 from engine.kv_blocks import KVBlockPool, KVLayout
 from engine.models.common import (
     KVCache,
@@ -130,6 +130,12 @@ class DraftLayer(nn.Module):
         """Residual after attention output attn [..., T, Hq, D], then the MLP block."""
         x = x + self.self_attn.o_proj(attn.flatten(-2))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """x * factor, x itself for a factor of 1 (the same values, one op fewer: most checkpoints
+    scale neither their embeddings nor their logits)."""
+    return x if factor == 1.0 else x * factor
 
 
 def masked_attention(
@@ -365,10 +371,11 @@ class DFlashDrafter(nn.Module):
             cache.store(index, first, *layer.self_attn.key_values(ctx, rope))
 
     def _embed(self, target: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        return target.embed_tokens(ids) * self.config.input_embedding_scale
+        return scaled(target.embed_tokens(ids), self.config.input_embedding_scale)
 
     def _logits(self, target: nn.Module, x: torch.Tensor) -> torch.Tensor:  # float32
-        logits = target.lm_head(self.norm(x)).float() * self.config.output_multiplier
+        logits = cast(target.lm_head(self.norm(x)), torch.float32)
+        logits = scaled(logits, self.config.output_multiplier)
         if cap := self.config.final_logit_softcapping:
             logits = torch.tanh(logits / cap) * cap
         return logits

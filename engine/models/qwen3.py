@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.kernels.reference import compute_dtype
+from engine.kernels.reference import cast, compute_dtype
 from engine.kv_blocks import KVBlockPool, KVLayout
 from engine.models.common import (
     GrowingPass,
@@ -203,7 +203,7 @@ class Qwen3Model(nn.Module):
         return split_batch(self._logits, x, hidden, segments, rows)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:  # float32; float64 stays float64
-        return self.lm_head(x).to(compute_dtype(x.dtype))
+        return cast(self.lm_head(x), compute_dtype(x.dtype))
 
     def _run(self, ids, cache: KVCache, parents, hidden_layers: Sequence[int]):
         """The final-normed hidden states [T, H] and the requested layers' outputs."""

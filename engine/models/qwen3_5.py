@@ -37,7 +37,7 @@ from torch import nn
 from engine import kernels
 from engine.kernels import backend_for
 from engine.kernels.batched import ancestor_matrix
-from engine.kernels.reference import compute_dtype
+from engine.kernels.reference import cast, compute_dtype
 from engine.kv_blocks import KVBlockPool, KVLayout
 from engine.memory_plan import FULL, LINEAR, hybrid_layer_types
 from engine.models.common import (
@@ -494,7 +494,7 @@ class Qwen3_5Model(nn.Module):
         return strategy == "factored"
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(h)).to(compute_dtype(h.dtype))  # float64 stays float64
+        return cast(self.lm_head(self.norm(h)), compute_dtype(h.dtype))  # float64 stays float64
 
     def _run(self, ids, cache: HybridCache, parents, hidden_layers: Sequence[int], extend: bool):
         """The last layer's output [T, hidden] (before the final norm), the requested layers'."""
