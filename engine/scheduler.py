@@ -161,8 +161,9 @@ class Scheduler:
     def step(self) -> None:
         """Admit, plan, run one pass, commit, retire (see the module docstring)."""
         self._admit()
-        work = self._plan()
-        if work:
+        if (alone := self._decoding_alone()) is not None:
+            self._solo_round(alone)
+        elif work := self._plan():
             try:
                 self._pass(work)
             except Exception as error:  # the pass's sequences fail, the others keep going
@@ -238,6 +239,32 @@ class Scheduler:
                 work.append(item)
                 budget -= item.segment.ids.shape[0]
         return work
+
+    def _decoding_alone(self) -> _Active | None:
+        """The running sequence when it is the only one and decodes (nothing prefills beside
+        it): its round then runs as `generate` runs it (`_solo_round`)."""
+        if len(self.running) == 1 and not self.running[0].prefilling:
+            return self.running[0]
+        return None
+
+    def _solo_round(self, active: _Active) -> None:
+        """One round of a sequence decoding alone, by `generate`'s steps: its static passes
+        (the drafter's context and block in one pass, a fixed-width verify; CUDA graphs on a
+        GPU) instead of a batched pass of one segment, which costs a batch-1 ddtree round ~20%
+        more host work (aten ops) on the demo pair. The tokens are the target's choices either
+        way, so a sequence may switch between the two from one round to the next."""
+        run, seq = active.run, active.seq
+        try:
+            tree = run.next_tree(active.request.should_stop)
+            if tree is None:  # finished: retired by the step
+                return
+            run.committed(tree, *seq.commit(tree, *seq.verify(tree), run.out.taking))
+        except Exception as error:
+            self._fail([active], error)
+            return
+        self.passes += 1
+        if self.on_pass is not None:
+            self.on_pass(1, tree.size + 1)
 
     def _rounds(self, decoding: list[_Active]) -> list[_Work]:
         """Each decoding sequence's round as its verify segment: the drafts of all that draft
