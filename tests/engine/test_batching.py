@@ -149,6 +149,32 @@ def test_requests_join_while_others_decode_and_wait_for_a_slot(pair):
         assert got.output(index) == solo(pair, prompt, cfg)
 
 
+def test_a_sequence_alone_decodes_by_generates_passes_and_batches_when_another_joins(
+    pair, monkeypatch
+):
+    target, _ = pair
+    passes, batched_pass = [], target.forward_batch
+
+    def forward_batch(segments, hidden_layers=()):
+        passes.append(["prefill" if segment.extend else "round" for segment in segments])
+        return batched_pass(segments, hidden_layers)
+
+    monkeypatch.setattr(target, "forward_batch", forward_batch)
+    cases = list(zip(prompts(pair, [12, 9], seed=2), configs()[1:3], strict=True))
+    sched, got = scheduler(pair, slots=2, tokens=64), Collector()
+    sched.add(got.request(0, *cases[0]))
+    for _ in range(4):  # its prefill, then rounds alone: generate()'s static passes
+        sched.step()
+    assert passes == [["prefill"]]
+    assert sched.passes == 4  # each round alone is still a pass
+    sched.add(got.request(1, *cases[1]))
+    drain(sched)
+    assert passes[1] == ["round", "prefill"]  # the newcomer shares the running one's pass
+    assert ["round", "round"] in passes
+    for index, (prompt, cfg) in enumerate(cases):
+        assert got.output(index) == solo(pair, prompt, cfg)
+
+
 def test_a_cancelled_sequence_leaves_and_the_others_are_unchanged(pair):
     cases = list(zip(prompts(pair, [10, 60, 8], seed=2), configs()[:3], strict=True))
     sched, got = scheduler(pair, slots=3, tokens=16), Collector()
