@@ -242,10 +242,12 @@ class Scheduler:
 
     def _decoding_alone(self) -> _Active | None:
         """The running sequence when it is the only one and decodes (nothing prefills beside
-        it): its round then runs as `generate` runs it (`_solo_round`)."""
-        if len(self.running) == 1 and not self.running[0].prefilling:
-            return self.running[0]
-        return None
+        it) with a method of its own: its round then runs as `generate` runs it
+        (`_solo_round`). An `auto` one keeps the batched pass, where its budgets are chosen."""
+        if len(self.running) != 1:
+            return None
+        active = self.running[0]
+        return None if active.prefilling or active.acceptance is not None else active
 
     def _solo_round(self, active: _Active) -> None:
         """One round of a sequence decoding alone, by `generate`'s steps: its static passes

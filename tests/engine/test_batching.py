@@ -160,6 +160,12 @@ def test_a_sequence_alone_decodes_by_generates_passes_and_batches_when_another_j
         return batched_pass(segments, hidden_layers)
 
     monkeypatch.setattr(target, "forward_batch", forward_batch)
+    auto = GenerationConfig("auto", 15, max_new_tokens=NEW, prefill_chunk=16)
+    sched = scheduler(pair, slots=1)
+    sched.add(Request(prompts(pair, [6], seed=3)[0], auto))
+    drain(sched)
+    assert ["round"] in passes  # auto alone keeps the batched pass, where its budgets are chosen
+    passes.clear()
     cases = list(zip(prompts(pair, [12, 9], seed=2), configs()[1:3], strict=True))
     sched, got = scheduler(pair, slots=2, tokens=64), Collector()
     sched.add(got.request(0, *cases[0]))
