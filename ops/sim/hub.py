@@ -27,7 +27,6 @@ process (the sim host's, ops/sim/hubservice.py) tells what it served over the ho
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import hmac
 import json
@@ -329,12 +328,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--stats", type=Path, help="keep the counters in this JSON file")
     args = parser.parse_args(argv)
+    # Blocked before the server's threads exist, so that every thread inherits the mask and the
+    # main thread takes the signal in sigwait. (A handler setting an Event the main thread waits
+    # on missed a SIGTERM that the kernel gave a server thread: the hub then ran on for good.)
+    stop_signals = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     hub = LocalHub(args.root, port=args.port, stats_file=args.stats).start()
     print(hub.url, flush=True)
-    stopped = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
-    with contextlib.suppress(KeyboardInterrupt):
-        stopped.wait()
+    signal.sigwait(stop_signals)
     hub.stop()
 
 

@@ -15,6 +15,7 @@ model pair); a reboot of the host restarts it when it ran before.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -33,6 +34,7 @@ STATS_FILE = "var/lib/ddops-sim/hub.json"
 LOG_FILE = "var/log/ddops-sim-hub.log"
 HUB_MODULE = "ops.sim.hub"
 START_TIMEOUT_S = 15.0
+STOP_TIMEOUT_S = 5.0
 DEMO_MODEL_DIR = Path(__file__).resolve().parents[2] / "engine" / "demo_model"
 DEMO_REPOS = {"target": "ddops/demo-target", "draft": "ddops/demo-draft"}
 
@@ -113,10 +115,24 @@ def stop_hub(root: Path) -> bool:
     if pid is None:
         return False
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 5
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while not _exited(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     return True
+
+
+def _exited(pid: int) -> bool:
+    """Whether the hub process has ended: reaped here when it is this process's child (the demo
+    starts the hub in its own process), or gone, or a zombie its parent has not reaped yet. A
+    zombie's /proc entry stays: waiting for it to vanish cost every in-process reboot 5 s."""
+    with contextlib.suppress(ChildProcessError):
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] == "Z"  # the state follows "(comm)"
 
 
 def bytes_served(root: Path) -> int:
