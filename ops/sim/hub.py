@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     hub = LocalHub(args.root, port=args.port, stats_file=args.stats).start()
     print(hub.url, flush=True)
     signal.sigwait(stop_signals)
-    hub.stop()
+    # Then exit: the port closes with the process (the counts are on disk after each request).
+    # hub.stop() would wait up to 0.5 s for serve_forever's next poll, on every sim reboot.
 
 
 if __name__ == "__main__":
