@@ -25,11 +25,12 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable, Iterable
+from contextlib import suppress
 from typing import Any
 
 import torch
 
-from engine.kv_blocks import KVBlockPool
+from engine.kv_blocks import KVBlockPool, PoolExhausted
 from engine.memory_plan import BLOCK_TOKENS, is_out_of_memory
 from engine.prefix_cache import Capture, PrefixCache, has_states
 
@@ -129,10 +130,12 @@ class CachePool:
             )
         return pool
 
-    def slots(self, count: int) -> list[CachePool]:
+    def slots(self, count: int, kv_tokens: int | None = None) -> list[CachePool]:
         """This pool and `count` - 1 more of its size sharing its prefix cache and its KV block
         pools (each grown by a sequence): the slots of a scheduler's running sequences
-        (engine/scheduler.py), each its own block tables and passes."""
+        (engine/scheduler.py), each its own block tables and passes. `kv_tokens`: the
+        sequences' share of each pool holds that many tokens (whole blocks) instead of
+        `count` full sequences; the scheduler preempts a sequence when it runs short."""
         pools = (self.target_blocks, self.draft_blocks)
         more = [
             CachePool(
@@ -146,6 +149,10 @@ class CachePool:
             )
             for _ in range(count - 1)
         ]
+        if kv_tokens is not None:
+            for blocks in (self.target_blocks, self.draft_blocks):
+                if blocks is not None:
+                    blocks.limit(-(-kv_tokens // self.block_tokens) + blocks.cache_blocks)
         return [self, *more]
 
     def open(self, speculative: bool, cache_prompt: bool) -> SequenceCaches:
@@ -221,7 +228,8 @@ class SequenceCaches:
         if self.prefix is None:
             return
         if self.draft_cache is not None and context is not None and context.shape[0]:
-            self.pool.drafter.append_context(self.draft_cache, context)
+            with suppress(PoolExhausted):  # a short pool: stored without the drafter's last K/V
+                self.pool.drafter.append_context(self.draft_cache, context)
         self.prefix.store(committed, self.cache, self.draft_cache, self.captures)
         self.captures = []
 

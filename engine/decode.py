@@ -284,20 +284,26 @@ class _Sequence:
         self.layers = tuple(drafter.target_layer_ids) if self.speculative else ()
         self.generator = make_generator(self.device, cfg.seed) if cfg.temperature > 0 else None
         self.clock = _StageClock(self.device)
-        self.caches = pool.open(self.speculative, cfg.cache_prompt and cfg.prompt_logprobs is None)
-        self.cache, self.draft_cache = self.caches.cache, self.caches.draft_cache
+        self.graphs = cfg.cuda_graphs and self.device.type == "cuda"
+        self._open(pool)
         self.committed: list[int] = []  # the token ids in the target's cache
         self.context: torch.Tensor | None = None  # [N, n*H] features not yet given to the drafter
         self.bonus = -1  # the target's latest choice: output, not yet in the cache
         self.width = 1 + _draft_width(cfg, drafter)  # tokens of every static verify
         self.static_target = hasattr(target, "forward_static")
         self.static_draft = self.speculative and getattr(drafter, "static_ok", False)
-        self.graphs = cfg.cuda_graphs and self.device.type == "cuda"
-        self.passes = _Passes(pool.passes, self.graphs)
+        self.resuming = False  # re-prefilling `committed` after a preemption (`restart`)
         self.guide = Guide(cfg.constraint) if cfg.constraint else None
         self.penalties: Penalties | None = None  # made at the prefill's logits (their width)
         self.scores: list[TokenLogprob] | None = None  # with cfg.logprobs: the last choices'
         self.prompt_scores: PromptScores | None = None  # with cfg.prompt_logprobs
+
+    def _open(self, pool: CachePool) -> None:
+        """Decode in `pool`'s caches (a server's slot) and static passes."""
+        cfg = self.cfg
+        self.caches = pool.open(self.speculative, cfg.cache_prompt and cfg.prompt_logprobs is None)
+        self.cache, self.draft_cache = self.caches.cache, self.caches.draft_cache
+        self.passes = _Passes(pool.passes, self.graphs)
 
     def prefill(self, prompt_ids: list[int]) -> int:
         """Run the prompt from its longest cached prefix in chunks of cfg.prefill_chunk, each
@@ -312,23 +318,72 @@ class _Sequence:
 
     def begin_prefill(self, prompt_ids: list[int]) -> None:
         """Restore the longest cached prefix and plan the chunks of the rest (`next_piece`)."""
-        cached, total = self.caches.resume(prompt_ids), len(prompt_ids)
-        self.prompt_ids, self.prefilled = list(prompt_ids), cached
+        self.prompt_ids = list(prompt_ids)
+        self._plan_prefill(self.prompt_ids)
+        if self.cfg.prompt_logprobs is not None:
+            self.prompt_scores = PromptScores(prompt_ids, self.cfg.prompt_logprobs, self.device)
+
+    def _plan_prefill(self, tokens: list[int]) -> None:
+        """Restore the longest cached prefix of `tokens` (the prompt, or what a preempted
+        sequence had committed) and plan the chunks of the rest."""
+        cached, total = self.caches.resume(tokens), len(tokens)
+        self._filling, self.prefilled = tokens, cached
         self._cached, self._logits = cached, self.caches.logits
-        self._prompt = torch.tensor(prompt_ids[cached:], dtype=torch.long, device=self.device)
-        if self.speculative:  # the drafter's features of the prompt's uncached tokens
+        self._prompt = torch.tensor(tokens[cached:], dtype=torch.long, device=self.device)
+        if self.speculative:  # the drafter's features of the uncached tokens
             self.context = self._features(total - cached)
         self._chunk_ends = [
             end
             for _, end in chunk_bounds(cached, total, self.cfg.prefill_chunk, self.cfg.checkpoints)
         ]
-        if self.cfg.prompt_logprobs is not None:
-            self.prompt_scores = PromptScores(prompt_ids, self.cfg.prompt_logprobs, self.device)
 
     @property
     def prefill_left(self) -> int:
-        """Prompt tokens not yet prefilled."""
-        return len(self.prompt_ids) - self.prefilled
+        """Prompt tokens (or a resumed sequence's committed ones) not yet prefilled."""
+        return len(self._filling) - self.prefilled
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Whether the prefill scores every prompt position (prompt logprobs; not a resume)."""
+        return self.prompt_scores is not None and not self.resuming
+
+    def preempt(self) -> None:
+        """Give back the caches (every KV block, the GDN state slot, the drafter's features),
+        keeping the tokens and the sampling state (generator, penalties, grammar; the output is
+        the Run's): `restart` re-prefills what was committed. Between rounds, what was committed
+        is stored in the prefix cache first (the drafter's K/V as far as it reaches), so the
+        restart resumes from it unless it was evicted meanwhile."""
+        if self.committed and not self.resuming:
+            self.caches.finish(self.committed, None)
+        else:
+            self.caches.abandon()
+        self.release()
+        self.context = self._prompt = self._logits = None
+
+    def release(self) -> None:
+        """Give the caches' blocks back now (those the prefix cache holds stay with it), not
+        when the slot's next sequence opens it: a pool shared by many slots needs them."""
+        self.cache.reset()
+        if self.draft_cache is not None:
+            self.draft_cache.reset()
+
+    def restart(self, pool: CachePool) -> None:
+        """After `preempt`: take `pool`'s caches and plan the re-prefill, from its longest cached
+        prefix, of what was committed (the prompt and the output but the bonus; the prompt
+        alone if it was not all prefilled). The bonus, the sampling state and the output stay:
+        the next round continues where the sequence stopped (`end_resume`)."""
+        cached_tokens = self.caches.cached_tokens
+        self._open(pool)
+        if not self.committed:
+            self.begin_prefill(self.prompt_ids)
+            return
+        self.resuming = True
+        self._plan_prefill(self.committed)
+        self.caches.cached_tokens = cached_tokens  # the result reports the prompt's hit
+
+    def end_resume(self) -> None:
+        """The re-prefill after a preemption is in: the caches hold `committed` again."""
+        self.resuming = False
 
     def next_piece(self, limit: int | None = None) -> torch.Tensor | None:
         """The prompt's next tokens to extend the cache with: the rest of the current chunk,
@@ -349,7 +404,7 @@ class _Sequence:
         self._logits = logits
         if end == self._chunk_ends[0]:
             self._chunk_ends.pop(0)
-            self.caches.after_chunk(end, len(self.prompt_ids), logits)
+            self.caches.after_chunk(end, len(self._filling), logits)
 
     def end_prefill(self) -> int:
         """The first output token, from the prompt's last logits."""
@@ -366,7 +421,7 @@ class _Sequence:
     def _extend(self, chunk: torch.Tensor, start: int):
         """The target's extend of the prefill chunk at prompt position `start`, every position
         scored when the prompt's logprobs are asked."""
-        if self.prompt_scores is None:
+        if not self.scoring_prompt:
             return self.target.extend(chunk, self.cache, self.layers)
         return self.target.extend(chunk, self.cache, self.layers, self.prompt_scores.at(start))
 
@@ -534,8 +589,12 @@ class _Sequence:
         return accepted, new_tokens
 
     def finish(self) -> None:
-        """Store what the sequence committed in the pool's prefix cache (if it uses one)."""
-        self.caches.finish(self.committed, self.context)
+        """Store what the sequence committed in the pool's prefix cache (if it uses one; not
+        while a preempted one re-prefills it: the caches hold part of it)."""
+        if self.resuming:
+            self.caches.abandon()
+        else:
+            self.caches.finish(self.committed, self.context)
 
 
 def generate(

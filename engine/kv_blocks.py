@@ -102,6 +102,15 @@ class KVBlockPool:
         self.refs += [0] * blocks
         self.capacity += blocks
 
+    def limit(self, capacity: int) -> None:
+        """`capacity` blocks in all, fewer than the sequences could fill (an oversubscribed
+        pool: engine/scheduler.py preempts a sequence when it runs short); before any block
+        beyond it is allocated."""
+        if capacity < 1 or self.k.shape[1] > capacity:
+            raise ValueError(f"cannot limit a pool of {self.k.shape[1]} blocks to {capacity}")
+        self.refs = self.refs[:capacity] + [0] * (capacity - len(self.refs))
+        self.capacity = capacity
+
     def hold_for_cache(self, blocks: int) -> None:
         """Capacity for a prefix cache holding up to `blocks` blocks (once per pool)."""
         self.grow_by(blocks - self.cache_blocks)

@@ -23,9 +23,23 @@ share with one prefix cache, engine/kv_blocks.py). Each `step`:
 A sequence's tokens are the target's own choices along its own path, so they equal its solo
 `generate()` whatever runs beside it (tests/engine/test_batching.py, float64).
 
+Preemption (vLLM's rule): the slots share one KV block pool that may hold fewer blocks than
+`max_num_seqs` full sequences (`CachePool.slots(count, kv_tokens)`). Before a step runs anything,
+every running sequence's work takes its blocks, oldest first (a round's verify tokens, its draft's
+context and block; a prefill piece); while the pool has none left (the prefix cache gives back its
+least recently used first), the most recently admitted running sequence is preempted: its blocks,
+its slot (GDN states) and its drafter features are given back, what it committed is stored in the
+prefix cache, and it goes back to the head of the queue with its tokens, output and sampling state
+(generator, penalties, grammar). Readmitted, it re-prefills what it had committed (from the
+longest prefix the prefix cache still holds) and its next round continues where it stopped: no
+token is streamed twice or lost. A waiting request is admitted only once the blocks of its first
+prefill piece are free, so an oversubscribed pool queues rather than thrashes. `preemptions`
+counts them (`on_preempt`: the server's /metrics).
+
 A step that raises fails the sequences it ran (`Finished.error`), the others keep going; one that
 ran out of memory empties the prefix cache first and puts those that had emitted nothing back at
 the head of the queue once (a request that fits without the cache never fails because of it).
+A sequence that does not fit the pool even alone fails with the pool's out-of-memory error.
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Protocol
 
 import numpy as np
@@ -51,6 +66,7 @@ from engine.decode import (
     _draft_width,
     _Sequence,
 )
+from engine.kv_blocks import PoolExhausted
 from engine.memory_plan import is_out_of_memory
 from engine.models.common import Segment
 from engine.sampling import TokenLogprob
@@ -95,7 +111,7 @@ class _Active:
     pool: CachePool
     run: Run
     admitted: float
-    prefilling: bool = True
+    prefilling: bool = True  # its prompt, or after a preemption what it had committed
     acceptance: Acceptance | None = None  # auto: what its budgets are chosen from
 
 
@@ -127,11 +143,13 @@ class Scheduler:
         self.prefix_cache = pools[0].prefix_cache  # shared by every slot
         self.max_num_batched_tokens = max_num_batched_tokens
         self.options = options or {}  # GenerationConfig fields every request gets
-        self.waiting: deque[Request] = deque()
-        self.running: list[_Active] = []
+        self.waiting: deque[Request | _Active] = deque()  # _Active: preempted, at the head
+        self.running: list[_Active] = []  # in the order they were admitted
         self.passes = 0  # target passes run so far
+        self.preemptions = 0
         self.budgets = Budgets(target.embed_tokens.weight.device.type)  # auto's cost model
         self.on_pass: Callable[[int, int], None] | None = None  # (sequences, tokens) of a pass
+        self.on_preempt: Callable[[], None] | None = None  # a sequence was preempted
 
     @property
     def idle(self) -> bool:
@@ -173,7 +191,7 @@ class Scheduler:
     def cancel_all(self) -> None:
         """Stop every request now: the waiting ones finish cancelled, the running ones too."""
         while self.waiting:
-            self.waiting.popleft().on_finish(Finished(None))
+            self._drop_waiting(self.waiting.popleft())
         for active in list(self.running):
             active.run.out.finish_reason = active.run.out.finish_reason or "cancelled"
         self._retire()
@@ -193,52 +211,139 @@ class Scheduler:
         return max_len
 
     def _admit(self) -> None:
-        """Waiting requests into free slots, first come first served."""
+        """Waiting requests (preempted sequences first, at the head) into free slots, first
+        come first served, each only once the pool holds the blocks of its first prefill
+        piece: else it waits at the head for blocks to come back (or fails, when nothing runs
+        that could give them back)."""
         while self.waiting and self.free:
-            request = self.waiting.popleft()
+            item = self.waiting.popleft()
+            request = item.request if isinstance(item, _Active) else item
             if request.should_stop is not None and request.should_stop():
-                request.on_finish(Finished(None))
+                self._drop_waiting(item)
                 continue
             pool = self.free.pop(0)
             try:
-                seq = _Sequence(self.target, self.drafter, request.cfg, pool)
+                active = self._start(item, pool)
             except Exception as error:
                 self.free.insert(0, pool)
                 request.on_finish(Finished(None, error))
                 continue
-            run = Run(
-                seq,
-                self._max_len(request),
-                time.perf_counter(),
-                request.on_tokens,
-                request.on_logprobs,
-            )
-            active = _Active(request, seq, pool, run, time.monotonic())
-            if request.cfg.method == "auto":
-                active.acceptance = Acceptance(request.cfg.budget)
             self.running.append(active)
             try:
-                seq.begin_prefill(request.prompt_ids)
+                if not self._hold(active, partial(self._hold_first_piece, active), preempt=False):
+                    break
             except Exception as error:
                 self._fail([active], error)
 
+    def _start(self, item: Request | _Active, pool: CachePool) -> _Active:
+        """A waiting request's sequence in `pool`, its prefill begun; or a preempted one's,
+        its re-prefill begun."""
+        if isinstance(item, _Active):
+            item.pool, item.prefilling = pool, True
+            item.seq.restart(pool)
+            return item
+        seq = _Sequence(self.target, self.drafter, item.cfg, pool)
+        run = Run(seq, self._max_len(item), time.perf_counter(), item.on_tokens, item.on_logprobs)
+        try:
+            seq.begin_prefill(item.prompt_ids)
+        except Exception:
+            seq.caches.abandon()
+            raise
+        active = _Active(item, seq, pool, run, time.monotonic())
+        if item.cfg.method == "auto":
+            active.acceptance = Acceptance(item.cfg.budget)
+        return active
+
+    def _hold_first_piece(self, active: _Active) -> None:
+        piece = active.seq.next_piece(limit=self.max_num_batched_tokens)
+        if piece is not None:
+            active.seq.cache.check_room(piece.shape[0])
+
+    def _drop_waiting(self, item: Request | _Active) -> None:
+        """A waiting request cancelled (or cut); a preempted one ends with what it streamed."""
+        if not isinstance(item, _Active):
+            item.on_finish(Finished(None))
+            return
+        result = None
+        if item.run.out.ids:
+            item.run.out.finish_reason = item.run.out.finish_reason or "cancelled"
+            result = item.run.result()
+        item.request.on_finish(Finished(result, admitted=item.admitted))
+
     def _plan(self) -> list[_Work]:
         """This step's work: every decoding sequence's round, then prefill pieces within the
-        token budget left. A sequence whose own part raises (its draft) fails alone."""
-        work = self._rounds([active for active in self.running if not active.prefilling])
-        budget = self.max_num_batched_tokens - sum(item.segment.ids.shape[0] for item in work)
-        prefilling = [active for active in self.running if active.prefilling]
-        for index, active in enumerate(prefilling):
-            share = budget // (len(prefilling) - index)
-            try:
-                item = self._prefill_piece(active, share)
-            except Exception as error:
-                self._fail([active], error)
-                continue
-            if item is not None:
+        token budget left, once each holds its blocks, oldest first (`_hold`: preempting when
+        the pool is short). A sequence whose own part raises (its draft) fails alone."""
+        rounds = []
+        for active in self.running:
+            if not active.prefilling:
+                rooms = active.run.next_rooms(active.request.should_stop)
+                if rooms is not None:
+                    rounds.append((active, rooms))
+        budget = self.max_num_batched_tokens - sum(_round_tokens(a, rooms) for a, rooms in rounds)
+        pieces = self._pieces(budget)
+        holds = {id(a): partial(self._hold_round, a, rooms) for a, rooms in rounds}
+        holds.update((id(a), partial(a.seq.cache.check_room, p.shape[0])) for a, p in pieces)
+        for active in list(self.running):
+            if id(active) in holds and active in self.running:
+                try:
+                    self._hold(active, holds[id(active)])
+                except Exception as error:
+                    self._fail([active], error)
+        work = self._rounds([(a, rooms) for a, rooms in rounds if a in self.running])
+        for active, piece in pieces:
+            if active in self.running and (item := self._piece_work(active, piece)) is not None:
                 work.append(item)
-                budget -= item.segment.ids.shape[0]
         return work
+
+    def _hold(self, active: _Active, hold: Callable[[], None], preempt: bool = True) -> bool:
+        """Run `hold` (it takes the blocks of `active`'s next work); while the pool has none
+        left, preempt the most recently admitted running sequence and try again (`preempt`
+        False: put `active` back at the head of the queue instead, a request being admitted).
+        False when `active` itself went back; PoolExhausted when it runs alone and still
+        does not fit."""
+        while True:
+            try:
+                hold()
+                return True
+            except PoolExhausted:
+                if len(self.running) == 1:
+                    raise
+                victim = self.running[-1] if preempt else active
+                self._requeue(victim, counted=preempt)
+                if victim is active:
+                    return False
+
+    def _hold_round(self, active: _Active, rooms: tuple[int, int]) -> None:
+        """The blocks of a round: its verify tokens, and its draft's context and block."""
+        seq = active.seq
+        seq.cache.check_room(_round_tokens(active, rooms))
+        if seq.speculative and min(rooms) > 0:
+            cache = seq.draft_cache
+            rows = seq.context.shape[0] if seq.context is not None else 0
+            cache.check_room(min(rows + self.drafter.block_size, cache.max_len - cache.length))
+
+    def _requeue(self, active: _Active, counted: bool) -> None:
+        """`active` leaves the running, its caches given back, for the head of the queue
+        (`counted`: a preemption, logged and counted)."""
+        self.running.remove(active)
+        active.seq.preempt()
+        self.free.append(active.pool)
+        self.waiting.appendleft(active)
+        if not counted:
+            return
+        self.preemptions += 1
+        log.info(
+            "preempted a sequence (%d tokens committed, %d streamed): the KV block pool is "
+            "full; %d running, %d waiting, %d preemptions so far",
+            len(active.seq.committed),
+            len(active.run.out.ids),
+            len(self.running),
+            len(self.waiting),
+            self.preemptions,
+        )
+        if self.on_preempt is not None:
+            self.on_preempt()
 
     def _decoding_alone(self) -> _Active | None:
         """The running sequence when it is the only one and decodes (nothing prefills beside
@@ -268,18 +373,11 @@ class Scheduler:
         if self.on_pass is not None:
             self.on_pass(1, tree.size + 1)
 
-    def _rounds(self, decoding: list[_Active]) -> list[_Work]:
-        """Each decoding sequence's round as its verify segment: the drafts of all that draft
-        in one drafter pass (engine/models/dflash.py `draft_batch`). One that finished adds
-        none; a failed draft fails the sequences it drafted for."""
-        rounds, drafting = [], []
-        for active in decoding:
-            rooms = active.run.next_rooms(active.request.should_stop)
-            if rooms is None:
-                continue
-            rounds.append((active, rooms))
-            if active.seq.start_round(*rooms):
-                drafting.append(active)
+    def _rounds(self, rounds: list[tuple[_Active, tuple[int, int]]]) -> list[_Work]:
+        """Each decoding sequence's round (with its rooms) as its verify segment: the drafts
+        of all that draft in one drafter pass (engine/models/dflash.py `draft_batch`); a
+        failed draft fails the sequences it drafted for."""
+        drafting = [active for active, rooms in rounds if active.seq.start_round(*rooms)]
         drafting = self._auto_drafting(rounds, drafting)
         trees = {}
         if drafting:
@@ -355,18 +453,34 @@ class Scheduler:
             active.seq.context = None
         return drafts
 
-    def _prefill_piece(self, active: _Active, share: int) -> _Work | None:
-        """Up to `share` more prompt tokens of a prefilling sequence, as a segment (None: none
-        this step, or the prompt was all cached, or scored on its own)."""
+    def _pieces(self, budget: int) -> list[tuple[_Active, torch.Tensor]]:
+        """The prefilling sequences' pieces, `budget` tokens shared in arrival order (one
+        cancelled, or whose prompt was all cached, has none)."""
+        prefilling = [active for active in self.running if active.prefilling]
+        pieces = []
+        for index, active in enumerate(prefilling):
+            share = budget // (len(prefilling) - index)
+            seq = active.seq
+            if active.request.should_stop is not None and active.request.should_stop():
+                active.run.out.finish_reason = "cancelled"
+                continue
+            piece = seq.next_piece(limit=share) if share > 0 else None
+            if piece is not None:
+                pieces.append((active, piece))
+                budget -= piece.shape[0]
+            elif seq.prefill_left == 0:
+                self._prefilled(active)
+        return pieces
+
+    def _piece_work(self, active: _Active, piece: torch.Tensor) -> _Work | None:
+        """A prefill piece as a segment (None: scored on its own, the prompt's logprobs)."""
         seq = active.seq
-        if active.request.should_stop is not None and active.request.should_stop():
-            active.run.out.finish_reason = "cancelled"
-            return None
-        piece = seq.next_piece(limit=share) if share > 0 else None
-        if piece is not None and seq.prompt_scores is not None:  # prompt logprobs: scored in
-            seq.piece_done(piece.shape[0], *seq._extend(piece, seq.prefilled))  # its own extend
-            piece = None
-        if piece is None:
+        if seq.scoring_prompt:
+            try:
+                seq.piece_done(piece.shape[0], *seq._extend(piece, seq.prefilled))
+            except Exception as error:
+                self._fail([active], error)
+                return None
             if seq.prefill_left == 0:
                 self._prefilled(active)
             return None
@@ -401,13 +515,16 @@ class Scheduler:
 
     def _prefilled(self, active: _Active) -> None:
         active.prefilling = False
-        active.run.prefilled(active.seq.end_prefill())
+        if active.seq.resuming:  # its bonus, the next output token, was chosen before
+            active.seq.end_resume()
+        else:
+            active.run.prefilled(active.seq.end_prefill())
 
     def _retire(self) -> None:
         for active in [a for a in self.running if a.run.out.finish_reason is not None]:
             self.running.remove(active)
             try:
-                if active.prefilling:  # cancelled before its first token
+                if not active.run.out.ids:  # cancelled before its first token
                     active.seq.caches.abandon()
                     finished = Finished(None, admitted=active.admitted)
                 else:
@@ -416,6 +533,7 @@ class Scheduler:
             except Exception as error:
                 active.seq.caches.abandon()
                 finished = Finished(None, error, active.admitted)
+            active.seq.release()
             self.free.append(active.pool)
             active.request.on_finish(finished)
 
@@ -427,6 +545,7 @@ class Scheduler:
         for active in reversed(failed):
             self.running.remove(active)
             active.seq.caches.abandon()
+            active.seq.release()
             self.free.append(active.pool)
             request = active.request
             if retry and not request.retried and not active.run.out.ids:
@@ -447,6 +566,12 @@ class Scheduler:
         return True
 
 
+def _round_tokens(active: _Active, rooms: tuple[int, int]) -> int:
+    """The most tokens a round with `rooms` verifies: the bonus and its draft."""
+    seq = active.seq
+    return 1 + (min(seq.width - 1, rooms[1]) if seq.speculative and min(rooms) > 0 else 0)
+
+
 class GenerateFn(Protocol):
     """`engine.decode.generate` with its models bound (engine/server/app.py's load_engine)."""
 
@@ -465,6 +590,7 @@ class EngineLoop(Protocol):
     """What the server's worker drives: a `Scheduler`, or a `SerialLoop`."""
 
     on_pass: Callable[[int, int], None] | None
+    on_preempt: Callable[[], None] | None
 
     @property
     def idle(self) -> bool: ...
@@ -485,6 +611,7 @@ class SerialLoop:
         self.generate = generate
         self.waiting: deque[Request] = deque()
         self.on_pass: Callable[[int, int], None] | None = None  # no passes to report
+        self.on_preempt: Callable[[], None] | None = None  # nor preemptions
         self._running = 0
 
     @property

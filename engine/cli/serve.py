@@ -3,6 +3,7 @@
     python -m engine serve --model DIR [--draft DIR] [--host 127.0.0.1] [--port 8000] \\
         [--max-model-len N] [--api-key KEY | env DDOPS_API_KEY] [--dtype float32] [--device cpu] \\
         [--tp N] [--prefill-chunk 2048] [--max-num-seqs N] [--max-num-batched-tokens 2048] \\
+        [--kv-cache-tokens N] \\
         [--enable-prefix-caching | --no-enable-prefix-caching] [--prefix-cache-memory SIZE] \\
         [--method ar|linear|ddtree|auto] [--budget 15] [--max-waiting 32] [--served-model-name NAME] \\
         [--tool-call-parser auto|none|hermes|qwen3_coder] [--reasoning-parser auto|none|qwen3] \\
@@ -26,8 +27,11 @@ cache pool is made for the plan's context, sequences and prefix-cache budget: wi
 many as fit at the served context, up to DEFAULT_MAX_NUM_SEQS. More than fit at --max-model-len
 refuse to start (one line: how many do); the start-up log says how many of the served context
 fit, and when neither flag was given and the model's full context leaves one slot (Qwen3.6-27B's
-262,144 tokens on a 96 GB card), what to pass for more. Under tensor parallelism requests run
-one at a time (logged).
+262,144 tokens on a 96 GB card), what to pass for more. --kv-cache-tokens N gives the sequences
+one KV block pool of N tokens instead (whole 256-token blocks, beside the prefix cache's): more
+sequences than fit at the whole context share it, and when it runs short the scheduler preempts
+the most recently admitted one, which re-prefills later where it stopped (counted in /metrics).
+Under tensor parallelism requests run one at a time (logged).
 
 The model loads after the port opens: `/health` answers at once, `/ready` once the model is
 loaded and a 1-token generation succeeded. A load failure stops the server with exit code 1.
@@ -78,6 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
         help="tokens of one target pass at most: decode rounds, then prefill pieces "
         f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
+    )
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        help="the running sequences share a KV pool of this many tokens (default: "
+        "--max-num-seqs whole contexts); when it runs short one is preempted and recomputed",
     )
     parser.add_argument(
         "--api-key", help=f"require 'Authorization: Bearer KEY' (default: env {API_KEY_ENV})"
@@ -161,6 +171,8 @@ def _usage_problem(args: argparse.Namespace, method: str) -> str | None:
         return f"--max-num-seqs must be from 1 to {MAX_NUM_SEQS}"
     if args.max_num_batched_tokens < 1:
         return "--max-num-batched-tokens must be at least 1"
+    if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
+        return "--kv-cache-tokens must be at least 1"
     try:
         prefix_cache_memory(args)
     except ValueError as error:
@@ -307,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
             plan.sequences,
             args.max_num_batched_tokens,
             options,
+            args.kv_cache_tokens,
         )
         return with_generation_options(engine, **options)
 

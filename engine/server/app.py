@@ -75,6 +75,7 @@ def load_engine(
     max_num_seqs: int = 1,
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     options: dict | None = None,
+    kv_tokens: int | None = None,
 ) -> LoadedEngine:
     """Load the target (and drafter) and the model directory's tokenizer for serving.
 
@@ -85,6 +86,8 @@ def load_engine(
     over several, one sequence at a time in its own caches and no prefix cache (every rank
     would have to restore its share, and its passes are not batched), which is logged.
     `options`: GenerationConfig fields the scheduler gives every request (serve's flags).
+    `kv_tokens`: the sequences' KV block pool holds that many tokens, not `max_num_seqs` whole
+    contexts (serve's --kv-cache-tokens): the scheduler preempts when it runs short.
     """
     import torch
 
@@ -102,7 +105,7 @@ def load_engine(
     pool, scheduler = None, None
     if tp == 1:
         pool = CachePool.for_server(target, drafter, limit, prefix_cache_bytes)
-        slots = pool.slots(max_num_seqs)
+        slots = pool.slots(max_num_seqs, kv_tokens)
         scheduler = Scheduler(target, drafter, slots, max_num_batched_tokens, options)
     else:
         log.info(

@@ -19,6 +19,8 @@ Each server owns its registry, so several apps (tests) never share counters. Nam
   decoding now and of those waiting for a slot (vLLM's num_requests_running / _waiting)
 - `ddops_engine_tree_budget{method}`: histogram of the nodes each round verified (auto's
   choices, engine/budgets.py; 0 is plain decoding)
+- `ddops_engine_preemptions_total`: sequences preempted because the KV block pool ran short
+  (each re-prefills what it had committed when readmitted; vLLM's num_preemptions)
 - `ddops_engine_batch_size`, `ddops_engine_pass_tokens`: histograms of the sequences and of
   the tokens in each target pass of the scheduler (engine/scheduler.py)
 - `process_cpu_seconds_total`, `process_resident_memory_bytes`, ...: Prometheus' standard
@@ -130,6 +132,11 @@ class ServerMetrics:
         self.running = Gauge("ddops_engine_requests_running", "Requests decoding now.", registry=r)
         self.waiting = Gauge(
             "ddops_engine_requests_waiting", "Requests waiting for a slot.", registry=r
+        )
+        self.preemptions = Counter(
+            "ddops_engine_preemptions",
+            "Sequences preempted: the KV block pool ran short (each re-prefills later).",
+            registry=r,
         )
         self.batch_size = Histogram(
             "ddops_engine_batch_size",

@@ -138,6 +138,7 @@ class ServerState:
             "qwen3" if self.parsing.reasoning else "none",
         )
         loop.on_pass = self.metrics.observe_pass
+        loop.on_preempt = self.metrics.preemptions.inc
         return loop
 
     def begin_shutdown(self) -> None:

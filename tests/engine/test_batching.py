@@ -21,6 +21,7 @@ from engine.cache_pool import CachePool
 from engine.decode import GenerationConfig, generate
 from engine.grammar import Constraint
 from engine.kv_blocks import attend_sequences
+from engine.memory_plan import BLOCK_TOKENS, is_out_of_memory
 from engine.models import common
 from engine.prefix_cache import PrefixCache, has_states
 from engine.scheduler import Finished, Request, Scheduler
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 NEW = 16
 SLOT = 160  # tokens of each slot's caches
+PAGE = 4  # tokens of a KV block in the preemption tests' small pools
 SCHEMA = {  # bounded, so a random model's JSON ends
     "type": "object",
     "properties": {"id": {"enum": [1, 22, 333]}, "tag": {"type": "string", "maxLength": 4}},
@@ -101,10 +103,18 @@ class Collector:
         return done.result.output_ids
 
 
-def scheduler(pair, slots: int, tokens: int = 64, prefix: PrefixCache | None = None) -> Scheduler:
+def scheduler(
+    pair,
+    slots: int,
+    tokens: int = 64,
+    prefix: PrefixCache | None = None,
+    kv_tokens: int | None = None,
+) -> Scheduler:
+    """`kv_tokens`: an oversubscribed pool of that many tokens in blocks of PAGE."""
     target, drafter = pair
-    pool = CachePool(target, drafter, SLOT, prefix)
-    return Scheduler(target, drafter, pool.slots(slots), max_num_batched_tokens=tokens)
+    block = PAGE if kv_tokens else BLOCK_TOKENS
+    pool = CachePool(target, drafter, SLOT, prefix, block_tokens=block)
+    return Scheduler(target, drafter, pool.slots(slots, kv_tokens), max_num_batched_tokens=tokens)
 
 
 def drain(sched: Scheduler, limit: int = 1000) -> int:
@@ -369,3 +379,100 @@ def test_auto_budgets_vary_and_each_output_equals_its_solo_ar_run(pair, grammar,
         chosen += budgets
     assert 0 in chosen and max(chosen) >= (1 if grammar else 8), chosen  # a random pair's
     assert len(set(chosen)) >= (2 if grammar else 3), chosen  # grammar-valid trees are small
+
+
+# -- preemption: an oversubscribed KV pool -------------------------------------------------
+
+POOL = 128  # tokens of the small pools: the longest request fits alone, six at once do not
+
+
+def preempting(pair, got: Collector, slots: int = 6, **extra) -> tuple[Scheduler, list[int]]:
+    """A scheduler over a POOL-token pool, and the tokens each preempted sequence had
+    streamed when it was preempted (it is at the head of the queue then)."""
+    sched = scheduler(pair, slots, kv_tokens=POOL, **extra)
+    streamed: list[int] = []
+    sched.on_preempt = lambda: streamed.append(len(sched.waiting[0].run.out.ids))
+    return sched, streamed
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_an_oversubscribed_pool_preempts_and_every_output_equals_its_solo_run(pair, cached):
+    target, drafter = pair
+    block_bytes = sum(model.kv_layout().block_bytes(PAGE) for model in pair)
+    budget = 8 * block_bytes  # its share of the pool: 8 blocks more
+    prefix = PrefixCache(budget, recurrent=has_states(target.new_cache(8)), block_tokens=PAGE)
+    cases = list(zip(prompts(pair, [5, 40, 9, 70, 3, 22], seed=9), configs(), strict=True))
+    got = Collector()
+    sched, streamed = preempting(pair, got, tokens=24, prefix=prefix if cached else None)
+    for index, case in enumerate(cases):
+        sched.add(got.request(index, *case))
+    drain(sched, limit=3000)
+    for index, (prompt, cfg) in enumerate(cases):
+        assert got.output(index) == solo(pair, prompt, cfg), MIXED[index]  # streamed once each
+    assert sched.preemptions >= 3 and len(streamed) == sched.preemptions
+    assert max(streamed) > 1  # one was preempted mid-stream, after rounds
+    assert len(sched.free) == 6
+    if not cached:  # every block came back
+        assert not any(sched.free[0].target_blocks.refs)
+
+
+def test_preempted_sequences_keep_their_grammar_and_logprobs(pair):
+    vocab = pair[0].lm_head.weight.shape[0]
+    constraint = Constraint.from_json_schema(char_tokenizer(vocab), SCHEMA)
+    grammar = configs(constraint=constraint, stop_token_ids=(STOP,))[:3]
+    scored = [replace(cfg, logprobs=2, prompt_logprobs=1) for cfg in configs()[3:]]
+    cases = list(
+        zip(prompts(pair, [30, 20, 44, 9, 50, 12], seed=10), grammar + scored, strict=True)
+    )
+    got = Collector()
+    sched, streamed = preempting(pair, got, tokens=16)
+    for index, case in enumerate(cases):
+        sched.add(got.request(index, *case))
+    drain(sched, limit=3000)
+    assert sched.preemptions >= 2 and max(streamed) > 1
+    for index, (prompt, cfg) in enumerate(cases):
+        alone = generate(*pair, prompt, cfg)
+        result = got.finished[index].result
+        assert got.output(index) == alone.output_ids
+        if cfg.logprobs:
+            assert [t.logprob for t in result.logprobs] == pytest.approx(
+                [t.logprob for t in alone.logprobs], abs=1e-9
+            )
+            assert [p and p.logprob for p in result.prompt_logprobs] == pytest.approx(
+                [p and p.logprob for p in alone.prompt_logprobs], abs=1e-9
+            )
+
+
+def test_a_preempted_sequence_cancelled_while_it_waits_ends_with_what_it_streamed(pair):
+    cases = list(zip(prompts(pair, [40, 60, 50, 30], seed=11), configs()[:4], strict=True))
+    got, stop = Collector(), {"now": False}
+    sched, streamed = preempting(pair, got, slots=4, tokens=24)
+    requests = [
+        got.request(index, *case, should_stop=lambda: stop["now"])
+        for index, case in enumerate(cases)
+    ]
+    for request in requests:
+        sched.add(request)
+    for _ in range(500):  # until one that had streamed tokens waits
+        sched.step()
+        if streamed and streamed[-1]:
+            break
+    assert streamed and streamed[-1]
+    index = next(i for i, r in enumerate(requests) if r is sched.waiting[0].request)
+    stop["now"] = True
+    drain(sched)
+    result = got.finished[index].result
+    assert result.finish_reason == "cancelled" and result.output_ids == got.streamed[index]
+    assert result.output_ids == solo(pair, *cases[index])[: len(result.output_ids)]
+    assert len(sched.free) == 4
+
+
+def test_a_sequence_that_cannot_fit_the_pool_alone_fails_out_of_memory(pair):
+    got = Collector()
+    sched, _ = preempting(pair, got, slots=2, tokens=32)
+    too_long, short = prompts(pair, [POOL + 8, 9], seed=12)
+    sched.add(got.request(0, too_long, configs()[0]))
+    sched.add(got.request(1, short, configs()[1]))
+    drain(sched)
+    assert is_out_of_memory(got.finished[0].error)
+    assert got.output(1) == solo(pair, short, configs()[1])
