@@ -41,13 +41,22 @@ def spec() -> dict:
 
 
 def served_spec_file(directory: Path) -> Path:
-    """The spec with the one difference the server keeps on purpose, written into `directory`.
+    """The spec as schemathesis should read it, written into `directory`. Two changes:
 
-    With `echo`, nothing predicts the prompt's first token, so its `token_logprobs` and
-    `top_logprobs` entries are null, as OpenAI and vLLM answer; the spec types them as a number
-    and an object.
+    - OpenAI's `text/event-stream` schemas describe each event's JSON payload, while OpenAPI
+      3.2 (which schemathesis follows) reads them as the event object (`event`, `data`): each
+      becomes an event whose `data` is that payload (`[DONE]`, chat's last, is a plain string).
+    - the one difference the server keeps on purpose: with `echo`, nothing predicts the prompt's
+      first token, so its `token_logprobs` and `top_logprobs` entries are null, as OpenAI and
+      vLLM answer; the spec types them as a number and an object.
     """
     served = copy.deepcopy(spec())
+    for operations in served["paths"].values():
+        for operation in operations.values():
+            for response in operation["responses"].values():
+                stream = response.get("content", {}).get("text/event-stream")
+                if stream is not None:
+                    stream["schema"] = _sse_event(stream["schema"])
     choice = served["components"]["schemas"]["CreateCompletionResponse"]["properties"]["choices"]
     logprobs = choice["items"]["properties"]["logprobs"]["anyOf"][0]["properties"]
     for name in ("token_logprobs", "top_logprobs"):
@@ -55,6 +64,12 @@ def served_spec_file(directory: Path) -> Path:
     path = directory / "openapi-as-served.json"
     path.write_text(json.dumps(served))
     return path
+
+
+def _sse_event(payload: dict) -> dict:
+    data = {"contentMediaType": "application/json", "contentSchema": payload}
+    done = {"const": "[DONE]"}
+    return {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [done, data]}}}
 
 
 def validator(schema_name: str) -> Draft202012Validator:
