@@ -155,6 +155,13 @@ class CachePool:
                     blocks.limit(-(-kv_tokens // self.block_tokens) + blocks.cache_blocks)
         return [self, *more]
 
+    @property
+    def kv_bytes(self) -> int:
+        """The KV block pools' bytes (every slot's blocks and the prefix cache's share; 0 for
+        contiguous caches): what the memory plan counts as the sequences' caches."""
+        pools = [p for p in (self.target_blocks, self.draft_blocks) if p is not None]
+        return sum(blocks.capacity * blocks.block_bytes for blocks in pools)
+
     def open(self, speculative: bool, cache_prompt: bool) -> SequenceCaches:
         """The caches for the next sequence: the drafter's only when `speculative`, the prefix
         cache only when `cache_prompt`."""

@@ -107,6 +107,13 @@ def load_engine(
         pool = CachePool.for_server(target, drafter, limit, prefix_cache_bytes)
         slots = pool.slots(max_num_seqs, kv_tokens)
         scheduler = Scheduler(target, drafter, slots, max_num_batched_tokens, options)
+        log.info(
+            "cache pool: %d slots of %d tokens, KV block pools %.1f MiB (the prefix cache's "
+            "share included)",
+            max_num_seqs,
+            limit,
+            pool.kv_bytes / (1 << 20),
+        )
     else:
         log.info(
             "tensor parallel (--tp %d): one sequence at a time (--max-num-seqs %d not used)%s",

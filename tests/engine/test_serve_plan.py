@@ -21,6 +21,7 @@ import pytest
 
 from engine.cli import serve
 from engine.memory_plan import GIB, plan_from_dirs
+from tests.helpers import DATA, REPO
 from tests.helpers.engine_server import start_engine_server
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 
@@ -126,7 +127,8 @@ def test_a_bad_prefix_cache_size_refuses_to_start(hybrid_dir):
     )
 
 
-QWEN = Path(__file__).resolve().parents[1] / "data" / "qwen36_27b"  # the published configs
+QWEN = DATA / "qwen36_27b"  # the published configs
+DEMO = REPO / "engine" / "demo_model"
 
 
 def qwen_serve_args(monkeypatch, *flags: str) -> argparse.Namespace:
@@ -224,3 +226,34 @@ def test_max_num_seqs_out_of_range_is_refused():
         2,
         "Error: --max-num-seqs must be from 1 to 1024",
     )
+
+
+def test_the_server_s_cache_pool_is_the_plan_s(monkeypatch):
+    """load_engine, given serve's plan, makes its sequences' slots for the served context and
+    KV block pools within what the plan counts for them (and no less than their K/V)."""
+    from engine.server.app import load_engine
+
+    monkeypatch.setattr(serve, "available_memory", lambda device: 2 * GIB)
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    model = ["--model", str(DEMO / "target"), "--draft", str(DEMO / "draft")]
+    args = parser.parse_args([*model, "--max-model-len", "4096", "--prefix-cache-memory", "64MiB"])
+    plan = serve.memory_plan(args)
+    context, _ = serve.served_context(plan, args)
+    engine = load_engine(
+        args.model,
+        args.draft,
+        "float32",
+        "cpu",
+        context,
+        1,
+        plan.prefix_cache_bytes,
+        plan.sequences,
+    )
+    slots = engine.scheduler.free
+    assert len(slots) == plan.sequences == serve.DEFAULT_MAX_NUM_SEQS
+    assert engine.scheduler.slot_len >= context == 4096
+    kv = slots[0].kv_bytes  # one pool per model, every slot's blocks in it
+    counted = plan.sequences * plan.sequence_kv_bytes(context) + plan.prefix_cache_bytes
+    held = plan.sequences * context * plan.cached_bytes_per_token + plan.prefix_cache_bytes
+    assert held <= kv <= counted

@@ -130,6 +130,8 @@ def test_the_counters_and_the_start_up_plan_show_the_cache(server):
     }
     hits = totals["ddops_engine_prefix_cache_hits_total"]
     assert 0 < hits < totals["ddops_engine_prefix_cache_queries_total"]
-    assert (
-        "memory plan: prefix cache         256.0 MiB beside a context of 4096" in server.log_text()
-    )
+    log = server.log_text()
+    assert "memory plan: prefix cache         256.0 MiB beside a context of 4096" in log
+    # the plan's sequences are the scheduler's slots, of the served context
+    assert "sequences at once: 4, each up to 4096 tokens (" in log
+    assert "cache pool: 4 slots of 4096 tokens, KV block pools " in log
