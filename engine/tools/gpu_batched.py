@@ -10,9 +10,11 @@ random `prefix`-token prompt and `new_tokens` greedy tokens, no prefix cache. Pe
   last one's first token to the first one's last) over that window;
 - inter-token latency: each sequence's mean gap between its tokens after the first (the
   server's ddops_engine_inter_token_seconds), the median and the worst over the sequences;
-and the verify cost table: the target's `forward_batch` time of every decode pass (no prefill
-piece in it) by (sequences, tokens), the median (CUDA events on the stream, so nothing waits
-for them; the CPU's clock elsewhere). Each figure is also given at Qwen3.6-27B's 64 layers,
+and the verify cost table: the median time of every decode pass (no prefill piece in it) by
+(sequences, tokens): "batched", the target's `forward_batch` (what `auto`'s cost model times,
+engine/budgets.py); "solo", the verify of a sequence decoding alone, which the scheduler runs
+by generate()'s static passes (CUDA graphs). CUDA events on the stream, so nothing waits for
+them; the CPU's clock elsewhere. Each figure is also given at Qwen3.6-27B's 64 layers,
 from the straight line through the two stacks (per layer; the drafter is in the intercept).
 Random weights accept about one drafted token a round, so ddtree's tok/s here is its cost
 without its gain: the table and the ar figures are what carry over to trained weights.
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.cache_pool import CachePool
-from engine.decode import GenerationConfig
+from engine.decode import GenerationConfig, _Sequence
 from engine.methods import METHODS
 from engine.scheduler import Finished, Request, Scheduler
 from engine.tools.gpu_rounds import FULL_LAYERS, per_layer_fit, random_pair
@@ -66,43 +68,55 @@ def method_config(method: str, new_tokens: int) -> GenerationConfig:
 
 
 class PassTimes:
-    """Times the target's `forward_batch` while installed: each decode pass whose segments are
-    all alike (no prefill piece, every sequence the same token count: a batch of ar steps or
-    of 16-token trees) by (sequences, tokens); on CUDA as events recorded on the stream (read
-    at `table`)."""
+    """Times the target's passes while installed, by (path, sequences, tokens): "batched", each
+    `forward_batch` whose segments are all alike (no prefill piece, every sequence the same
+    token count: a batch of ar steps or of 16-token trees); "solo", each verify of a sequence
+    decoding alone, which the scheduler runs by `generate`'s static passes (engine/decode.py
+    `_Sequence.verify`, its choice included; an `auto` one keeps the batched pass). On CUDA as
+    events recorded on the stream, read at `table`."""
 
     def __init__(self, target) -> None:
         self.target, self.batch = target, target.forward_batch
         self.cuda = next(target.parameters()).device.type == "cuda"
-        self.samples: dict[tuple[int, int], list] = defaultdict(list)
+        self.samples: dict[tuple[str, int, int], list] = defaultdict(list)
+        self.solo_verify = _Sequence.verify
 
     def __enter__(self) -> PassTimes:
-        self.target.forward_batch = self._timed
+        def batched(segments, hidden_layers=()):
+            lengths = {segment.ids.shape[0] for segment in segments}
+            decode = len(lengths) == 1 and not any(segment.extend for segment in segments)
+            key = ("batched", len(segments), len(segments) * lengths.pop()) if decode else None
+            return self._timed(key, self.batch, segments, hidden_layers)
+
+        def solo(seq, tree):
+            return self._timed(("solo", 1, tree.size + 1), self.solo_verify, seq, tree)
+
+        self.target.forward_batch = batched
+        _Sequence.verify = solo
         return self
 
     def __exit__(self, *exc) -> None:
         del self.target.forward_batch  # the class's method again
+        _Sequence.verify = self.solo_verify
 
-    def _timed(self, segments, hidden_layers=()):
-        key = (len(segments), sum(segment.ids.shape[0] for segment in segments))
-        alike = len({segment.ids.shape[0] for segment in segments}) == 1
-        decode = alike and not any(segment.extend for segment in segments)
+    def _timed(self, key, call, *args):
+        """call(*args), timed under `key` (None: not timed)."""
+        if key is None:
+            return call(*args)
         if self.cuda:
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             start.record()
-            outputs = self.batch(segments, hidden_layers)
+            outputs = call(*args)
             end.record()
-            sample = (start, end)
-        else:
-            started = time.perf_counter()
-            outputs = self.batch(segments, hidden_layers)
-            sample = 1000 * (time.perf_counter() - started)
-        if decode:
-            self.samples[key].append(sample)
+            self.samples[key].append((start, end))
+            return outputs
+        started = time.perf_counter()
+        outputs = call(*args)
+        self.samples[key].append(1000 * (time.perf_counter() - started))
         return outputs
 
-    def table(self) -> dict[tuple[int, int], float]:
-        """Median ms of a pass by (sequences, tokens)."""
+    def table(self) -> dict[tuple[str, int, int], float]:
+        """Median ms of a pass by (path, sequences, tokens)."""
         if self.cuda:
             torch.cuda.synchronize()
 
@@ -233,14 +247,15 @@ def check_batched(
         )
     verify = [
         {
+            "path": path,
             "sequences": sequences,
             "tokens": tokens,
             f"ms_{layers}": ms,
-            f"ms_{2 * layers}": large["passes"][sequences, tokens],
-            "ms_64": fit(ms, large["passes"][sequences, tokens]),
+            f"ms_{2 * layers}": large["passes"][path, sequences, tokens],
+            "ms_64": fit(ms, large["passes"][path, sequences, tokens]),
         }
-        for (sequences, tokens), ms in sorted(small["passes"].items(), key=lambda kv: kv[0][::-1])
-        if (sequences, tokens) in large["passes"]
+        for (path, sequences, tokens), ms in sorted(small["passes"].items(), key=_by_tokens)
+        if (path, sequences, tokens) in large["passes"]
     ]
     return {
         "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
@@ -253,6 +268,11 @@ def check_batched(
         "verify_ms": verify,
         "seconds": round(time.monotonic() - started, 1),
     }
+
+
+def _by_tokens(item) -> tuple:
+    (path, sequences, tokens), _ = item
+    return tokens, sequences, path
 
 
 def print_batched(report: dict) -> None:
@@ -271,11 +291,14 @@ def print_batched(report: dict) -> None:
             f"{row[f'itl_ms_p50_{L}']:>11.2f} {row[f'itl_ms_max_{L}']:>9.2f} "
             f"{_figure(row['tokens_per_s_64'], 1)} {_figure(row['itl_ms_p50_64'], 2)}"
         )
-    print("  verify pass by token count (target forward_batch, median ms):")
-    print(f"  {'seqs':>6} {'tokens':>7} {f'{L} layers':>10} {f'{L2} layers':>10} {'64 layers':>10}")
+    print("  verify pass by token count, median ms (batched: forward_batch; solo: a lone verify):")
+    print(
+        f"  {'path':<8} {'seqs':>6} {'tokens':>7} {f'{L} layers':>10} {f'{L2} layers':>10} "
+        f"{'64 layers':>10}"
+    )
     for row in report["verify_ms"]:
         print(
-            f"  {row['sequences']:>6} {row['tokens']:>7} {row[f'ms_{L}']:>10.3f} "
+            f"  {row['path']:<8} {row['sequences']:>6} {row['tokens']:>7} {row[f'ms_{L}']:>10.3f} "
             f"{row[f'ms_{L2}']:>10.3f} {_figure(row['ms_64'], 3)}"
         )
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.decode import _Sequence
 from engine.tools import gpu_batched, gpu_check
 from engine.tools.gpu_rounds import random_pair
 
-METHODS = ("ar", "ddtree:15")
+METHODS = ("ar", "ddtree:15", "auto")
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def report() -> dict:
 
 def test_every_method_at_every_concurrency_has_its_figures(report):
     assert [(row["method"], row["concurrency"]) for row in report["rows"]] == [
-        ("ar", 1), ("ar", 2), ("ddtree:15", 1), ("ddtree:15", 2),
+        ("ar", 1), ("ar", 2), ("ddtree:15", 1), ("ddtree:15", 2), ("auto", 1), ("auto", 2),
     ]  # fmt: skip
     for row in report["rows"]:
         assert row["tokens_per_s_1"] > 0 and row["tokens_per_s_2"] > 0
@@ -36,8 +37,10 @@ def test_every_method_at_every_concurrency_has_its_figures(report):
 
 
 def test_the_verify_table_has_each_batch_of_ar_steps_and_of_trees(report):
-    shapes = {(row["sequences"], row["tokens"]) for row in report["verify_ms"]}
-    assert {(1, 1), (2, 2), (1, 16), (2, 32)} <= shapes  # ar steps, 16-token trees
+    shapes = {(row["path"], row["sequences"], row["tokens"]) for row in report["verify_ms"]}
+    # ar steps and 16-token trees; alone, a sequence verifies by generate()'s static passes
+    expected = {("solo", 1, 1), ("solo", 1, 16), ("batched", 2, 2), ("batched", 2, 32)}
+    assert expected <= shapes
     assert all(row["ms_1"] > 0 and row["ms_2"] > 0 for row in report["verify_ms"])
     tokens = [row["tokens"] for row in report["verify_ms"]]
     assert tokens == sorted(tokens)
@@ -59,9 +62,12 @@ def _gpu_check_report(batched: dict) -> dict:
 def test_the_pass_timer_times_alike_decode_passes_and_restores_the_model():
     target, _ = random_pair(torch.device("cpu"), torch.float32, 1, tiny=True)
     scheduler_pass = type(target).forward_batch
+    solo_verify = _Sequence.verify
     with gpu_batched.PassTimes(target) as passes:
         assert target.forward_batch != scheduler_pass.__get__(target)
+        assert _Sequence.verify is not solo_verify
     assert "forward_batch" not in vars(target)  # the class's own again
+    assert _Sequence.verify is solo_verify
     assert passes.table() == {}
 
 
