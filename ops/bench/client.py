@@ -10,7 +10,12 @@
 Every completion streams (server-sent events) through one asyncio event loop the client keeps
 (ops/bench/load.py sends many at once on it), and each event is parsed as it arrives, so the
 client sees when text arrives: TTFT = request sent -> first text; decode tok/s = tokens after
-the first / time after the first; end-to-end tok/s = tokens / (request sent -> stream end);
+the first / time after the first; end-to-end tok/s = tokens / (request sent -> stream end).
+"Sent" is when the request's first header is written to its connection (httpcore's trace
+event, as guidellm counts), so neither a connection's opening nor a wait for a free one counts
+as the server's; where the transport does not say (a test's), when the call began. "First
+text" is the first event whose text is not empty (guidellm's first token; vLLM's bench takes
+the first event with any choice, the same on this engine, which sends no empty ones before).
 TPOT = the inverse of decode tok/s; ITL = the time between one token's arrival and the next's,
 per token: a chunk carrying k tokens (a speculative round) is one gap then k - 1 zeros. A chunk's
 tokens are the usage count shared out by the chunks' text lengths (`tokens_per_chunk`), since a
@@ -53,7 +58,7 @@ class Sample:
 
     prompt_tokens: int
     completion_tokens: int
-    ttft_s: float  # request sent -> first text
+    ttft_s: float  # request sent (its first header written) -> first text
     decode_s: float  # first text -> last text
     e2e_s: float  # request sent -> end of the stream
     rounds: int
@@ -236,11 +241,10 @@ class EngineClient:
     async def stream(self, request: CompletionRequest, origin: float | None = None) -> Completion:
         """Stream one completion on the client's loop; `origin`: its window's start (the
         sample's start_s is measured from it)."""
-        stream = _StreamTally(self.clock)
-        sent = self.clock()
+        stream, sent = _StreamTally(self.clock), _SentAt(self.clock)
         try:
             async with self.streams().stream(
-                "POST", "/v1/completions", json=request.body()
+                "POST", "/v1/completions", json=request.body(), extensions={"trace": sent.trace}
             ) as response:
                 if response.status_code != 200:
                     await response.aread()
@@ -253,8 +257,8 @@ class EngineClient:
                         stream.take(json.loads(line.removeprefix("data: ")), self.label)
         except httpx.HTTPError as exc:
             raise DdopsError(self.label, f"/v1/completions: {exc}") from exc
-        done = stream.completion(sent, self.clock(), self.label)
-        start = sent - (sent if origin is None else origin)
+        done = stream.completion(sent.at, self.clock(), self.label)
+        start = sent.at - (sent.at if origin is None else origin)
         return dataclasses.replace(done, sample=dataclasses.replace(done.sample, start_s=start))
 
     def with_reasoning(self, request: CompletionRequest, done: Completion) -> Completion:
@@ -282,6 +286,22 @@ def reasoning_block(prompt: str, text: str) -> str | None:
         return None
     end = text.find(THINK_CLOSE, start)
     return text[start:] if end < 0 else text[start : end + len(THINK_CLOSE)]
+
+
+class _SentAt:
+    """When a request was sent: the call's start, until httpcore's trace says its first header
+    is being written (after any wait for a connection and its opening)."""
+
+    HEADERS = ".send_request_headers.started"  # http11.… or http2.…
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.at = clock()
+        self.written = False
+
+    async def trace(self, event: str, info: dict) -> None:
+        if not self.written and event.endswith(self.HEADERS):
+            self.at, self.written = self.clock(), True
 
 
 class _StreamTally:

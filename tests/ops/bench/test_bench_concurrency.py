@@ -13,15 +13,17 @@ import io
 import json
 import statistics
 
+import httpx
 import pytest
 from click.testing import CliRunner
 
-from ops.bench.client import _StreamTally, tokens_per_chunk
+from ops.bench.client import EngineClient, _StreamTally, tokens_per_chunk
 from ops.bench.figures import rows_from_cells, verdicts
 from ops.bench.load import poisson_offsets
 from ops.bench.matrix import (
     AgenticShape,
     BenchConfig,
+    Method,
     Slo,
     parse_concurrency,
     parse_methods,
@@ -32,7 +34,7 @@ from ops.bench.runner import NullProgress, run_bench
 from ops.cli import cli
 from ops.errors import DdopsError
 from ops.results import RunStore
-from tests.helpers.bench_engine import BenchEngine, ScriptedClock, ScriptedMachine
+from tests.helpers.bench_engine import BenchEngine, ScriptedClock, ScriptedMachine, word_count
 
 STEPS = {"ar": 0.020, "ddtree:15": 0.030}
 TAUS = {"ar": 1.0, "ddtree:15": 3.0}
@@ -157,6 +159,43 @@ def test_itl_is_each_tokens_arrival_not_each_chunks():
     assert sample.itl_s == [0.06, 0.0, 0.0, 0.02]  # "b c d" is three tokens arriving together
     assert tokens_per_chunk([1, 5, 1], 5) == [1, 3, 1]
     assert sum(tokens_per_chunk([3, 7, 2, 9], 50)) == 50
+
+
+class SlowConnections(httpx.AsyncBaseTransport):
+    """The scripted engine behind connections that take `connect_s` to open, told through
+    httpcore's trace events as a real connection tells them."""
+
+    def __init__(self, engine: BenchEngine, connect_s: float) -> None:
+        self.inner, self.clock, self.connect_s = (
+            httpx.MockTransport(engine),
+            engine.clock,
+            connect_s,
+        )
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        trace = request.extensions["trace"]
+        await trace("connection.connect_tcp.started", {})
+        self.clock.advance(self.connect_s)
+        await trace("connection.connect_tcp.complete", {})
+        await trace("http11.send_request_headers.started", {"request": request})
+        await trace("http11.send_request_headers.started", {"request": request})  # said once
+        return await self.inner.handle_async_request(request)
+
+
+def test_ttft_starts_when_the_request_is_written_not_when_its_connection_opens():
+    """guidellm's start: the first header written; a slow connect (50 ms here) is the client's
+    side, not the server's time to first token. A transport that says nothing (no trace
+    events) is timed from the call."""
+    prompt, ar = "one two three four five", Method("ar")
+    prefill = 0.002 * word_count(prompt)
+    engine = BenchEngine(step_s=STEPS, tau=TAUS, prefill_s=0.002)
+    slow = SlowConnections(engine, connect_s=0.050)
+    client = EngineClient("http://engine", stream_transport=slow, clock=engine.clock)
+    sample = client.complete(prompt, max_tokens=4, method=ar).sample
+    assert sample.ttft_s == pytest.approx(prefill)  # the prefill alone, not the connect
+    assert sample.e2e_s == pytest.approx(prefill + 3 * STEPS["ar"])
+    plain = BenchEngine(step_s=STEPS, tau=TAUS, prefill_s=0.002).client()
+    assert plain.complete(prompt, max_tokens=4, method=ar).sample.ttft_s == pytest.approx(prefill)
 
 
 def test_the_report_has_the_serving_table_csv_and_plots(tmp_path):
