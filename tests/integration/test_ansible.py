@@ -149,6 +149,38 @@ def _check_item(vmid: int, key: str, status: str, evidence: str = "") -> dict:
     }
 
 
+def test_the_bench_module_fetches_the_plots_with_the_reports(monkeypatch):
+    """The role's fetch brings back every file in report_files: the PNG plots too (they had
+    stayed on the host; only the markdown, CSV and JSON came back)."""
+    import importlib.util
+
+    role = playbooks_dir() / "roles" / "ddops_chain"
+    utils = importlib.util.spec_from_file_location(
+        "ansible.module_utils.ddops_host", role / "module_utils" / "ddops_host.py"
+    )
+    monkeypatch.setitem(sys.modules, utils.name, importlib.util.module_from_spec(utils))
+    utils.loader.exec_module(sys.modules[utils.name])
+    spec = importlib.util.spec_from_file_location(
+        "_ddops_bench", role / "library" / "ddops_bench.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    run = "/root/.config/ddops/results/R"
+    plots = [f"{run}/plots/throughput_by_concurrency.png", f"{run}/plots/latency_by_throughput.png"]
+    files = {"markdown": f"{run}/report.md", "csv": f"{run}/results.csv",
+             "json": f"{run}/results.json", "plots": plots}  # fmt: skip
+
+    class Module:
+        params = {"args": ["--concurrency", "1,2"], "out": None, "no_recover": False}
+
+        def run_command(self, argv):
+            assert argv[-4:] == ["--ct", "200", "--concurrency", "1,2"]
+            return 0, json.dumps({"run_dir": run, "files": files}), ""
+
+    found = module.bench_one(Module(), "inventory.yml", 200)
+    assert found["report_files"] == [files["markdown"], files["csv"], files["json"], *plots]
+
+
 def test_a_skipped_check_task_is_a_skipped_check_of_each_ct_of_its_host():
     """Ansible drops a skipped task's result (no `res`): the report names the unmet needs."""
     from ops.ansible import _on_event

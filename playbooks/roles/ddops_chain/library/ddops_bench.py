@@ -222,7 +222,7 @@ benches:
       sample: "Error: CT 200: not healthy: engine service not running (recover could not fix it)"
     report_files:
       description:
-        - The run's markdown, CSV and JSON reports on the host, in that order, for M(ansible.builtin.fetch).
+        - The run's markdown, CSV and JSON reports on the host, in that order, then its PNG plots, for M(ansible.builtin.fetch).
         - Empty when the bench printed no JSON document.
       returned: always
       type: list
@@ -231,6 +231,7 @@ benches:
         - /root/.config/ddops/results/20261201T101500Z-3f2a9c/report.md
         - /root/.config/ddops/results/20261201T101500Z-3f2a9c/results.csv
         - /root/.config/ddops/results/20261201T101500Z-3f2a9c/results.json
+        - /root/.config/ddops/results/20261201T101500Z-3f2a9c/plots/speedup_by_method_length.png
 msg:
   description: What the module would do.
   returned: in check mode
@@ -281,6 +282,7 @@ def bench_one(module: AnsibleModule, inventory: str, vmid: int) -> dict:
         return {"vmid": vmid, "rc": rc or 1, "error": lines[0], "report_files": []}
     files = document.get("files") or {}
     report_files = [files[kind] for kind in ("markdown", "csv", "json") if kind in files]
+    report_files += files.get("plots") or []
     return {"vmid": vmid, "rc": rc, "document": document, "report_files": report_files}
 
 
