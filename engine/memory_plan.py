@@ -18,7 +18,9 @@ the whole lm_head and the drafter):
   (float32; float64 for float64), once per sequence;
 - `sequences` decoding at once (serve's --max-num-seqs, engine/scheduler.py): each has caches
   for the whole served context (its slot), its recurrent state and its share of a batched
-  verify pass, so the per-token and per-sequence figures count `sequences` times;
+  verify pass, so the per-token and per-sequence figures count `sequences` times; or, with
+  `kv_cache_tokens` (serve's --kv-cache-tokens), they share one KV pool of that many tokens
+  (each still its recurrent state and verify share; the scheduler preempts when it runs short);
   `sequences_fitting(context)` is how many fit at a context, `problem()` says why
   `sequences` at the asked context do not (and how many do);
 - the largest transient: a prefill chunk (the widest layer's live activations for
@@ -326,6 +328,7 @@ class Plan:
     prefix_caching: bool = True
     prefix_cache_memory: int | None = None  # asked for; None: what the served context leaves
     sequences: int = 1  # decoding at once, each in its own slot of the served context
+    kv_cache_tokens: int | None = None  # the sequences share a KV pool of this many tokens
 
     @property
     def weights(self) -> int:
@@ -398,16 +401,27 @@ class Plan:
 
     @property
     def longest_fit(self) -> int:
-        """The longest context the device's memory holds, whatever the model's own limit."""
+        """The longest context the device's memory holds, whatever the model's own limit (with
+        a shared KV pool: what the pool holds for one sequence, if the pool fits)."""
         room = self.device_memory - self.fixed_bytes
+        if self.kv_cache_tokens is not None:
+            return max(0, self.kv_cache_tokens - self.draft_block) if self.pool_fits else 0
         return max(0, room // (self.sequences * self.bytes_per_token) - self.draft_block)
+
+    @property
+    def pool_fits(self) -> bool:
+        """Whether a shared KV pool of kv_cache_tokens fits beside the rest (True without one)."""
+        return self.kv_cache_tokens is None or self.total_bytes(0) <= self.device_memory
 
     @property
     def longest_context(self) -> int:
         return min(self.longest_fit, self.model_limit)
 
     def total_bytes(self, context: int) -> int:
-        """The peak at a context of `context` tokens (every sequence's slot that long)."""
+        """The peak at a context of `context` tokens (every sequence's slot that long, or the
+        shared KV pool of kv_cache_tokens: its tokens' K/V and a prefill's drafter features)."""
+        if self.kv_cache_tokens is not None:
+            return self.fixed_bytes + self.kv_cache_tokens * self.bytes_per_token
         return self.fixed_bytes + self.sequences * self.sequence_kv_bytes(context)
 
     def sequence_kv_bytes(self, context: int) -> int:
@@ -417,7 +431,10 @@ class Plan:
     def sequences_fitting(self, context: int) -> int:
         """How many sequences of `context` tokens fit at once beside the weights, the largest
         transient and a prefix cache asked for (each its slot, recurrent state and verify share):
-        the most for which `total_bytes(context)` stays within the device."""
+        the most for which `total_bytes(context)` stays within the device; with a shared KV pool,
+        how many of its slots' worth it holds at once (beyond them the scheduler preempts)."""
+        if self.kv_cache_tokens is not None:
+            return self.kv_cache_tokens // (context + self.draft_block) if self.pool_fits else 0
         asked = (self.prefix_cache_memory or 0) if self.prefix_caching else 0
         room = self.device_memory - self.weights - self.reserve - asked
         each = self.sequence_kv_bytes(context) + self.recurrent_state
@@ -436,8 +453,21 @@ class Plan:
         """Why `sequences` sequences of `max_model_len` tokens (default: the context asked
         for) do not fit at once, with the numbers; None if they do (or no context was asked)."""
         max_model_len = max_model_len or self.max_model_len
+        if not self.pool_fits:
+            room = self.device_memory - self.fixed_bytes
+            return (
+                f"kv_cache_tokens {self.kv_cache_tokens} needs {self.total_bytes(0) / GIB:.2f} GiB "
+                f"but the device has {self.device_memory / GIB:.2f} GiB (weights "
+                f"{self.weights / GIB:.2f} GiB, {self.bytes_per_token / KIB:.1f} KiB per token); "
+                f"at most {max(0, room // self.bytes_per_token)} tokens fit"
+            )
         if max_model_len is None or max_model_len <= self.longest_fit:
             return None
+        if self.kv_cache_tokens is not None:
+            return (
+                f"max_model_len {max_model_len} does not fit a KV pool of {self.kv_cache_tokens} "
+                f"tokens: a sequence alone needs {max_model_len + self.draft_block}"
+            )
         fitting = self.sequences_fitting(max_model_len)
         if not fitting:
             one = replace(self, sequences=1)
@@ -494,9 +524,7 @@ class Plan:
             f"prefill transient    {size(self.prefill_transient)} (chunk of {self.prefill_chunk})",
             f"verify transient     {size(self.verify_transient)} ({self.verify_tokens} tokens)",
             f"runtime reserve      {size(self.reserve)}",
-            f"sequences at once    {self.sequences}, {size(self.sequence_bytes)} each at the "
-            f"served context (its caches, recurrent state and verify share); "
-            f"{self._fitting_text()} fit",
+            self._sequences_line(size),
             f"longest context      {self.longest_context} tokens (memory allows "
             f"{self.longest_fit}, the model {self.model_limit})",
             self._prefix_cache_line(size),
@@ -506,6 +534,19 @@ class Plan:
             f"the prefix cache's blocks shared: a {CONVERSATION_TOKENS}-token hit hands over "
             f"{size(self.hit_shared_bytes())}, nothing copied)",
         ]
+
+    def _sequences_line(self, size) -> str:
+        line = f"sequences at once    {self.sequences}, "
+        if self.kv_cache_tokens is None:
+            return line + (
+                f"{size(self.sequence_bytes)} each at the served context (its caches, recurrent "
+                f"state and verify share); {self._fitting_text()} fit"
+            )
+        return line + (
+            f"sharing a KV pool of {self.kv_cache_tokens} tokens "
+            f"({size(self.kv_cache_tokens * self.bytes_per_token)}): {self._fitting_text()} at "
+            f"once, beyond that the scheduler preempts"
+        )
 
     def _fitting_text(self) -> str:
         """How many sequences fit at the served context (and at CONVERSATION_TOKENS)."""
@@ -542,6 +583,7 @@ def plan_from_configs(
     prefix_caching: bool = True,
     prefix_cache_memory: int | None = None,
     sequences: int = 1,
+    kv_cache_tokens: int | None = None,
 ) -> Plan:
     """The plan for these config.json dicts (the drafter's may be None) on a device of
     `device_memory` bytes."""
@@ -551,6 +593,8 @@ def plan_from_configs(
         raise ValueError("tp, prefill_chunk, verify_tokens and sequences must be at least 1")
     if prefix_cache_memory is not None and prefix_cache_memory < 0:
         raise ValueError("the prefix cache's memory cannot be negative")
+    if kv_cache_tokens is not None and kv_cache_tokens < 1:
+        raise ValueError("kv_cache_tokens must be at least 1")
     width = DTYPE_BYTES[dtype]
     compute = 8 if dtype == "float64" else 4
     target = TargetShape.from_config(target_config)
@@ -584,6 +628,7 @@ def plan_from_configs(
         prefix_caching=prefix_caching,
         prefix_cache_memory=prefix_cache_memory,
         sequences=sequences,
+        kv_cache_tokens=kv_cache_tokens,
     )
 
 
@@ -599,6 +644,7 @@ def plan_from_dirs(
     prefix_caching: bool = True,
     prefix_cache_memory: int | None = None,
     sequences: int = 1,
+    kv_cache_tokens: int | None = None,
 ) -> Plan:
     """`plan_from_configs` with the config.json of each model directory."""
 
@@ -617,4 +663,5 @@ def plan_from_dirs(
         prefix_caching,
         prefix_cache_memory,
         sequences,
+        kv_cache_tokens,
     )

@@ -2,7 +2,8 @@
 
     python -m engine plan --model DIR [--draft DIR] --dtype bfloat16 --device-memory 96GiB \\
         [--max-model-len N] [--tp N] [--prefill-chunk 2048] [--budget 15] \\
-        [--prefix-cache-memory SIZE | --no-enable-prefix-caching] [--max-num-seqs N] [--json]
+        [--prefix-cache-memory SIZE | --no-enable-prefix-caching] [--max-num-seqs N] \\
+        [--kv-cache-tokens N] [--json]
 
 Prints the weights, KV bytes per token, recurrent state, the largest transient, the longest
 context that fits and the prefix cache's budget beside it (engine/memory_plan.py), or with
@@ -51,12 +52,18 @@ def add_prefix_cache_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
-    """The sequences decoding at once, shared with `serve` (vLLM's name)."""
+    """The sequences decoding at once and their KV pool, shared with `serve`."""
     parser.add_argument(
         "--max-num-seqs",
         type=int,
         help="sequences decoding at once, each with caches for the whole context "
         "(plan default: 1; serve's: as many as fit, up to 4)",
+    )
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        help="the running sequences share a KV pool of this many tokens (default: "
+        "--max-num-seqs whole contexts); when it runs short one is preempted and recomputed",
     )
 
 
@@ -80,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
             args.enable_prefix_caching,
             prefix_cache_memory(args),
             1 if args.max_num_seqs is None else args.max_num_seqs,
+            args.kv_cache_tokens,
         )
     except (OSError, ValueError, KeyError) as error:
         print(f"Error: {_reason(error)}", file=sys.stderr)

@@ -84,12 +84,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
     )
     parser.add_argument(
-        "--kv-cache-tokens",
-        type=int,
-        help="the running sequences share a KV pool of this many tokens (default: "
-        "--max-num-seqs whole contexts); when it runs short one is preempted and recomputed",
-    )
-    parser.add_argument(
         "--api-key", help=f"require 'Authorization: Bearer KEY' (default: env {API_KEY_ENV})"
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
@@ -197,11 +191,16 @@ def available_memory(device: str) -> int:
 def memory_plan(args: argparse.Namespace):
     """The memory plan of this serve command on the device's free memory: --max-num-seqs
     sequences at once, else as many as fit at the served context (at least one, at most
-    DEFAULT_MAX_NUM_SEQS; one under tensor parallelism, engine/server/app.py)."""
+    DEFAULT_MAX_NUM_SEQS; as many beside a --kv-cache-tokens pool, which they share; one under
+    tensor parallelism, engine/server/app.py)."""
     from dataclasses import replace
 
-    plan = _plan(args, args.max_num_seqs if args.tp == 1 and args.max_num_seqs else 1)
-    if args.max_num_seqs is not None or args.tp > 1 or plan.problem():
+    if args.tp > 1:
+        return _plan(args, 1)
+    if args.max_num_seqs is not None or args.kv_cache_tokens is not None:
+        return _plan(args, args.max_num_seqs or DEFAULT_MAX_NUM_SEQS)
+    plan = _plan(args, 1)
+    if plan.problem():
         return plan
     context = plan.served_context
     sequences = max(1, min(DEFAULT_MAX_NUM_SEQS, plan.sequences_fitting(context)))
@@ -223,6 +222,7 @@ def _plan(args: argparse.Namespace, sequences: int):
         args.enable_prefix_caching,
         prefix_cache_memory(args),
         sequences,
+        args.kv_cache_tokens if args.tp == 1 else None,  # tensor parallel: one sequence's caches
     )
 
 
@@ -235,12 +235,7 @@ def served_context(plan, args: argparse.Namespace) -> tuple[int, str | None]:
     """(the context to serve, or 0 and why not): the plan's sequences at --max-model-len, or at
     the longest context they leave (at least 2 tokens: a prompt token and a generated one)."""
     if problem := plan.problem():
-        flag = (
-            "--max-model-len"
-            if not plan.sequences_fitting(plan.max_model_len)
-            else "--max-num-seqs"
-        )
-        return 0, f"{flag} does not fit: {problem}"
+        return 0, f"{_culprit(plan)} does not fit: {problem}"
     limit = plan.served_context  # the context the server's cache pool is made for
     if limit >= 2:
         return limit, None
@@ -256,6 +251,15 @@ def served_context(plan, args: argparse.Namespace) -> tuple[int, str | None]:
     )
 
 
+def _culprit(plan) -> str:
+    """The flag a plan's problem is about."""
+    if not plan.pool_fits:
+        return "--kv-cache-tokens"
+    if plan.kv_cache_tokens is not None or not plan.sequences_fitting(plan.max_model_len):
+        return "--max-model-len"
+    return "--max-num-seqs"
+
+
 def sequences_note(plan, args: argparse.Namespace) -> str:
     """The start-up line on the sequences at once: how many of the served context fit, and,
     when the user chose neither --max-model-len nor --max-num-seqs and the context leaves one
@@ -263,6 +267,12 @@ def sequences_note(plan, args: argparse.Namespace) -> str:
     context = plan.served_context
     fitting = plan.sequences_fitting(context)
     line = f"sequences at once: {plan.sequences}, each up to {context} tokens ({fitting} fit)"
+    if plan.kv_cache_tokens is not None:
+        return (
+            f"sequences at once: {plan.sequences}, each up to {context} tokens, sharing a KV pool "
+            f"of {plan.kv_cache_tokens} tokens ({fitting} of that length at once; beyond, the "
+            f"scheduler preempts)"
+        )
     shorter = plan.sequences_fitting(CONVERSATION_TOKENS)
     chose = args.max_model_len is not None or args.max_num_seqs is not None
     if chose or args.tp > 1 or plan.sequences > 1 or context <= CONVERSATION_TOKENS or shorter < 2:
@@ -319,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
             plan.sequences,
             args.max_num_batched_tokens,
             options,
-            args.kv_cache_tokens,
+            plan.kv_cache_tokens,
         )
         return with_generation_options(engine, **options)
 

@@ -257,3 +257,35 @@ def test_the_server_s_cache_pool_is_the_plan_s(monkeypatch):
     counted = plan.sequences * plan.sequence_kv_bytes(context) + plan.prefix_cache_bytes
     held = plan.sequences * context * plan.cached_bytes_per_token + plan.prefix_cache_bytes
     assert held <= kv <= counted
+
+
+def test_a_shared_kv_pool_takes_more_sequences_than_fit_whole(monkeypatch):
+    """--kv-cache-tokens: sixteen 32k sequences share a 262,144-token pool (33.50 GiB) where
+    sixteen whole slots would need 107 GiB; seven of them fit it at once, then preemption."""
+    flags = ("--max-model-len", "32768", "--max-num-seqs", "16")
+    whole = qwen_serve_args(monkeypatch, *flags)
+    assert serve.served_context(serve.memory_plan(whole), whole)[0] == 0  # refused
+    args = qwen_serve_args(monkeypatch, *flags, "--kv-cache-tokens", "262144")
+    plan = serve.memory_plan(args)
+    assert serve.served_context(plan, args) == (32768, None)
+    assert plan.sequences == 16 and plan.sequences_fitting(32768) == 262_144 // 32_784 == 7
+    assert plan.total_bytes(32768) - plan.fixed_bytes == 262_144 * plan.bytes_per_token
+    assert "sharing a KV pool of 262144 tokens (7 of that length at once" in (
+        serve.sequences_note(plan, args)
+    )
+
+
+def test_a_kv_pool_too_large_or_too_small_for_one_sequence_refuses(monkeypatch):
+    flags = ("--max-model-len", "32768", "--max-num-seqs", "16")
+    large = qwen_serve_args(monkeypatch, *flags, "--kv-cache-tokens", "400000")
+    limit, problem = serve.served_context(serve.memory_plan(large), large)
+    assert limit == 0 and problem.startswith(
+        "--kv-cache-tokens does not fit: kv_cache_tokens 400000 needs 108.79 GiB"
+    )
+    small = qwen_serve_args(monkeypatch, *flags, "--kv-cache-tokens", "20000")
+    limit, problem = serve.served_context(serve.memory_plan(small), small)
+    assert (limit, problem) == (
+        0,
+        "--max-model-len does not fit: max_model_len 32768 does not fit a KV pool of 20000 "
+        "tokens: a sequence alone needs 32784",
+    )
