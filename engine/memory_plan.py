@@ -67,6 +67,7 @@ TRANSIENT_SLACK = 1.5
 BLOCK_TOKENS = 256  # tokens per prefix-cache KV block (engine/prefix_cache.py)
 CONVERSATION_TOKENS = 32768  # the conversation length the plan counts the prefix cache in
 MAX_NUM_SEQS = 1024  # the most sequences at once serve and an inventory may ask for
+DEFAULT_MAX_NUM_SEQS = 4  # serve's sequences at once without --max-num-seqs (if they fit)
 FULL, LINEAR = "full_attention", "linear_attention"
 _SIZE_UNITS = {
     "": 1,

@@ -244,6 +244,7 @@ class EngineUnit(TemplateSpec):
     port: int = 8000
     max_model_len: int | None = None  # None: the model's own limit
     max_num_seqs: int | None = None  # None: the engine's default
+    kv_cache_tokens: int | None = None  # None: a whole context per sequence
     method: str = "ddtree"
     budget: int = 15
     tp: int = 1
@@ -268,6 +269,8 @@ class EngineUnit(TemplateSpec):
             _check_int(t, "max_model_len", self.max_model_len, range(1, 10_000_001))
         if self.max_num_seqs is not None:
             _check_int(t, "max_num_seqs", self.max_num_seqs, range(1, MAX_NUM_SEQS + 1))
+        if self.kv_cache_tokens is not None:
+            _check_int(t, "kv_cache_tokens", self.kv_cache_tokens, range(1, (1 << 30) + 1))
         _check_choice(t, "method", self.method, METHODS)
         _check_int(t, "budget", self.budget, range(1, 4097))
         _check_int(t, "tp", self.tp, range(1, 65))

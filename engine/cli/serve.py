@@ -48,7 +48,7 @@ import sys
 from pathlib import Path
 
 from engine.cli.plan import add_batching_arguments, add_prefix_cache_arguments, prefix_cache_memory
-from engine.memory_plan import CONVERSATION_TOKENS, GIB, MAX_NUM_SEQS
+from engine.memory_plan import CONVERSATION_TOKENS, DEFAULT_MAX_NUM_SEQS, GIB, MAX_NUM_SEQS
 from engine.methods import METHODS
 from engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from engine.server import API_KEY_ENV
@@ -57,7 +57,6 @@ from engine.server.reasoning import REASONING_PARSERS
 from engine.server.tools import TOOL_CALL_PARSERS
 
 GRACEFUL_SHUTDOWN_S = 5.0
-DEFAULT_MAX_NUM_SEQS = 4  # sequences at once when --max-num-seqs is not given (if they fit)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

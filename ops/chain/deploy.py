@@ -190,6 +190,7 @@ def engine_unit(t: Transport, deployment: EngineDeployment) -> EngineUnit:
         port=engine.port,
         max_model_len=engine.max_model_len,
         max_num_seqs=engine.max_num_seqs,
+        kv_cache_tokens=engine.kv_cache_tokens,
         method=engine.method,
         budget=engine.budget,
         tp=engine.tp,

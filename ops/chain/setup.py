@@ -197,8 +197,8 @@ def gpu_capacity(
     t: Transport, ct: ContainerSpec, model: ModelSpec, engine: EngineSpec, token: str | None
 ) -> GpuFit:
     """Whether the target and drafter, with engine.max_num_seqs sequences of engine.max_model_len
-    tokens at once (one when unset: the engine then runs as many as fit; one under tensor
-    parallelism, which runs one at a time), fit each GPU the CT's engine runs on (per rank)."""
+    tokens at once (`_planned_sequences`), each a whole context or sharing a KV pool of
+    engine.kv_cache_tokens, fit each GPU the CT's engine runs on (per rank)."""
     from engine.memory_plan import GIB, plan_from_configs  # arithmetic only: no torch
 
     memory = gpu_memory(t)
@@ -209,12 +209,13 @@ def gpu_capacity(
     target = model_config(model.target, model.hub_endpoint, token)
     draft = model_config(model.draft, model.hub_endpoint, token) if model.draft else None
     _, dtype = engine_device_dtype(t, engine)
-    sequences = (engine.max_num_seqs or 1) if engine.tp == 1 else 1
     plan = plan_from_configs(
-        target, draft, dtype, memory[gpu], engine.max_model_len, engine.tp, sequences=sequences
-    )
+        target, draft, dtype, memory[gpu], engine.max_model_len, engine.tp,
+        sequences=_planned_sequences(engine),
+        kv_cache_tokens=engine.kv_cache_tokens if engine.tp == 1 else None,
+    )  # fmt: skip
     where = f"CT {ct.vmid}: GPU {gpu} ({memory[gpu] / GIB:.1f} GiB, {dtype}, tp {engine.tp})"
-    if plan.longest_fit < 1:
+    if plan.longest_fit < 1 and plan.pool_fits:  # a pool too large: problem() says so
         return GpuFit(
             f"{where}: {model.target.repo} does not fit: weights {plan.weights / GIB:.2f} GiB "
             f"+ state, transient and runtime {(plan.fixed_bytes - plan.weights) / GIB:.2f} GiB",
@@ -229,6 +230,18 @@ def gpu_capacity(
         f"token, longest context {plan.longest_context} tokens; "
         f"{plan.sequences_fitting(context)} sequences of {context} tokens fit at once",
     )
+
+
+def _planned_sequences(engine: EngineSpec) -> int:
+    """The sequences the CT's engine runs at once as serve plans them: one under tensor
+    parallelism; max_num_seqs; unset, DEFAULT_MAX_NUM_SEQS beside a shared KV pool, else one
+    (the engine then runs as many as fit)."""
+    from engine.memory_plan import DEFAULT_MAX_NUM_SEQS
+
+    if engine.tp > 1:
+        return 1
+    default = DEFAULT_MAX_NUM_SEQS if engine.kv_cache_tokens is not None else 1
+    return engine.max_num_seqs or default
 
 
 def _max_num_seqs_hint(plan) -> str:

@@ -164,9 +164,8 @@ class EngineSpec:
     budget: int = 15
     port: int = 8000
     max_model_len: int = 32768
-    max_num_seqs: int | None = (
-        None  # sequences at once; None: the engine's (as many as fit, up to 4)
-    )
+    max_num_seqs: int | None = None  # sequences at once; None: the engine's (fit, up to 4)
+    kv_cache_tokens: int | None = None  # a KV pool the sequences share; None: a context each
     tp: int = 1
     dtype: str = "auto"
     device: str = "auto"
@@ -180,6 +179,8 @@ class EngineSpec:
         check_int(obj, "max_model_len", self.max_model_len, 16, 1 << 24)
         if self.max_num_seqs is not None:
             check_int(obj, "max_num_seqs", self.max_num_seqs, 1, MAX_NUM_SEQS)
+        if self.kv_cache_tokens is not None:
+            check_int(obj, "kv_cache_tokens", self.kv_cache_tokens, 16, 1 << 30)
         check_int(obj, "tp", self.tp, 1, 8)
         if self.tp not in (1, 2, 4, 8):
             raise _bad(obj, "tp", self.tp, "choose one of 1, 2, 4, 8")

@@ -218,10 +218,12 @@ def test_the_engine_accepts_the_rendered_command_line():
 
 
 def test_max_num_seqs_reaches_the_engine_s_command_line():
-    argv = _exec_start_argv(render(dataclasses.replace(ENGINE, max_num_seqs=8)))
+    unit = dataclasses.replace(ENGINE, max_num_seqs=8, kv_cache_tokens=262_144)
+    argv = _exec_start_argv(render(unit))
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
-    assert parser.parse_args(argv[4:]).max_num_seqs == 8
+    args = parser.parse_args(argv[4:])
+    assert (args.max_num_seqs, args.kv_cache_tokens) == (8, 262_144)
     with pytest.raises(DdopsError, match="max_num_seqs"):
         dataclasses.replace(ENGINE, max_num_seqs=0)
 

@@ -39,19 +39,15 @@ def qwen_model(hub_url: str) -> ModelSpec:
     return ModelSpec(ModelRef(TARGET, "main", "target"), ModelRef(DRAFT, "main", "draft"), hub_url)
 
 
-def fit_on(
-    tmp_path: Path, hub_root: Path, gpu_mib: int, max_model_len: int, max_num_seqs=None, tp=1
-):
-    root = tmp_path / f"pve-{gpu_mib}-{max_num_seqs}-{tp}"
+def fit_on(tmp_path: Path, hub_root: Path, gpu_mib: int, max_model_len: int, tp=1, **engine):
+    root = tmp_path / f"pve-{gpu_mib}-{tp}-{'-'.join(map(str, engine.values()))}"
     init_host(root, gpus=tp, containers="process", gpu_memory_mib=gpu_mib)
     try:
         with LocalHub(hub_root) as hub:
             t = LocalTransport(sysroot=str(root))
-            engine = EngineSpec(
-                dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=max_num_seqs, tp=tp
-            )
+            spec = EngineSpec(dtype="bfloat16", max_model_len=max_model_len, tp=tp, **engine)
             ct = ContainerSpec(200, gpus=tuple(range(tp)))
-            return host_setup.gpu_capacity(t, ct, qwen_model(hub.url), engine, None)
+            return host_setup.gpu_capacity(t, ct, qwen_model(hub.url), spec, None)
     finally:
         destroy_host(root)
 
@@ -78,6 +74,14 @@ def test_more_sequences_than_the_card_holds_fail_with_how_many_do(tmp_path, qwen
     assert fit.problem.endswith(": set max_num_seqs to at most 9")
     # one sequence of the same length fits: the sequences are what fail
     assert fit_on(tmp_path, qwen_hub_root, 97887, 32768, max_num_seqs=1).problem is None
+
+
+def test_a_shared_kv_pool_holds_more_sequences_than_whole_contexts(tmp_path, qwen_hub_root):
+    pooled = fit_on(tmp_path, qwen_hub_root, 97887, 32768, max_num_seqs=16, kv_cache_tokens=262_144)
+    assert pooled.problem is None  # 16 whole 32k contexts would need 107 GiB
+    assert pooled.evidence.endswith("; 7 sequences of 32768 tokens fit at once")
+    large = fit_on(tmp_path, qwen_hub_root, 97887, 32768, max_num_seqs=16, kv_cache_tokens=400_000)
+    assert "kv_cache_tokens 400000 needs " in large.problem
 
 
 def test_tensor_parallel_counts_one_sequence_as_its_engine_runs(tmp_path, qwen_hub_root):

@@ -63,6 +63,7 @@ def test_parses_hosts_containers_model_engine(tmp_path):
         ("cores: 16", "corez: 16", "unknown key(s) corez"),
         ("max_model_len: 32768}", "max_model_len: 32768, max_num_seqs: 0}", "out of range 1..1024"),
         ("max_model_len: 32768}", "max_model_len: 32768, max_num_seqs: '8'}", "must be an integer"),
+        ("max_model_len: 32768}", "max_model_len: 32768, kv_cache_tokens: 8}", "out of range 16.."),
     ],
 )
 def test_bad_values_get_a_clear_error(tmp_path, old, new, message):

@@ -83,7 +83,7 @@ options:
   engine:
     description:
       - The engine settings, the C(ddops_engine) inventory variable (C(method), C(budget), C(port),
-        C(max_model_len), C(max_num_seqs), C(tp), C(dtype), C(device), C(python)); an empty mapping takes ddops' defaults.
+        C(max_model_len), C(max_num_seqs), C(kv_cache_tokens), C(tp), C(dtype), C(device), C(python)); an empty mapping takes ddops' defaults.
     type: dict
     default: {}
   sysroot:
