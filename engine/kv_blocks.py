@@ -106,8 +106,13 @@ class KVBlockPool:
         """`capacity` blocks in all, fewer than the sequences could fill (an oversubscribed
         pool: engine/scheduler.py preempts a sequence when it runs short); before any block
         beyond it is allocated."""
-        if capacity < 1 or self.k.shape[1] > capacity:
-            raise ValueError(f"cannot limit a pool of {self.k.shape[1]} blocks to {capacity}")
+        if capacity < 1 or any(self.refs[capacity:]):
+            raise ValueError(f"cannot limit a pool with blocks in use to {capacity} blocks")
+        if self.k.shape[1] > capacity:  # storage made ahead on the CPU: the unused goes
+            self.k, self.v = self.k[:, :capacity].clone(), self.v[:, :capacity].clone()
+            self._flat = None
+            self._free = [block for block in self._free if block < capacity]
+            heapq.heapify(self._free)
         self.refs = self.refs[:capacity] + [0] * (capacity - len(self.refs))
         self.capacity = capacity
 

@@ -260,3 +260,15 @@ def test_sequences_attended_together_equal_each_alone() -> None:
             for cache, r, seen in zip(caches, rows, visible, strict=True)
         ]
         assert torch.equal(together, torch.cat(alone))
+
+
+def test_a_pool_limited_below_its_sequences_gives_back_storage_and_runs_out() -> None:
+    pool = KVBlockPool(layout(), capacity=9, block_tokens=BLOCK)
+    assert pool.k.shape[1] == 4  # the CPU's storage made ahead
+    pool.limit(2)  # an oversubscribed pool (engine/scheduler.py preempts)
+    assert pool.k.shape[1] == 2 and pool.free_blocks == 2
+    assert [pool.allocate(), pool.allocate()] == [0, 1]
+    with pytest.raises(PoolExhausted):
+        pool.allocate()
+    with pytest.raises(ValueError, match="in use"):
+        pool.limit(1)
