@@ -460,6 +460,19 @@ def parse_part(schema: type[BodyT], value: Any, where: str) -> BodyT:
         raise _api_error(exc, where) from None
 
 
+class _Informational(_Body):
+    """The informational fields' types, as the spec gives them: unused, but a Response echoes
+    some (`user`, `metadata`), so a value of the wrong type is a 400 like any other."""
+
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = Field(None, max_length=64)
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    service_tier: str | None = None
+
+
 def sort_extra_fields(
     extra: dict[str, Any],
     api_fields: frozenset[str] | None,
@@ -472,7 +485,9 @@ def sort_extra_fields(
     for name, value in extra.items():
         if not api_fields or name not in api_fields:
             ignored.append(where + name)
-        elif value is not None and name not in informational:
+        elif name in informational:
+            parse_part(_Informational, {name: value}, where)
+        elif value is not None:
             accepted = no_op_values.get(name)
             if accepted is None or value not in accepted:
                 only = f" (only {json.dumps(accepted[0])} is accepted)" if accepted else ""

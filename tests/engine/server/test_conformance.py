@@ -146,6 +146,24 @@ def test_integral_numbers_are_integers(server, engine):
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_logprobs"
 
 
+def test_informational_fields_of_the_wrong_type_are_refused(server):
+    """Unused, but a Response echoes `user` and `metadata`: a value outside the spec's type is a
+    400 naming the field (schemathesis found `user: {}` echoed), on every route."""
+    url, _ = server
+    for field, value in [("user", {}), ("metadata", {"k": 1}), ("safety_identifier", "x" * 65)]:
+        for path, body in [
+            ("/v1/responses", {"input": "hi"}),
+            ("/v1/chat/completions", {"messages": ASK}),
+        ]:
+            refused = httpx.post(url + path, json={**body, field: value})
+            assert refused.status_code == 400, (path, field, refused.text)
+            assert refused.json()["error"]["param"].startswith(field)
+    echoed = httpx.post(
+        url + "/v1/responses", json={"input": "hi", "user": "u1", "metadata": {"k": "v"}}
+    )
+    assert (echoed.json()["user"], echoed.json()["metadata"]) == ("u1", {"k": "v"})
+
+
 # -- errors ------------------------------------------------------------------------------------
 
 
