@@ -87,6 +87,18 @@ _SIZE_UNITS = {
 }
 
 
+def planned_sequences(max_num_seqs: int | None, kv_cache_tokens: int | None, tp: int) -> int | None:
+    """The sequences a serve command's plan counts: one under tensor parallelism (its ranks run
+    one at a time), else --max-num-seqs, else DEFAULT_MAX_NUM_SEQS beside a shared KV pool;
+    None: serve takes as many as fit at the served context (up to DEFAULT_MAX_NUM_SEQS), and
+    a plan made before that is known counts one."""
+    if tp > 1:
+        return 1
+    if max_num_seqs is not None:
+        return max_num_seqs
+    return DEFAULT_MAX_NUM_SEQS if kv_cache_tokens is not None else None
+
+
 def parse_size(text: str) -> int:
     """Bytes in "96GiB", "80GB", "512M" (K/M/G/T alone are binary), "1024"; ValueError else."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)

@@ -18,7 +18,13 @@ import json
 import sys
 from pathlib import Path
 
-from engine.memory_plan import DEFAULT_PREFILL_CHUNK, DTYPE_BYTES, parse_size, plan_from_dirs
+from engine.memory_plan import (
+    DEFAULT_PREFILL_CHUNK,
+    DTYPE_BYTES,
+    parse_size,
+    plan_from_dirs,
+    planned_sequences,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             args.budget + 1,
             args.enable_prefix_caching,
             prefix_cache_memory(args),
-            1 if args.max_num_seqs is None else args.max_num_seqs,
+            planned_sequences(args.max_num_seqs, args.kv_cache_tokens, args.tp) or 1,
             args.kv_cache_tokens,
         )
     except (OSError, ValueError, KeyError) as error:

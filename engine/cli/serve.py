@@ -48,7 +48,13 @@ import sys
 from pathlib import Path
 
 from engine.cli.plan import add_batching_arguments, add_prefix_cache_arguments, prefix_cache_memory
-from engine.memory_plan import CONVERSATION_TOKENS, DEFAULT_MAX_NUM_SEQS, GIB, MAX_NUM_SEQS
+from engine.memory_plan import (
+    CONVERSATION_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    GIB,
+    MAX_NUM_SEQS,
+    planned_sequences,
+)
 from engine.methods import METHODS
 from engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from engine.server import API_KEY_ENV
@@ -194,10 +200,8 @@ def memory_plan(args: argparse.Namespace):
     tensor parallelism, engine/server/app.py)."""
     from dataclasses import replace
 
-    if args.tp > 1:
-        return _plan(args, 1)
-    if args.max_num_seqs is not None or args.kv_cache_tokens is not None:
-        return _plan(args, args.max_num_seqs or DEFAULT_MAX_NUM_SEQS)
+    if sequences := planned_sequences(args.max_num_seqs, args.kv_cache_tokens, args.tp):
+        return _plan(args, sequences)
     plan = _plan(args, 1)
     if plan.problem():
         return plan

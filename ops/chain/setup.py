@@ -196,10 +196,11 @@ class GpuFit:
 def gpu_capacity(
     t: Transport, ct: ContainerSpec, model: ModelSpec, engine: EngineSpec, token: str | None
 ) -> GpuFit:
-    """Whether the target and drafter, with engine.max_num_seqs sequences of engine.max_model_len
-    tokens at once (`_planned_sequences`), each a whole context or sharing a KV pool of
-    engine.kv_cache_tokens, fit each GPU the CT's engine runs on (per rank)."""
-    from engine.memory_plan import GIB, plan_from_configs  # arithmetic only: no torch
+    """Whether the target and drafter, with the sequences serve plans (engine.max_num_seqs,
+    engine.memory_plan.planned_sequences) of engine.max_model_len tokens at once, each a whole
+    context or sharing a KV pool of engine.kv_cache_tokens, fit each GPU the CT's engine runs
+    on (per rank)."""
+    from engine.memory_plan import GIB, plan_from_configs, planned_sequences  # no torch
 
     memory = gpu_memory(t)
     missing = [gpu for gpu in ct.gpus if gpu not in memory]
@@ -209,10 +210,11 @@ def gpu_capacity(
     target = model_config(model.target, model.hub_endpoint, token)
     draft = model_config(model.draft, model.hub_endpoint, token) if model.draft else None
     _, dtype = engine_device_dtype(t, engine)
+    sequences = planned_sequences(engine.max_num_seqs, engine.kv_cache_tokens, engine.tp) or 1
+    pool = engine.kv_cache_tokens if engine.tp == 1 else None  # tensor parallel: one at a time
     plan = plan_from_configs(
         target, draft, dtype, memory[gpu], engine.max_model_len, engine.tp,
-        sequences=_planned_sequences(engine),
-        kv_cache_tokens=engine.kv_cache_tokens if engine.tp == 1 else None,
+        sequences=sequences, kv_cache_tokens=pool,
     )  # fmt: skip
     where = f"CT {ct.vmid}: GPU {gpu} ({memory[gpu] / GIB:.1f} GiB, {dtype}, tp {engine.tp})"
     if plan.longest_fit < 1 and plan.pool_fits:  # a pool too large: problem() says so
@@ -230,18 +232,6 @@ def gpu_capacity(
         f"token, longest context {plan.longest_context} tokens; "
         f"{plan.sequences_fitting(context)} sequences of {context} tokens fit at once",
     )
-
-
-def _planned_sequences(engine: EngineSpec) -> int:
-    """The sequences the CT's engine runs at once as serve plans them: one under tensor
-    parallelism; max_num_seqs; unset, DEFAULT_MAX_NUM_SEQS beside a shared KV pool, else one
-    (the engine then runs as many as fit)."""
-    from engine.memory_plan import DEFAULT_MAX_NUM_SEQS
-
-    if engine.tp > 1:
-        return 1
-    default = DEFAULT_MAX_NUM_SEQS if engine.kv_cache_tokens is not None else 1
-    return engine.max_num_seqs or default
 
 
 def _max_num_seqs_hint(plan) -> str:

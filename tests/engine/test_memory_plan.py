@@ -293,3 +293,27 @@ def test_sequences_fitting_is_the_most_whose_total_stays_within_the_device():
             assert n == 0 or within.total_bytes(context) <= device
             assert beyond.total_bytes(context) > device
             assert (within.problem(context) is None) == (n >= 1)
+
+
+def test_the_sequences_a_serve_command_plans():
+    from engine.memory_plan import DEFAULT_MAX_NUM_SEQS, planned_sequences
+
+    assert planned_sequences(8, None, 1) == 8
+    assert planned_sequences(8, 262_144, 2) == 1  # tensor parallel: one at a time
+    assert planned_sequences(None, 262_144, 1) == DEFAULT_MAX_NUM_SEQS  # they share the pool
+    assert planned_sequences(None, None, 1) is None  # serve: as many as fit
+
+
+def test_plan_counts_a_shared_kv_pool_as_serve_does():
+    text = subprocess.run(
+        [sys.executable, "-m", "engine", "plan", "--model", str(QWEN36 / "target")]
+        + ["--draft", str(QWEN36 / "draft"), "--device-memory", "96GiB"]
+        + ["--max-model-len", "32768", "--kv-cache-tokens", "262144"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert (
+        "sequences at once    4, sharing a KV pool of 262144 tokens (33.50 GiB): "
+        "7 of 32768 tokens at once" in text
+    )
