@@ -42,6 +42,7 @@ from engine.models.common import (
     WindowPass,
     finish_loading,
     new_kv_cache,
+    pass_mask_once,
     read_config,
     rope_theta,
 )
@@ -277,15 +278,20 @@ class DFlashDrafter(nn.Module):
         ids[:, 0] = torch.tensor([bonus for _, _, bonus in items], device=device)
         x = self._embed(target, ids.flatten())  # [n*B, H]
         in_block = torch.ones(B, B, dtype=torch.bool, device=device)
+        visible = {True: in_block.tril(), False: in_block}  # by causal
+        masks: dict[tuple[int, bool], list] = {}  # each block's, made at its first layer
         for index, layer in enumerate(self.layers):
             q, k, v = layer.block_qkv(x, rope)
             causal, _ = self.config.attention_kind(index)
-            mask = in_block.tril() if causal else in_block
             attended = []
             for row, ((cache, _, _), start) in enumerate(zip(items, starts, strict=True)):
-                rows = slice(row * B, (row + 1) * B)
+                rows, keys = slice(row * B, (row + 1) * B), start + B
                 cache.store(index, start, k[rows], v[rows])
-                attended.append(cache.attend(index, q[rows], start, mask, self._scale, start + B))
+                memo = masks.setdefault((row, causal), [])
+                mask = pass_mask_once(memo, q[rows], keys, start, visible[causal])
+                attended.append(
+                    cache.attend(index, q[rows], start, visible[causal], self._scale, keys, mask)
+                )
             x = layer.finish(x, torch.cat(attended))
         for (cache, _, _), start in zip(items, starts, strict=True):
             cache.length = start
