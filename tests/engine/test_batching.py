@@ -172,6 +172,8 @@ def test_a_sequence_alone_decodes_by_generates_passes_and_batches_when_another_j
     monkeypatch.setattr(target, "forward_batch", forward_batch)
     auto = GenerationConfig("auto", 15, max_new_tokens=NEW, prefill_chunk=16)
     sched = scheduler(pair, slots=1)
+    assert "cuda_graphs" not in sched.options  # one slot: its solo rounds may capture graphs
+    assert scheduler(pair, slots=2).options["cuda_graphs"] is False  # several: not per slot
     sched.add(Request(prompts(pair, [6], seed=3)[0], auto))
     drain(sched)
     assert ["round"] in passes  # auto alone keeps the batched pass, where its budgets are chosen
