@@ -25,6 +25,9 @@ traced run of each prompt compares every round's tree (tokens, parents) and acce
 the rounds where ours has shrunk its tree to stay within max_new_tokens (the reference does
 not) are counted apart.
 
+Host work, a load-free measure beside the times: `ops_per_round`, each engine's aten ops (every
+torch op dispatched, views and casts included) per round of a traced run of the first prompt.
+
 `--clock cpu` times both by this thread's CPU time instead of the wall clock (see `clock`): on
 a machine busy with other work, the wall clock mostly measures the waits for a core.
 
@@ -46,6 +49,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.bench_stats import interval_name, median_interval
 from engine.data.corpus import held_out_prompts
@@ -168,6 +172,25 @@ def compare_trees(ours: list[dict], reference: list[dict], depth: int, new_token
     }
 
 
+class OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_round(run, ids: list[int], budget: int, new_tokens: int) -> float:
+    """The aten ops of a traced `run` of `ids` over its rounds."""
+    with OpCount() as count:
+        rounds = len(run(ids, budget, new_tokens, True)["rounds"])
+    return round(count.ops / max(rounds, 1), 1)
+
+
 @contextmanager
 def clock(kind: str) -> Iterator[None]:
     """`cpu`: time.perf_counter reads this thread's CPU time while the engines run. Both read
@@ -210,6 +233,11 @@ def compare(args: argparse.Namespace, engines: dict, prompts: list[list[int]]) -
         depth = engines["ours"].drafter.block_size - 1
         trees.append(compare_trees(mine["rounds"], theirs["rounds"], depth, args.max_new_tokens))
 
+    ops = {
+        name: ops_per_round(run[name], prompts[0], args.budget, args.max_new_tokens)
+        for name in engines
+    }
+
     rates: dict[str, list[float]] = {"ours": [], "reference": [], "reference_own": []}
     ratios, stages = [], {name: [] for name in engines}
     for repeat in range(args.repeats):
@@ -237,6 +265,7 @@ def compare(args: argparse.Namespace, engines: dict, prompts: list[list[int]]) -
         "stage_ms_per_token": {name: median_stages(runs) for name, runs in stages.items()},
         "outputs_equal": outputs_equal,
         "trees": trees,
+        "ops_per_round": ops,
         "settings": {
             "prompt_tokens": [len(ids) for ids in prompts],
             "max_new_tokens": args.max_new_tokens,

@@ -3,7 +3,9 @@ reference itself is not part of the repository, so its runs are not tested here)
 
 from __future__ import annotations
 
-from engine.tools.ddtree_reference import compare_trees, main
+import torch
+
+from engine.tools.ddtree_reference import compare_trees, main, ops_per_round
 
 
 def ours(tokens, parents, accepted):
@@ -85,3 +87,13 @@ def test_the_cpu_clock_with_several_threads_is_refused(tmp_path, capsys):
     args = ["--reference", str(tmp_path), "--model", str(tmp_path), "--draft", str(tmp_path)]
     assert main([*args, "--clock", "cpu", "--threads", "2"]) == 2
     assert "--threads 1" in capsys.readouterr().err
+
+
+def test_ops_per_round_counts_every_torch_op_of_a_traced_run_over_its_rounds():
+    def run(ids, budget, new_tokens, trace):
+        assert trace
+        x = torch.ones(3)
+        (x + 1).sum().view(1)  # add, sum, view
+        return {"rounds": [{}, {}]}
+
+    assert ops_per_round(run, [1, 2], 15, 8) == 2.0  # ones + 3, over 2 rounds
