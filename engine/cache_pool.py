@@ -208,11 +208,12 @@ class SequenceCaches:
         self.cached_tokens = 0
         self.logits: torch.Tensor | None = None  # the last prompt token's, when all was cached
 
-    def resume(self, prompt_ids: list[int]) -> int:
-        """Restore the longest cached prefix of the prompt; returns its length (0: none)."""
+    def resume(self, prompt_ids: list[int], whole: bool = False) -> int:
+        """Restore the longest cached prefix of the prompt (`whole`: all of it may be, without
+        its last logits: PrefixCache.lookup); returns its length (0: none)."""
         if self.prefix is None:
             return 0
-        hit = self.prefix.lookup(prompt_ids, drafted=self.draft_cache is not None)
+        hit = self.prefix.lookup(prompt_ids, drafted=self.draft_cache is not None, whole=whole)
         if hit.position:
             self.prefix.restore(hit, self.cache, self.draft_cache)
         if hit.position == len(prompt_ids):

@@ -323,10 +323,11 @@ class _Sequence:
         if self.cfg.prompt_logprobs is not None:
             self.prompt_scores = PromptScores(prompt_ids, self.cfg.prompt_logprobs, self.device)
 
-    def _plan_prefill(self, tokens: list[int]) -> None:
+    def _plan_prefill(self, tokens: list[int], whole: bool = False) -> None:
         """Restore the longest cached prefix of `tokens` (the prompt, or what a preempted
-        sequence had committed) and plan the chunks of the rest."""
-        cached, total = self.caches.resume(tokens), len(tokens)
+        sequence had committed: `whole`, it may be all of them) and plan the chunks of the
+        rest."""
+        cached, total = self.caches.resume(tokens, whole), len(tokens)
         self._filling, self.prefilled = tokens, cached
         self._cached, self._logits = cached, self.caches.logits
         self._prompt = torch.tensor(tokens[cached:], dtype=torch.long, device=self.device)
@@ -351,10 +352,10 @@ class _Sequence:
         """Give back the caches (every KV block, the GDN state slot, the drafter's features),
         keeping the tokens and the sampling state (generator, penalties, grammar; the output is
         the Run's): `restart` re-prefills what was committed. Between rounds, what was committed
-        is stored in the prefix cache first (the drafter's K/V as far as it reaches), so the
-        restart resumes from it unless it was evicted meanwhile."""
+        is stored in the prefix cache first (the drafter's last features appended when the pool
+        has the blocks), so the restart resumes from it, all of it when nothing was evicted."""
         if self.committed and not self.resuming:
-            self.caches.finish(self.committed, None)
+            self.caches.finish(self.committed, self.context)
         else:
             self.caches.abandon()
         self.release()
@@ -378,7 +379,7 @@ class _Sequence:
             self.begin_prefill(self.prompt_ids)
             return
         self.resuming = True
-        self._plan_prefill(self.committed)
+        self._plan_prefill(self.committed, whole=True)
         self.caches.cached_tokens = cached_tokens  # the result reports the prompt's hit
 
     def end_resume(self) -> None:

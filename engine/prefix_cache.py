@@ -212,16 +212,20 @@ class PrefixCache:
 
     # -- reuse ---------------------------------------------------------------------------
 
-    def lookup(self, prompt: Sequence[int], drafted: bool) -> Hit:
+    def lookup(self, prompt: Sequence[int], drafted: bool, whole: bool = False) -> Hit:
         """The longest resume point of `prompt` (`drafted`: with the drafter's K/V too). Its
-        `logits` stand for a prefill only when it covers the whole prompt."""
+        `logits` stand for a prefill only when it covers the whole prompt; `whole`: it may
+        cover the whole prompt without them (a preempted sequence's tokens, whose next token
+        was chosen before)."""
         best, node, path = Hit(), self._root, []
         B, N = self.block_tokens, len(prompt)
         while True:
             start = node.end
             for tail, snapshot in node.snapshots.items():
                 position = start + len(tail)
-                usable = position < N or (position == N and snapshot.capture.logits is not None)
+                usable = position < N or (
+                    position == N and (whole or snapshot.capture.logits is not None)
+                )
                 if (
                     position > best.position
                     and usable
@@ -229,7 +233,7 @@ class PrefixCache:
                     and tuple(prompt[start:position]) == tail
                 ):
                     best = Hit(position, list(path), snapshot)
-            if not self.recurrent and best.position < start < N:
+            if not self.recurrent and best.position < start and (start < N or whole):
                 best = Hit(start, list(path))
             child = node.children.get(tuple(prompt[start : start + B]))
             if child is None or (drafted and child.draft is None):

@@ -149,6 +149,7 @@ class Scheduler:
         self.running: list[_Active] = []  # in the order they were admitted
         self.passes = 0  # target passes run so far
         self.preemptions = 0
+        self.resumed = {"recomputed": 0, "cached": 0}  # the preempted's tokens, readmitted
         self.budgets = Budgets(target.embed_tokens.weight.device.type)  # auto's cost model
         self.on_pass: Callable[[int, int], None] | None = None  # (sequences, tokens) of a pass
         self.on_preempt: Callable[[], None] | None = None  # a sequence was preempted
@@ -243,6 +244,13 @@ class Scheduler:
         if isinstance(item, _Active):
             item.pool, item.prefilling = pool, True
             item.seq.restart(pool)
+            if item.seq.resuming:
+                left, total = item.seq.prefill_left, len(item.seq.committed)
+                self.resumed["recomputed"] += left
+                self.resumed["cached"] += total - left
+                log.info(
+                    "resumed a preempted sequence: %d of its %d tokens cached", total - left, total
+                )
             return item
         seq = _Sequence(self.target, self.drafter, item.cfg, pool)
         run = Run(seq, self._max_len(item), time.perf_counter(), item.on_tokens, item.on_logprobs)

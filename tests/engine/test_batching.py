@@ -416,6 +416,8 @@ def test_an_oversubscribed_pool_preempts_and_every_output_equals_its_solo_run(pa
     assert len(sched.free) == 6
     if not cached:  # every block came back
         assert not any(sched.free[0].target_blocks.refs)
+    if not cached:
+        assert sched.resumed["cached"] == 0
 
 
 def test_preempted_sequences_keep_their_grammar_and_logprobs(pair):
@@ -478,3 +480,22 @@ def test_a_sequence_that_cannot_fit_the_pool_alone_fails_out_of_memory(pair):
     drain(sched)
     assert is_out_of_memory(got.finished[0].error)
     assert got.output(1) == solo(pair, short, configs()[1])
+
+
+def test_a_preempted_sequence_resumes_all_it_committed_from_the_prefix_cache(pair):
+    """Preempted between rounds with room in the prefix cache: readmitted, it restores every
+    token it had committed (nothing recomputed) and decodes on as alone."""
+    target, _ = pair
+    prefix = PrefixCache(1 << 30, recurrent=has_states(target.new_cache(8)), block_tokens=PAGE)
+    sched, got = scheduler(pair, slots=2, prefix=prefix, kv_tokens=SLOT), Collector()
+    prompt, cfg = prompts(pair, [30], seed=13)[0], configs()[3]  # sampled ddtree
+    sched.add(got.request(0, prompt, cfg))
+    while len(got.streamed[0]) < 4:
+        sched.step()
+    active = sched.running[0]
+    committed = len(active.seq.committed)
+    sched._requeue(active, counted=True)
+    drain(sched)
+    assert sched.preemptions == 1
+    assert sched.resumed == {"recomputed": 0, "cached": committed}
+    assert got.output(0) == solo(pair, prompt, cfg)
