@@ -3,8 +3,9 @@
 The agent half:
 
 - the agent, run INSIDE the container by the engine's Python (which has huggingface_hub):
-      python -m ops.agents.staging stage --repo ORG/NAME --revision REV --name NAME [--endpoint URL] [--refresh] --json
-      python -m ops.agents.staging check --name NAME [--hashes] --json
+      python -m ops.agents.staging stage --model NAME ORG/REPO REV [--model ...] [--endpoint URL] [--refresh]
+      python -m ops.agents.staging check --name NAME [--name ...] [--hashes]
+  (several models a run, one Python start for all; one JSON line: {"models": [...]})
   `stage` makes sure the persistent cache holds the snapshot (downloading only what is missing or
   damaged, resumable), then copies it into /dev/shm, hashing while copying: a file lands in
   /dev/shm only once its bytes match the manifest taken when the snapshot was first downloaded
@@ -18,7 +19,7 @@ The agent half:
   (.ddops-staged.json) records the commit and each staged file's size, sha256 and mtime: `check`
   compares size and mtime (cheap), `check --hashes` the sha256 too, and reports the commit. The HF token is HF_TOKEN in its environment, carried into the CT on stdin by ct_exec,
   never on a command line. Every hub failure is one DdopsError naming the repo.
-- the controller's half is ops/chain/stage_model.py (`stage_model`, `check_staged`): it runs
+- the controller's half is ops/chain/stage_model.py (`stage_models`, `check_staged`): it runs
   this agent through `pct exec` over a Transport and turns its JSON into a report.
 """
 
@@ -374,51 +375,68 @@ def check_local(name: str, shm_root: Path, hashes: bool = False) -> list[str]:
 
 
 def agent_main(argv: list[str] | None = None) -> int:
+    """The agent's command line: several models a run (one Python start in the CT for all)."""
     parser = argparse.ArgumentParser(
-        prog="python -m ops.agents.staging", description="Stage a model into /dev/shm."
+        prog="python -m ops.agents.staging", description="Stage models into /dev/shm."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     stage = sub.add_parser("stage")
-    stage.add_argument("--repo", required=True)
-    stage.add_argument("--revision", default="main")
-    stage.add_argument("--name", required=True)
-    stage.add_argument("--endpoint")
     stage.add_argument(
-        "--token-stdin", action="store_true", help="read the HF token from the first stdin line"
+        "--model",
+        nargs=3,
+        action="append",
+        required=True,
+        metavar=("NAME", "REPO", "REVISION"),
+        help="a model to stage into <shm>/NAME (repeat for each)",
     )
+    stage.add_argument("--endpoint")
     stage.add_argument(
         "--refresh", action="store_true", help="resolve the revision again (a branch may move)"
     )
     check = sub.add_parser("check")
-    check.add_argument("--name", required=True)
+    check.add_argument("--name", action="append", required=True, help="repeat for each model")
     check.add_argument("--hashes", action="store_true")
     for p in (stage, check):
         p.add_argument("--cache", default=CACHE_DIR)
         p.add_argument("--shm", default=SHM_MODELS)
     args = parser.parse_args(argv)
     try:
-        if args.command == "check":
-            problems = check_local(args.name, Path(args.shm), args.hashes)
-            commit = staged_commit(args.name, Path(args.shm))
-            report = {"name": args.name, "complete": not problems, "problems": problems}
-            print(json.dumps({**report, "commit": commit}))
-            return 0
-        token = os.environ.get("HF_TOKEN") or None
-        ref = ModelRef(args.repo, args.revision, args.name)
-        report = stage_local(
-            ref,
-            endpoint=args.endpoint,
-            token=token,
-            cache=Path(args.cache),
-            shm_root=Path(args.shm),
-            log=lambda msg: print(msg, file=sys.stderr, flush=True),
-            refresh=args.refresh,
-        )
-        print(json.dumps(asdict(report)))
-        return 0
+        models = _checked(args) if args.command == "check" else _staged(args)
     except DdopsError as exc:
         print(json.dumps({"error": str(exc)}))
         return 1
+    print(json.dumps({"models": models}))
+    return 0
+
+
+def _checked(args: argparse.Namespace) -> list[dict]:
+    shm = Path(args.shm)
+    reports = []
+    for name in args.name:
+        problems = check_local(name, shm, args.hashes)
+        commit = staged_commit(name, shm)
+        reports.append(
+            {"name": name, "complete": not problems, "problems": problems, "commit": commit}
+        )
+    return reports
+
+
+def _staged(args: argparse.Namespace) -> list[dict]:
+    token = os.environ.get("HF_TOKEN") or None
+    return [
+        asdict(
+            stage_local(
+                ModelRef(repo, revision, name),
+                endpoint=args.endpoint,
+                token=token,
+                cache=Path(args.cache),
+                shm_root=Path(args.shm),
+                log=lambda msg: print(msg, file=sys.stderr, flush=True),
+                refresh=args.refresh,
+            )
+        )
+        for name, repo, revision in args.model
+    ]
 
 
 if __name__ == "__main__":

@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Literal
 
 from ops.agents.staging import SHM_MODELS
-from ops.chain import deploy
+from ops.chain import deploy, stage_model
 from ops.chain import install as host_install
 from ops.chain import setup as host_setup
 from ops.chain.report import Mode, Outcome
-from ops.chain.stage_model import branch_commit, check_staged, stage_model
+from ops.chain.stage_model import branch_commit, check_staged
 from ops.diffs import unified_diff
 from ops.errors import DdopsError
 from ops.host.gpu import (
@@ -595,7 +595,7 @@ def start_ct(c: ChainContext, dry_run: bool) -> Outcome:
 # -- 6. CUDA initialises in the CT; its driver userspace matches the host module -------------
 def cuda_probe_report(c: ChainContext) -> dict:
     """The CUDA probe (ops/agents/probe.py, stdlib only) run inside the CT from stdin: nothing written."""
-    r = ct_exec(c.t, c.vmid, ["python3", "-", "--json"], input=PROBE_SCRIPT.read_text())
+    r = ct_exec(c.t, c.vmid, ["python3", "-I", "-S", "-", "--json"], input=PROBE_SCRIPT.read_text())
     try:
         return json.loads(r.stdout)
     except ValueError:
@@ -669,12 +669,11 @@ def model_dir(ref: ModelRef) -> str:
 
 
 def probe_model(c: ChainContext) -> Finding:
-    staged = {
-        ref: check_staged(
-            c.t, c.vmid, ref.name, python=c.engine.python, hashes=c.policy.verify_hashes
-        )
-        for ref in c.models
-    }
+    names = [ref.name for ref in c.models]
+    checked = check_staged(
+        c.t, c.vmid, names, python=c.engine.python, hashes=c.policy.verify_hashes
+    )
+    staged = {ref: checked[ref.name] for ref in c.models}
     problems = [f"{model_dir(ref)}: {p}" for ref, s in staged.items() for p in s.problems]
     if problems:
         return _bad(f"{c.name}: {'; '.join(problems)}")
@@ -695,17 +694,17 @@ def probe_model(c: ChainContext) -> Finding:
 def stage_models(c: ChainContext, dry_run: bool) -> Outcome:
     if dry_run:
         return Outcome(True, f"would stage {', '.join(m.repo for m in c.models)} (cache first)")
+    reports = stage_model.stage_models(
+        c.t,
+        c.vmid,
+        c.models,
+        python=c.engine.python,
+        endpoint=c.model.hub_endpoint,
+        token=c.hf_token,
+        refresh=c.policy.mode == "provision",
+    )
     done = []
-    for ref in c.models:
-        report = stage_model(
-            c.t,
-            c.vmid,
-            ref,
-            python=c.engine.python,
-            endpoint=c.model.hub_endpoint,
-            token=c.hf_token,
-            refresh=c.policy.mode == "provision",
-        )
+    for ref, report in zip(c.models, reports, strict=True):
         source = f"{len(report.downloaded_files) + len(report.repaired_cache_files)} file(s) from the hub"
         done.append(
             f"{ref.name}@{report.commit[:12]}: {len(report.copied_files)} file(s) copied, {source}"

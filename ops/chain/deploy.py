@@ -52,7 +52,8 @@ PUSH_DIR = "/var/lib/ddops/push"  # host-side copies of files pushed into CTs (n
 CT_WHEEL_DIR = "/var/lib/ddops/wheels"  # in the CT: root's, not a world-writable /tmp
 ENGINE_HOST = "127.0.0.1"
 LOG_LINES = 20
-POLL_S = 1.0
+WAIT_SLICE_S = 3.0  # how long one probe waits in the CT for a starting engine
+POLL_S = 1.0  # the least time between two probes
 PIP_TIMEOUT_S = 3600.0  # torch and its CUDA libraries are gigabytes
 
 # Run by the engine's Python in the CT: the engine and torch import, and which ddops they are.
@@ -526,15 +527,17 @@ class EngineHealth:
 
 
 def engine_health(
-    t: Transport, vmid: int | str, engine: EngineSpec, timeout: float = 30.0
+    t: Transport, vmid: int | str, engine: EngineSpec, timeout: float = 30.0, wait: float = 0.0
 ) -> EngineHealth:
-    """From inside the CT (ops/agents/engine_probe.py, from stdin: nothing written): /ready
-    answers 200, a 4-token completion comes back with text and usage, and the engine requires the
-    installed key; else the problem in one line ("engine in CT 200: /ready answered 503
-    (loading)")."""
+    """From inside the CT (ops/agents/engine_probe.py, stdlib only, from stdin: nothing written;
+    `-I -S`: no site-packages to import first): /ready answers 200 (an engine still starting is
+    waited for up to `wait` s), a 4-token completion comes back with text and usage, and the
+    engine requires the installed key; else the problem in one line ("engine in CT 200: /ready
+    answered 503 (loading)")."""
     vmid = validate_vmid(vmid)
-    argv = [engine.python, "-", str(engine.port), ENV_FILE, f"{timeout:g}", API_KEY_ENV]
-    r = ct_exec(t, vmid, argv, input=ENGINE_PROBE.read_text(), timeout=timeout * 2 + 30)
+    argv = [engine.python, "-I", "-S", "-", str(engine.port), ENV_FILE, f"{timeout:g}", API_KEY_ENV]
+    argv += ["--wait", f"{wait:g}"] if wait > 0 else []
+    r = ct_exec(t, vmid, argv, input=ENGINE_PROBE.read_text(), timeout=timeout * 3 + wait + 30)
     if not r.ok:
         return EngineHealth(f"engine in CT {vmid}: {_last_words(r, stdout_first=True)}")
     return EngineHealth(None, bool(json.loads(r.stdout).get("key_required")))
@@ -549,21 +552,25 @@ def engine_health_problem(
 
 def wait_ready(t: Transport, vmid: int | str, engine: EngineSpec, timeout: float) -> None:
     """Return once the engine is healthy; DdopsError naming the CT, with the engine's last log
-    lines, when the service stops or the engine exits meanwhile, or after `timeout` seconds."""
+    lines, when the service stops or the engine exits meanwhile, or after `timeout` seconds.
+    The probe itself waits in the CT for an engine still starting, WAIT_SLICE_S at a time (its
+    asks 0.05 s apart at first): one `pct exec` a slice, then the service's state."""
     manager = service_manager(t, vmid)
     exits_before = manager.state().exits
     deadline = time.monotonic() + timeout
     while True:
-        problem = engine_health_problem(t, manager.vmid, engine, timeout=min(30.0, timeout))
-        if problem is None:
+        asked = time.monotonic()
+        wait = max(0.0, min(WAIT_SLICE_S, deadline - asked))
+        health = engine_health(t, manager.vmid, engine, timeout=min(30.0, timeout), wait=wait)
+        if health.problem is None:
             return
         state = manager.state()
         if not state.running or state.exits > exits_before:
             cause = f"the engine stopped before it was ready ({manager.kind}: {state.words})"
         elif time.monotonic() >= deadline:
-            cause = f"engine not ready after {timeout:g} s: {problem}"
-        else:
-            time.sleep(POLL_S)  # a process in another container: nothing to await but its answer
+            cause = f"engine not ready after {timeout:g} s: {health.problem}"
+        else:  # an answer that is not "starting" came at once: ask again after a pause
+            time.sleep(max(0.0, POLL_S - (time.monotonic() - asked)))
             continue
         log = manager.log_tail()
         raise DdopsError(f"CT {manager.vmid}", f"{cause}; its last log lines follow", log)

@@ -1,9 +1,10 @@
 """Model staging, the controller's half: run the staging agent (ops/agents/staging.py) in a CT
-through `pct exec` over a Transport, and turn its JSON into a report.
+through `pct exec` over a Transport, and turn its JSON into reports: every model of the CT in
+one run of the agent (a Python start in the CT is most of what checking a staged copy costs).
 
-    report = stage_model(t, 200, ref, python="/opt/ddops/venv/bin/python", endpoint=url)
-    staged = check_staged(t, 200, "target", python=..., hashes=False)
-    staged.problems, staged.commit                     # [] when intact; the commit staged
+    reports = stage_models(t, 200, [target, draft], python="/opt/ddops/venv/bin/python", endpoint=url)
+    staged = check_staged(t, 200, ["target", "draft"], python=..., hashes=False)
+    staged["target"].problems, staged["target"].commit  # [] when intact; the commit staged
     branch_commit(ref, endpoint, token)                # what the ref's branch points at now
 
 The HF token travels on stdin (ct_exec's env), never on a command line.
@@ -37,10 +38,10 @@ def _run_agent(
     return payload
 
 
-def stage_model(
+def stage_models(
     t,
     vmid: int,
-    ref: ModelRef,
+    refs: list[ModelRef],
     *,
     python: str,
     endpoint: str | None = None,
@@ -48,28 +49,19 @@ def stage_model(
     cache: str = CACHE_DIR,
     shm: str = SHM_MODELS,
     refresh: bool = False,
-) -> StageReport:
-    """Stage one model into the CT's /dev/shm through `pct exec` (token on stdin, never argv),
-    at the commit staging recorded; `refresh` (provision) moves to the branch's commit now."""
-    args = [
-        "stage",
-        "--repo",
-        ref.repo,
-        "--revision",
-        ref.revision,
-        "--name",
-        ref.name,
-        "--cache",
-        cache,
-        "--shm",
-        shm,
-    ]
+) -> list[StageReport]:
+    """Stage the models into the CT's /dev/shm through one `pct exec` (token on stdin, never
+    argv), each at the commit staging recorded; `refresh` (provision) moves to the branch's
+    commit now. One report per ref, in order."""
+    args = ["stage", "--cache", cache, "--shm", shm]
+    for ref in refs:
+        args += ["--model", ref.name, ref.repo, ref.revision]
     if endpoint:
         args += ["--endpoint", endpoint]
     if refresh:
         args.append("--refresh")
     payload = _run_agent(t, vmid, python, args, env={"HF_TOKEN": token} if token else None)
-    return StageReport(**payload)
+    return [StageReport(**report) for report in payload["models"]]
 
 
 @dataclass(frozen=True)
@@ -81,12 +73,12 @@ class Staged:
 
 
 def check_staged(
-    t, vmid: int, name: str, *, python: str, shm: str = SHM_MODELS, hashes: bool = False
-) -> Staged:
-    """The staged copy in the CT, checked."""
-    args = ["check", "--name", name, "--shm", shm] + (["--hashes"] if hashes else [])
-    payload = _run_agent(t, vmid, python, args, timeout=600)
-    return Staged(payload["problems"], payload.get("commit"))
+    t, vmid: int, names: list[str], *, python: str, shm: str = SHM_MODELS, hashes: bool = False
+) -> dict[str, Staged]:
+    """The staged copies in the CT, checked through one `pct exec`: name -> Staged."""
+    args = ["check", "--shm", shm, *(a for name in names for a in ("--name", name))]
+    payload = _run_agent(t, vmid, python, args + (["--hashes"] if hashes else []), timeout=600)
+    return {m["name"]: Staged(m["problems"], m.get("commit")) for m in payload["models"]}
 
 
 COMMIT = re.compile(r"[0-9a-f]{40}")

@@ -32,7 +32,7 @@ import pytest
 
 from ops.agents import supervise
 from ops.chain import deploy
-from ops.chain.stage_model import stage_model
+from ops.chain.stage_model import stage_models
 from ops.errors import DdopsError
 from ops.host.pve import ct_exec
 from ops.host.transport import LocalTransport, Result, Transport
@@ -81,7 +81,7 @@ def staged(host, tmp_path_factory):
     hub_root = tmp_path_factory.mktemp("hub")
     save_tiny_qwen3(hub_root / "ddops" / "tiny-qwen3", max_position_embeddings=256)
     with LocalHub(hub_root) as hub:
-        stage_model(host, CT, MODEL, python=sys.executable, endpoint=hub.url)
+        stage_models(host, CT, [MODEL], python=sys.executable, endpoint=hub.url)
     return host
 
 

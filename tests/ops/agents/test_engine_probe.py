@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -32,18 +33,21 @@ class Engine:
         self.routes = {"/ready": (200, {"status": "ready"}), "/v1/completions": (200, GOOD)}
         self.key: str | None = None  # the Bearer token /v1/models requires, when set
         self.seen: list[tuple[str, str | None]] = []  # (path, Authorization)
+        self.loading = 0  # how many more times /ready answers 503 (the engine is loading)
 
     def answer(self, path: str, authorization: str | None) -> tuple[int, dict]:
         self.seen.append((path, authorization))
+        if path == "/ready" and self.loading:
+            self.loading -= 1
+            return 503, {"status": "loading"}
         if path == "/v1/models":
             refused = self.key and authorization != f"Bearer {self.key}"
             return (401, {"error": {"message": "no key"}}) if refused else (200, {"data": []})
         return self.routes[path]
 
 
-@pytest.fixture
-def engine() -> Iterator[tuple[Engine, int]]:
-    scripted = Engine()
+def serve(scripted: Engine, port: int = 0) -> ThreadingHTTPServer:
+    """A local HTTP server answering as `scripted` says, serving on a thread."""
 
     class Handler(BaseHTTPRequestHandler):
         def _reply(self) -> None:
@@ -62,9 +66,15 @@ def engine() -> Iterator[tuple[Engine, int]]:
         def log_message(self, *args) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.fixture
+def engine() -> Iterator[tuple[Engine, int]]:
+    scripted = Engine()
+    server = serve(scripted)
     yield scripted, server.server_address[1]
     server.shutdown()
     server.server_close()
@@ -76,8 +86,8 @@ def env_file(tmp_path: Path, key: str | None) -> str:
     return str(path)
 
 
-def probe(capsys, port: int, env: str) -> tuple[int, str]:
-    code = engine_probe.main([str(port), env, "5", API_KEY_ENV])
+def probe(capsys, port: int, env: str, *options: str) -> tuple[int, str]:
+    code = engine_probe.main([str(port), env, "5", API_KEY_ENV, *options])
     return code, capsys.readouterr().out.strip()
 
 
@@ -135,10 +145,14 @@ def test_what_is_wrong_is_one_line(engine, tmp_path, capsys, route, answer, line
     assert probe(capsys, port, env_file(tmp_path, None)) == (1, line)
 
 
-def test_nothing_listening_is_named(tmp_path, capsys):
+def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing listens there
+        return s.getsockname()[1]  # closed again: nothing listens there
+
+
+def test_nothing_listening_is_named(tmp_path, capsys):
+    port = _closed_port()
     code, line = probe(capsys, port, env_file(tmp_path, None))
     assert code == 1 and line.startswith(f"nothing answers on http://127.0.0.1:{port} (")
 
@@ -150,3 +164,40 @@ def test_it_runs_from_stdin_as_deploy_sends_it(engine, tmp_path):
     done = subprocess.run(argv, input=ENGINE_PROBE.read_text(), capture_output=True, text=True)
     assert (done.returncode, done.stderr) == (0, "")
     assert json.loads(done.stdout)["text"] == " world"
+
+
+def test_with_wait_a_loading_engine_is_asked_again_until_ready(engine, tmp_path, capsys):
+    scripted, port = engine
+    scripted.loading = 3
+    code, line = probe(capsys, port, env_file(tmp_path, None), "--wait", "10")
+    assert (code, json.loads(line)["text"]) == (0, " world")
+    assert [path for path, _ in scripted.seen].count("/ready") == 4  # 3 x 503, then 200
+
+
+def test_with_wait_an_engine_not_listening_yet_is_waited_for(tmp_path, capsys):
+    port = _closed_port()
+    servers: list[ThreadingHTTPServer] = []
+    later = threading.Timer(0.4, lambda: servers.append(serve(Engine(), port)))  # binds late
+    later.start()
+    try:
+        code, line = probe(capsys, port, env_file(tmp_path, None), "--wait", "10")
+    finally:
+        later.join()
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+    assert (code, json.loads(line)["text"]) == (0, " world")
+
+
+def test_with_wait_only_starting_is_waited_for_and_the_wait_ends(engine, tmp_path, capsys):
+    scripted, port = engine
+    scripted.routes["/ready"] = (500, {})  # broken, not starting: final at once
+    assert probe(capsys, port, env_file(tmp_path, None), "--wait", "30")[1] == (
+        "/ready answered 500 (no reason given)"
+    )
+    assert [path for path, _ in scripted.seen] == ["/ready"]
+    scripted.loading = 10**6  # loading for good: the last answer once the wait is over
+    start = time.monotonic()
+    code, line = probe(capsys, port, env_file(tmp_path, None), "--wait", "0.5")
+    assert (code, line) == (1, "/ready answered 503 (loading)")
+    assert time.monotonic() - start < 5

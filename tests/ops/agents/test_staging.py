@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.agents.staging import check_local, stage_local, staged_commit
+from ops.agents.staging import agent_main, check_local, stage_local, staged_commit
 from ops.errors import DdopsError
 from ops.sim.hub import LocalHub
 from ops.site.inventory import ModelRef
@@ -213,7 +213,7 @@ def test_a_same_size_change_is_found_by_mtime_and_by_hashes(hub, tmp_path):
 
 
 def test_the_agent_reports_a_hub_failure_as_one_json_error(tmp_path):
-    argv = ["stage", "--repo", "ddops/tiny", "--name", "tiny", "--endpoint", closed_url()]
+    argv = ["stage", "--model", "tiny", "ddops/tiny", "main", "--endpoint", closed_url()]
     argv += ["--cache", str(tmp_path / "c"), "--shm", str(tmp_path / "s")]
     proc = subprocess.run(
         [sys.executable, "-m", "ops.agents.staging", *argv],
@@ -225,6 +225,30 @@ def test_the_agent_reports_a_hub_failure_as_one_json_error(tmp_path):
     assert "Traceback" not in proc.stderr
     (line,) = proc.stdout.splitlines()
     assert json.loads(line)["error"].startswith("model ddops/tiny: hub unreachable")
+
+
+def test_one_run_of_the_agent_stages_and_checks_every_model(hub, tmp_path, capsys):
+    """The chain's model check runs the agent once per CT, not once per model: every model
+    named is staged (or checked) in that run, reported in order."""
+    shutil.copytree(hub.root / "ddops/tiny", hub.root / "ddops/other")
+    where = ["--cache", str(tmp_path / "cache"), "--shm", str(tmp_path / "shm")]
+    check = ["check", "--name", "tiny", "--name", "other", *where]
+    assert agent_main(check) == 0
+    before = json.loads(capsys.readouterr().out)["models"]
+    assert [(m["name"], m["complete"]) for m in before] == [("tiny", False), ("other", False)]
+    models = ["--model", "tiny", "ddops/tiny", "main", "--model", "other", "ddops/other", "main"]
+    assert agent_main(["stage", *models, "--endpoint", hub.url, *where]) == 0
+    staged = json.loads(capsys.readouterr().out)["models"]
+    assert [(m["name"], sorted(m["copied_files"])) for m in staged] == [
+        ("tiny", ["config.json", "model.safetensors"]),
+        ("other", ["config.json", "model.safetensors"]),
+    ]
+    assert digests(tmp_path / "shm/other") == digests(hub.root / "ddops/other")
+    assert agent_main([*check, "--hashes"]) == 0
+    after = json.loads(capsys.readouterr().out)["models"]
+    assert [(m["name"], m["problems"], m["commit"]) for m in after] == [
+        (m["name"], [], m["commit"]) for m in staged
+    ]
 
 
 def test_the_hub_going_down_between_download_and_its_file_list_is_one_error(
