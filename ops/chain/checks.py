@@ -379,11 +379,14 @@ def probe_ct_exists(c: ChainContext) -> Finding:
     return _ok(f"{c.name} exists{_privilege_words(c)}")
 
 
+def _privileged(c: ChainContext) -> bool:
+    return ct_config(c.t, c.vmid).get("unprivileged", "0") != "1"
+
+
 def _privilege_words(c: ChainContext) -> str:
     """A warning for a privileged CT the inventory did not ask for: ddops never converts one
     (its files would need their owners shifted), it says so."""
-    privileged = ct_config(c.t, c.vmid).get("unprivileged", "0") != "1"
-    if not privileged:
+    if not _privileged(c):
         return ", unprivileged"
     if c.ct.privileged:
         return ", privileged as the inventory asks"
@@ -451,7 +454,12 @@ def _config_path(c: ChainContext) -> str:
 
 
 def desired_gpu_block(c: ChainContext) -> GpuBlock:
-    """The GPU block for the nodes as they are now (their majors read from the host)."""
+    """The GPU block for the nodes as they are now (their majors read from the host). LXC's
+    NVIDIA mount hook is part of it where the host has libnvidia-container and the CT is
+    unprivileged: the hook refuses to run outside a user namespace (so a privileged CT with it
+    would not start), and inside one it runs `nvidia-container-cli --user configure
+    --no-cgroups` itself. NVIDIA's config.toml `no-cgroups` key is read by its OCI hook
+    (Docker, Podman), not by this one: ddops leaves that file alone."""
     facts = gpu_facts(c.t)
     devices = []
     for path in required_nodes(c.ct):
@@ -466,7 +474,7 @@ def desired_gpu_block(c: ChainContext) -> GpuBlock:
         tuple(devices),
         style=style,
         shm_size_gib=c.ct.shm_gib,
-        host_userspace=host_userspace_mountable(c.t),
+        host_userspace=host_userspace_mountable(c.t) and not _privileged(c),
     )
 
 
@@ -620,6 +628,13 @@ def _userspace_mismatch(c: ChainContext, ct_version: str | None, module: str | N
     is not 570.148.08). Where LXC's NVIDIA hook gives the CT the host's own userspace, a restart
     brings the CT in step, unless the host itself is not (upgraded, not yet rebooted)."""
     said = f"{c.name}: driver userspace {ct_version} does not match the host kernel module {module}"
+    if not _config_mounts_host_userspace(c) and _privileged(c):
+        return _bad(
+            f"{said}: install the {module} userspace in the CT (NVIDIA-Linux-x86_64-{module}.run "
+            f"--no-kernel-module); LXC's NVIDIA mount hook, which would mount the host's own, "
+            f"runs in unprivileged CTs only and {c.name} is privileged",
+            fixable=False,
+        )
     if not _config_mounts_host_userspace(c):
         return _bad(
             f"{said}: install the {module} userspace in the CT (NVIDIA-Linux-x86_64-{module}.run "

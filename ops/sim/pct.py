@@ -122,7 +122,7 @@ class Pct:
                 self._reload_state()  # the hook may have run nvidia-modprobe
             plan = plan_start(vmid, conf, self.root)
             self.cts.create(vmid, plan.unprivileged)
-            self._install_ct_userspace(vmid, self._host_userspace_hook(conf))
+            self._install_ct_userspace(vmid, self._host_userspace_hook(conf, plan.unprivileged))
             self.cts.start(vmid, plan)
         except (HookError, StartError) as exc:
             raise PctError(f"{exc}\nstartup for container '{vmid}' failed") from None
@@ -141,16 +141,21 @@ class Pct:
                     file=sys.stderr,
                 )
 
-    def _host_userspace_hook(self, conf: str) -> bool:
+    def _host_userspace_hook(self, conf: str, unprivileged: bool) -> bool:
         """Whether the config has LXC's NVIDIA mount hook; StartError when the host lacks the
-        libnvidia-container tool it calls (LXC fails the start on a failed mount hook)."""
+        libnvidia-container tool it calls, or the CT is privileged (the hook runs only in a user
+        namespace): LXC fails the start on a failed mount hook."""
         hook = f"/{nvidia.LXC_NVIDIA_HOOK}"
         if not any(k == "lxc.hook.mount" and v == hook for k, v in pveconf.entries(conf)):
             return False
+        failed = f"lxc-start: hook: Failed to run mount hook {hook}"
         if not (self.root / nvidia.CONTAINER_CLI).exists():
             raise StartError(
-                f"lxc-start: hook: Failed to run mount hook {hook}: "
-                f"/{nvidia.CONTAINER_CLI}: not found (libnvidia-container-tools)"
+                f"{failed}: /{nvidia.CONTAINER_CLI}: not found (libnvidia-container-tools)"
+            )
+        if not unprivileged:  # the hook's own words
+            raise StartError(
+                f"{failed}: FIXME: This hook currently only works in unprivileged mode."
             )
         return True
 

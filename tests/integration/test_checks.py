@@ -138,8 +138,8 @@ def test_driver_mismatch_names_both_versions_and_is_not_fixable(running_ct):
             False,
             "CT 200: driver userspace 550.54.14 does not match the host kernel module "
             "550.90.07: install the 550.90.07 userspace in the CT (NVIDIA-Linux-x86_64-550.90.07"
-            ".run --no-kernel-module), or libnvidia-container-tools on the host: ddops then "
-            "mounts the host's own userspace into the CT at each start",
+            ".run --no-kernel-module); LXC's NVIDIA mount hook, which would mount the host's own, "
+            "runs in unprivileged CTs only and CT 200 is privileged",
             fixable=False,
         )
     finally:
