@@ -518,7 +518,8 @@ def _added_dev_entries(config: _PlannedConfig) -> dict[str, str]:
 def hotplug_ct_config(c: ChainContext, config: _PlannedConfig, dry_run: bool) -> Outcome | None:
     """On a host that hot-plugs devN entries (PVE 9), add the new ones to the running CT through
     `pct set`, with no restart; None where that is not all the edit does (then as before). A
-    node the CT still lacks afterwards (Proxmox could not attach it) restarts it."""
+    node the CT still lacks afterwards (Proxmox could not attach it; its warning, quoted in the
+    outcome, says why) restarts it."""
     entries = _added_dev_entries(config)
     if not entries or not hotplugs_dev_entries(pve_version(c.t)):
         return None
@@ -526,7 +527,7 @@ def hotplug_ct_config(c: ChainContext, config: _PlannedConfig, dry_run: bool) ->
     if dry_run:
         diff = unified_diff(config.text, config.planned, _config_path(c))
         return Outcome(True, f"would add {added} with pct set, hot-plugged (no restart)", diff)
-    ct_set(c.t, c.vmid, entries)
+    said = ct_set(c.t, c.vmid, entries).stderr
     with ct_config_lock(c.t, c.vmid):  # pct set's own order of the keys: ddops' block order
         now = _planned_config(c)
         reordered = sorted(now.planned.splitlines()) == sorted(now.text.splitlines())
@@ -537,8 +538,12 @@ def hotplug_ct_config(c: ChainContext, config: _PlannedConfig, dry_run: bool) ->
     missing = [p for p in paths if not ct_exec(c.t, c.vmid, ["test", "-c", p]).ok]
     if missing:
         restart_ct(c)
+        why = "; ".join(line for line in said.splitlines() if "unable to hotplug" in line)
         return Outcome(
-            True, f"added {added} with pct set; {', '.join(missing)} not attached: restarted", diff
+            True,
+            f"added {added} with pct set; {', '.join(missing)} not attached"
+            f"{f' (pct: {why})' if why else ''}: restarted",
+            diff,
         )
     return Outcome(True, f"added {added} with pct set, hot-plugged: not restarted", diff)
 

@@ -198,13 +198,14 @@ def ct_unlock(t: Transport, vmid: int | str) -> bool:
     return True
 
 
-def ct_set(t: Transport, vmid: int | str, options: Mapping[str, str]) -> None:
-    """`pct set <vmid> --key value ...` (it takes the config lock itself)."""
+def ct_set(t: Transport, vmid: int | str, options: Mapping[str, str]) -> Result:
+    """`pct set <vmid> --key value ...` (it takes the config lock itself); its Result (stderr
+    holds pct's warnings, e.g. a hot-plug it could not do)."""
     vmid = validate_vmid(vmid)
     for key in options:
         if not re.fullmatch(r"[a-z][a-z0-9]*", key):
             raise DdopsError(f"CT {vmid}", f"`pct set` option {key!r}: not a pct option name")
-    _pct(t, vmid, "set", *[arg for k, v in options.items() for arg in (f"--{k}", v)])
+    return _pct(t, vmid, "set", *[arg for k, v in options.items() for arg in (f"--{k}", v)])
 
 
 def ct_exec(

@@ -263,20 +263,21 @@ class LxcContainers:
         os.chown(node, base + dev.uid, base + dev.gid)
         return node
 
-    def hotplug(self, vmid: int, dev: CtDevice) -> bool:
+    def hotplug(self, vmid: int, dev: CtDevice) -> str | None:
         """Attach a devN node to the running CT (PVE 9's hot-plug), as `lxc-device add` does
-        (which cannot enter a CT here): the grant in the CT's devices cgroup, then the node
-        made in its /dev. False for an unprivileged CT, whose nodes are bind mounts the sim
-        can make at start only: the entry then applies at its next start."""
+        (which cannot enter a CT here): the grant in the CT's devices cgroup now (`lxc-cgroup`:
+        a cgroup v1 devices.allow write, or on cgroup v2 LXC's replacement of the CT's device
+        program), then the node made in its /dev. None once attached; else why not, and the
+        entry applies at the CT's next start: an unprivileged CT, whose nodes are bind mounts
+        the sim makes at start only, or a grant this machine's LXC could not apply live."""
         if self.id_base(vmid):
-            log(
-                self.root,
-                f"CT {vmid}: /dev/{dev.name} not hot-plugged (unprivileged CT): next start",
-            )
-            return False
+            return "unprivileged CT: its node is bound at start"
         rule = f"c {dev.major}:{dev.minor} rwm"
-        grant = self._lxc("lxc-cgroup", vmid, "devices.allow", rule)
-        self._check(grant, f"lxc-cgroup devices.allow {rule}")
+        granted = self._lxc("lxc-cgroup", vmid, "devices.allow", rule)
+        if granted.returncode != 0:
+            said = (granted.stderr.strip() or granted.stdout.strip()).splitlines()
+            version = "v1" if devices_cgroup_is_v1() else "v2"
+            return f"cgroup {version} live grant `{rule}` refused ({said[-1] if said else 'no output'})"
         path = f"/dev/{dev.name}"
         script = 'mknod -m "$2" "$1" c "$3" "$4" && chown "$5:$6" "$1"'
         args = [path, f"{dev.mode:o}", str(dev.major), str(dev.minor), str(dev.uid), str(dev.gid)]
@@ -286,7 +287,7 @@ class LxcContainers:
             text=True,
         )
         self._check(made, f"mknod {path}")
-        return True
+        return None
 
     def render_config(self, vmid: int, plan: StartPlan, cgroup_v1: bool) -> str:
         """The LXC config for `plan`; device rules spelt for this machine's cgroup version."""

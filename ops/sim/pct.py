@@ -31,7 +31,7 @@ from ops.sim.lxc import LxcContainers
 from ops.sim.processct import ProcessContainers
 from ops.sim.release import parse_pve_version, release_for
 from ops.sim.startplan import StartError, plan_start, resolve_dev
-from ops.sim.state import CT_CONF_DIR, SimState, host_lock, load_state, save_state
+from ops.sim.state import CT_CONF_DIR, SimState, host_lock, load_state, log, save_state
 
 TASK_ERROR = 255
 CONFIG_EDITS = ("set", "create", "destroy", "unlock")
@@ -202,7 +202,9 @@ class Pct:
 
     def _hotplug_new_devices(self, vmid: int, conf: str, planned: str) -> None:
         """PVE 9 (pve-container 6.0.4) attaches a devN entry new to a running CT at once; before,
-        it applies at the next start. A node that cannot be attached fails the set."""
+        it applies at the next start. One the backend cannot attach is warned about, as
+        Proxmox warns of a hot-plug error ("unable to hotplug dev3: ..."), and applies at the
+        next start; a node that cannot be made fails the set."""
         if not (
             release_for(self.state.pve_version).hotplugs_dev_entries and self.cts.is_running(vmid)
         ):
@@ -212,9 +214,12 @@ class Pct:
             if dev.key in before:
                 continue
             try:
-                self.cts.hotplug(vmid, resolve_dev(dev, self.root))
+                why_not = self.cts.hotplug(vmid, resolve_dev(dev, self.root))
             except StartError as exc:
                 raise PctError(f"unable to hotplug {dev.key}: {exc}") from None
+            if why_not:
+                print(f"unable to hotplug {dev.key}: {why_not}", file=sys.stderr)
+                log(self.root, f"CT {vmid}: {dev.key} not hot-plugged ({why_not}): next start")
 
     def create(self, vmid: int, ostemplate: str, options: dict[str, str]) -> None:
         if self.conf_path(vmid).exists():

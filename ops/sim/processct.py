@@ -64,11 +64,13 @@ class ProcessContainers:
             self._apply_mount(dev.parent, entry)
         self.state.running.append(vmid)
 
-    def hotplug(self, vmid: int, dev: CtDevice) -> None:
-        """Attach a devN node to the running CT (PVE 9's hot-plug): made in its /dev now."""
+    def hotplug(self, vmid: int, dev: CtDevice) -> str | None:
+        """Attach a devN node to the running CT (PVE 9's hot-plug): made in its /dev now (None:
+        attached; a process CT has no devices cgroup to grant it in)."""
         make_node(
             self.rootfs(vmid) / "dev" / dev.name, dev.major, dev.minor, self.state.device_nodes
         )
+        return None
 
     def _apply_mount(self, ct_root: Path, entry: str) -> None:
         """Bind mounts of device nodes become copies of the node; other mounts are not simulated."""
