@@ -769,9 +769,10 @@ def engine_deployment(c: ChainContext) -> deploy.EngineDeployment:
 
 
 def ensure_service(c: ChainContext, dry_run: bool) -> Outcome:
-    outcome = deploy.ensure_service(c.t, engine_deployment(c), dry_run)
+    manager = deploy.service_manager(c.t, c.vmid)
+    outcome = deploy.ensure_service(c.t, engine_deployment(c), dry_run, manager)
     if not dry_run:
-        deploy.wait_ready(c.t, c.vmid, c.engine, ENGINE_READY_TIMEOUT_S)
+        deploy.wait_ready(c.t, c.vmid, c.engine, ENGINE_READY_TIMEOUT_S, manager)
     return outcome
 
 

@@ -233,12 +233,20 @@ class ServiceManager(ABC):
 
     def __init__(self, t: Transport, vmid: str) -> None:
         self.t, self.vmid = t, vmid
+        self.unit_text: str | None = None  # the installed unit, once read or written here
 
     def run(self, argv: list[str], what: str, timeout: float = 120.0) -> str:
         return _run(self.t, self.vmid, argv, what, timeout=timeout)
 
     def install(self, unit_text: str) -> None:
         _push(self.t, self.vmid, unit_text, self.unit_path)
+        self.unit_text = unit_text
+
+    def installed_unit(self) -> str | None:
+        """The unit installed in the CT (read once per manager), None when there is none."""
+        if self.unit_text is None:
+            self.unit_text = _read_ct_file(self.t, self.vmid, self.unit_path)
+        return self.unit_text
 
     @abstractmethod
     def state(self) -> ServiceState: ...
@@ -319,7 +327,7 @@ class Supervised(ServiceManager):
 
     def _python(self) -> str:
         """The engine's Python, from the installed unit's ExecStart: it runs the supervisor too."""
-        text = _read_ct_file(self.t, self.vmid, self.unit_path)
+        text = self.installed_unit()
         if text is None:
             raise DdopsError(
                 f"CT {self.vmid}", f"no engine unit at {self.unit_path}: provision first"
@@ -366,13 +374,18 @@ def service_problem(t: Transport, vmid: int | str) -> str | None:
     return f"engine service in CT {manager.vmid} is {how} ({manager.kind}: {state.words})"
 
 
-def ensure_service(t: Transport, deployment: EngineDeployment, dry_run: bool) -> Outcome:
+def ensure_service(
+    t: Transport,
+    deployment: EngineDeployment,
+    dry_run: bool,
+    manager: ServiceManager | None = None,
+) -> Outcome:
     """The engine's user there, the rendered unit installed (its diff shown) and the service
     running. A changed unit restarts a running service. The API key file is never touched here
-    (see `apply_api_key`)."""
-    manager = service_manager(t, deployment.vmid)
+    (see `apply_api_key`). `manager`: the CT's, when the caller has it (one `pct exec` less)."""
+    manager = manager or service_manager(t, deployment.vmid)
     unit_text = render(engine_unit(t, deployment))
-    current = _read_ct_file(t, manager.vmid, manager.unit_path)
+    current = manager.installed_unit()
     diff = unified_diff(current, unit_text, f"CT {manager.vmid}:{manager.unit_path}")
     running = manager.state().running
     restart = "start the service" if not running else "restart the service" if diff else None
@@ -550,12 +563,18 @@ def engine_health_problem(
     return engine_health(t, vmid, engine, timeout).problem
 
 
-def wait_ready(t: Transport, vmid: int | str, engine: EngineSpec, timeout: float) -> None:
+def wait_ready(
+    t: Transport,
+    vmid: int | str,
+    engine: EngineSpec,
+    timeout: float,
+    manager: ServiceManager | None = None,
+) -> None:
     """Return once the engine is healthy; DdopsError naming the CT, with the engine's last log
     lines, when the service stops or the engine exits meanwhile, or after `timeout` seconds.
     The probe itself waits in the CT for an engine still starting, WAIT_SLICE_S at a time (its
     asks 0.05 s apart at first): one `pct exec` a slice, then the service's state."""
-    manager = service_manager(t, vmid)
+    manager = manager or service_manager(t, vmid)
     exits_before = manager.state().exits
     deadline = time.monotonic() + timeout
     while True:
