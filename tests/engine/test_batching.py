@@ -355,6 +355,10 @@ def scripted_costs(sched: Scheduler, monkeypatch, period: int = 12) -> None:
 
     sched.budgets.observe_pass = pass_seconds
     sched.budgets.observe_draft = lambda sequences, _: observe_draft(sequences, 1e-6 * sequences)
+    auto_nodes = sched._auto_nodes  # the draft's own seconds too: the machine's load never counts
+    monkeypatch.setattr(
+        sched, "_auto_nodes", lambda rounds, trees, _: auto_nodes(rounds, trees, 1e-6 * len(trees))
+    )
 
 
 @pytest.mark.parametrize("grammar", [False, True], ids=["plain", "grammar"])
