@@ -435,8 +435,7 @@ class Scheduler:
 
     def _auto_nodes(self, rounds: list, trees: dict, draft_seconds: float) -> None:
         """Each drafted auto sequence's tree cut to the nodes chosen for this step."""
-        auto = [active for active, _ in rounds if active.acceptance is not None]
-        auto = [active for active in auto if id(active) in trees]
+        auto = [a for a, _ in rounds if a.acceptance is not None and id(a) in trees]
         if not auto:
             return
         base = self._baseline(rounds, trees)
