@@ -27,7 +27,9 @@ The scheduler asks twice a step: `drafting` before the drafter runs (who drafts:
 sequence's running profile of past trees, entry = its share of the draft pass) and `nodes` after
 (how many of each fresh tree's nodes to verify: its own path probabilities, the draft paid). A
 sequence that has not drafted for PROBE_AFTER rounds drafts again, so a sequence turned off by a
-busy batch sees the batch thin out and its own acceptance change.
+busy batch sees the batch thin out and its own acceptance change; a probe whose tree gets no node
+doubles that wait (up to PROBE_MAX rounds: on a busy batch a probe's draft costs more than it
+tells), one that gets nodes resets it.
 
 Lossless: a budget only says how many of the tree's first nodes are verified (a best-first tree
 of k nodes is the first k of a larger one), and every output token is still the target's own
@@ -44,7 +46,8 @@ import numpy as np
 FORGET = 0.98  # a cost sample's weight falls by this factor each newer one (~50 samples count)
 DECAY = 0.95  # acceptance sums fall by this each round (~20 rounds count)
 PROFILE_KEEP = 0.5  # the profile's share kept each drafted round
-PROBE_AFTER = 8  # rounds without a draft before a sequence drafts again
+PROBE_AFTER = 8  # rounds without a draft before a sequence drafts again (at first)
+PROBE_MAX = 64  # the longest wait, after probes that paid for no node
 PRIOR_WEIGHT = 0.05  # each of the prior's points, against ~50 of measured weight
 MAX_ITERATIONS = 20
 # The priors' shapes, per device kind: a pass's seconds per (pass, token, tree) and the draft's
@@ -98,6 +101,7 @@ class Acceptance:
     verified: float = 1.0  # the drafter's probability mass of the nodes verified (decayed)
     profile: np.ndarray | None = None  # [cap] expected gain by node rank, over past trees
     skipped: int = 0  # rounds in a row without a draft
+    probe_after: int = PROBE_AFTER  # rounds without a draft before it drafts again
 
     @property
     def scale(self) -> float:
@@ -114,6 +118,10 @@ class Acceptance:
         if self.profile is not None:
             fresh = PROFILE_KEEP * self.profile + (1 - PROFILE_KEEP) * fresh
         self.profile, self.skipped = fresh, 0
+
+    def chosen(self, count: int) -> None:
+        """Its fresh tree got `count` nodes: none doubles the wait before the next probe."""
+        self.probe_after = PROBE_AFTER if count else min(2 * self.probe_after, PROBE_MAX)
 
     def verified_round(self, log_probs: np.ndarray, accepted: int) -> None:
         """A round verified nodes of path log-probs `log_probs` and accepted `accepted` of them."""
@@ -190,7 +198,7 @@ class Budgets:
         candidates = [Candidate(acc.predicted(room), per_tree + share) for acc, room in sequences]
         counts = choose(candidates, base.gain, self._seconds(base), per_token)
         return [
-            count > 0 or acc.profile is None or acc.skipped >= PROBE_AFTER
+            count > 0 or acc.profile is None or acc.skipped >= acc.probe_after
             for count, (acc, _) in zip(counts, sequences, strict=True)
         ]
 
@@ -203,7 +211,10 @@ class Budgets:
             return [len(log_probs) for _, log_probs in trees]
         _, per_token, per_tree = self.passes.weights
         candidates = [Candidate(acc.gains(log_probs), per_tree) for acc, log_probs in trees]
-        return choose(candidates, base.gain, self._seconds(base) + draft_seconds, per_token)
+        counts = choose(candidates, base.gain, self._seconds(base) + draft_seconds, per_token)
+        for (acc, _), count in zip(trees, counts, strict=True):
+            acc.chosen(count)
+        return counts
 
     def observe_pass(self, tokens: int, trees: int, seconds: float) -> None:
         self.passes.observe((1, tokens, trees), seconds)

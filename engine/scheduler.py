@@ -358,14 +358,22 @@ class Scheduler:
     def _decoding_alone(self) -> _Active | None:
         """The running sequence when it is the only one and decodes (nothing prefills beside
         it), drafts or replays captured graphs: its round then runs as `generate` runs it
-        (`_solo_round`). An `auto` one keeps the batched pass, where its budgets are chosen, and
-        so does an eager `ar` one: there its one-token step is cheaper (541.7 aten ops a step
-        on the demo pair against the static pass's 594.4, the hybrid's GDN single step)."""
+        (`_solo_round`). An `auto` one does when its budgets say it drafts this round; its tree
+        is then verified whole (the static verify's width is fixed: fewer nodes would cost as
+        much). A round of its bonus alone keeps the batched pass, and so does an eager `ar`
+        one: there its one-token step is cheaper (541.7 aten ops a step on the demo pair
+        against the static pass's 594.4, the hybrid's GDN single step)."""
         if len(self.running) != 1:
             return None
         active = self.running[0]
-        if active.prefilling or active.acceptance is not None:
+        if active.prefilling:
             return None
+        if active.acceptance is not None:
+            rooms = active.run.next_rooms(active.request.should_stop)
+            drafts = (
+                rooms is not None and min(rooms) > 0 and all(self._auto_drafts([(active, rooms)]))
+            )
+            return active if drafts else None
         return active if active.seq.speculative or active.seq.graphs else None
 
     def _solo_round(self, active: _Active) -> None:
@@ -379,16 +387,35 @@ class Scheduler:
         plan (engine/memory_plan.py), so with several slots the static passes run eagerly."""
         run, seq = active.run, active.seq
         try:
+            started = time.perf_counter()
             tree = run.next_tree(active.request.should_stop)
             if tree is None:  # finished: retired by the step
                 return
-            run.committed(tree, *seq.commit(tree, *seq.verify(tree), run.out.taking))
+            drafted = time.perf_counter()
+            accepted, new_tokens = seq.commit(tree, *seq.verify(tree), run.out.taking)
+            run.committed(tree, accepted, new_tokens)
         except Exception as error:
             self._fail([active], error)
             return
+        if active.acceptance is not None:
+            self._solo_auto_round(active, tree, len(accepted) - 1, drafted - started, started)
         self.passes += 1
         if self.on_pass is not None:
             self.on_pass(1, tree.size + 1)
+
+    def _solo_auto_round(
+        self, active: _Active, tree: DraftTree, accepted: int, draft_seconds: float, started: float
+    ) -> None:
+        """What an `auto` sequence's solo round tells its budgets: its tree and acceptance (a
+        tree verified whole: what it paid for is what it accepted), and (eager passes only: a
+        captured graph's first replay is its capture) the draft's and the verify's seconds."""
+        active.acceptance.drafted(tree.log_probs)
+        active.acceptance.chosen(accepted)
+        active.acceptance.verified_round(tree.log_probs, accepted)
+        if not active.seq.graphs:
+            verify_seconds = time.perf_counter() - started - draft_seconds
+            self.budgets.observe_draft(1, draft_seconds)
+            self.budgets.observe_pass(tree.size + 1, int(tree.size > 0), verify_seconds)
 
     def _rounds(self, rounds: list[tuple[_Active, tuple[int, int]]]) -> list[_Work]:
         """Each decoding sequence's round (with its rooms) as its verify segment: the drafts
@@ -425,13 +452,17 @@ class Scheduler:
         auto = [active for active in drafting if active.acceptance is not None]
         if not auto:
             return drafting
-        base = self._baseline(rounds, {})
-        rooms = {id(active): node_room for active, (_, node_room) in rounds}
-        asked = [(active.acceptance, rooms[id(active)]) for active in auto]
-        drafts = dict(zip(map(id, auto), self.budgets.drafting(asked, base), strict=True))
+        drafts = dict(zip(map(id, auto), self._auto_drafts(rounds, auto), strict=True))
         for active in auto:
             active.acceptance.skipped += not drafts[id(active)]
         return [active for active in drafting if drafts.get(id(active), True)]
+
+    def _auto_drafts(self, rounds: list, auto: list[_Active] | None = None) -> list[bool]:
+        """Whether each of the `auto` sequences (default: those of `rounds`) drafts this step."""
+        auto = [active for active, _ in rounds] if auto is None else auto
+        rooms = {id(active): node_room for active, (_, node_room) in rounds}
+        asked = [(active.acceptance, rooms[id(active)]) for active in auto]
+        return self.budgets.drafting(asked, self._baseline(rounds, {}))
 
     def _auto_nodes(self, rounds: list, trees: dict, draft_seconds: float) -> None:
         """Each drafted auto sequence's tree cut to the nodes chosen for this step."""

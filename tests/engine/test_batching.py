@@ -170,14 +170,9 @@ def test_a_sequence_alone_decodes_by_generates_passes_and_batches_when_another_j
         return batched_pass(segments, hidden_layers)
 
     monkeypatch.setattr(target, "forward_batch", forward_batch)
-    auto = GenerationConfig("auto", 15, max_new_tokens=NEW, prefill_chunk=16)
     sched = scheduler(pair, slots=1)
     assert "cuda_graphs" not in sched.options  # one slot: its solo rounds may capture graphs
     assert scheduler(pair, slots=2).options["cuda_graphs"] is False  # several: not per slot
-    sched.add(Request(prompts(pair, [6], seed=3)[0], auto))
-    drain(sched)
-    assert ["round"] in passes  # auto alone keeps the batched pass, where its budgets are chosen
-    passes.clear()
     cases = list(zip(prompts(pair, [12, 9], seed=2), configs()[1:3], strict=True))
     sched, got = scheduler(pair, slots=2, tokens=64), Collector()
     sched.add(got.request(0, *cases[0]))
@@ -191,6 +186,36 @@ def test_a_sequence_alone_decodes_by_generates_passes_and_batches_when_another_j
     assert ["round", "round"] in passes
     for index, (prompt, cfg) in enumerate(cases):
         assert got.output(index) == solo(pair, prompt, cfg)
+
+
+@pytest.mark.parametrize("drafts", [True, False], ids=["drafts-pay", "drafts-miss"])
+def test_auto_alone_drafts_by_generates_passes_or_batches_its_bonus_alone(
+    pair, drafts, monkeypatch
+):
+    """Alone, an `auto` sequence its budgets tell to draft verifies its whole tree by
+    generate()'s static passes (no batched round pass, as `ddtree` alone); one told not to
+    decodes its bonus alone in the batched pass. Its tokens are plain decoding's either way."""
+    target, _ = pair
+    passes, batched_pass = [], target.forward_batch
+
+    def forward_batch(segments, hidden_layers=()):
+        passes.append(["prefill" if segment.extend else "round" for segment in segments])
+        return batched_pass(segments, hidden_layers)
+
+    monkeypatch.setattr(target, "forward_batch", forward_batch)
+    cfg = GenerationConfig("auto", 15, max_new_tokens=NEW, prefill_chunk=16)
+    prompt = prompts(pair, [6], seed=3)[0]
+    sched, got = scheduler(pair, slots=1), Collector()
+    monkeypatch.setattr(sched.budgets, "drafting", lambda asked, _: [drafts] * len(asked))
+    sched.add(got.request(0, prompt, cfg))
+    drain(sched)
+    assert got.output(0) == solo(pair, prompt, replace(cfg, method="ar"))
+    chosen = got.finished[0].result.budgets
+    if drafts:  # the last round has no room to draft: its bonus alone, batched
+        assert passes == [["prefill"], ["round"]] and min(chosen[:-1]) > 0 == chosen[-1]
+    else:
+        assert set(map(tuple, passes[1:])) == {("round",)} and set(chosen) == {0}
+    assert sched.budgets.drafts.known is drafts  # a solo round's draft seconds were measured
 
 
 def test_a_cancelled_sequence_leaves_and_the_others_are_unchanged(pair):

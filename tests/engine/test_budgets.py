@@ -16,6 +16,7 @@ import pytest
 
 from engine.budgets import (
     PROBE_AFTER,
+    PROBE_MAX,
     Acceptance,
     Baseline,
     Budgets,
@@ -152,6 +153,30 @@ def test_a_sequence_whose_drafts_miss_stops_drafting_then_probes_again():
         decisions.append(drafts)
         missing.skipped = 0 if drafts else missing.skipped + 1
     assert decisions == [False] * PROBE_AFTER + [True]
+
+
+def test_probes_that_pay_for_no_node_wait_longer_and_one_that_pays_resets_the_wait():
+    """On a batch busy enough that no tree pays, a probe's draft is waste: each such probe
+    doubles the rounds to the next one (to PROBE_MAX); a tree that gets nodes resets it."""
+    budgets = measured(Budgets(), per_token=0.002)  # dear tokens: no tree pays at six
+    seq = Acceptance(15)
+    log_probs = np.log(np.full(15, 0.3))
+    seq.drafted(log_probs)
+    others = Baseline(tokens=6, trees=0, gain=6.0)
+    waits, skipped = [], 0
+    for _ in range(PROBE_AFTER + 16 + 32 + 64 + 64 + 5):  # five probes
+        (drafts,) = budgets.drafting([(seq, 15)], others)
+        if not drafts:
+            skipped = seq.skipped = seq.skipped + 1
+            continue
+        waits.append(skipped)
+        (count,) = budgets.nodes([(seq, log_probs)], others, draft_seconds=0.015)
+        assert count == 0
+        seq.drafted(log_probs)  # a draft resets `skipped`
+        skipped = 0
+    assert waits == [PROBE_AFTER, 2 * PROBE_AFTER, 4 * PROBE_AFTER, PROBE_MAX, PROBE_MAX]
+    seq.chosen(5)
+    assert seq.probe_after == PROBE_AFTER
 
 
 def test_before_any_measurement_every_sequence_drafts_its_cap():
