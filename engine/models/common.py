@@ -63,6 +63,13 @@ def score_positions(states: torch.Tensor, logits: Callable, score: ScoreFn) -> N
         score(first, logits(states[first : first + SCORE_ROWS]))
 
 
+def undrawn_embedding(vocab: int, hidden: int) -> nn.Embedding:
+    """An embedding table whose weights are left undrawn (they are loaded next): on the meta
+    device nn.Embedding's own random init (`normal_`) imports torch._dynamo, 1.4 s of every
+    engine start; `uniform_`, nn.Linear's, does not."""
+    return nn.Embedding(vocab, hidden, _weight=torch.empty(vocab, hidden))
+
+
 class RMSNorm(nn.Module):
     """y = weight * x / rms(x), normalised in float32 (float64 for float64 inputs), like HF Qwen3.
 

@@ -48,6 +48,7 @@ from engine.models.common import (
     score_positions,
     segment_layout,
     split_batch,
+    undrawn_embedding,
 )
 from engine.tree import TreeInputs, tree_layout
 
@@ -115,7 +116,7 @@ class Qwen3Model(nn.Module):
         super().__init__()
         self.config = cfg
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = undrawn_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_hidden_layers)
         )

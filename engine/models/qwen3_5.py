@@ -56,6 +56,7 @@ from engine.models.common import (
     score_positions,
     segment_layout,
     split_batch,
+    undrawn_embedding,
 )
 from engine.models.gated_deltanet import (
     STATE_STRATEGIES,
@@ -344,7 +345,7 @@ class Qwen3_5Model(nn.Module):
             raise ValueError(f"state_strategy must be one of {STATE_STRATEGIES}")
         self.config = config
         self.state_strategy = state_strategy
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = undrawn_embedding(config.vocab_size, config.hidden_size)
         slots = {LINEAR: 0, FULL: 0}
         layers = []
         for layer_type in config.layer_types:

@@ -94,6 +94,27 @@ def test_dense_and_drafter_load_each_tensor_in_the_dtype(tmp_path):
             assert torch.equal(param, tensors[name].to(torch.bfloat16)), name
 
 
+LOAD = """
+import sys
+from engine.models import load_drafter, load_target
+load_target(sys.argv[1])
+if len(sys.argv) > 2:
+    load_drafter(sys.argv[2])
+print(sorted(name for name in sys.modules if name.startswith("torch._dynamo")))
+"""
+
+
+def test_loading_the_models_never_imports_torch_dynamo(tmp_path, sharded):
+    """torch._dynamo costs 1.4 s of every engine start (so of reboot -> healthy engine) on
+    this machine: building the models on the meta device must not pull it in."""
+    dense = save_tiny_qwen3(tmp_path / "t", tokenizer=False)
+    draft = save_tiny_dflash(tmp_path / "d", dense)
+    for models in ([sharded], [dense, draft]):
+        run = [sys.executable, "-c", LOAD, *map(str, models)]
+        loaded = subprocess.run(run, cwd=REPO, capture_output=True, text=True, check=True)
+        assert loaded.stdout.strip() == "[]", loaded.stdout
+
+
 def test_a_missing_tensor_is_named(tmp_path):
     path = save_tiny_qwen3(tmp_path / "t", tokenizer=False)
     tensors = load_file(str(path / "model.safetensors"))
