@@ -331,6 +331,16 @@ def test_the_engines_torch_free_modules_load_no_torch():
     assert done.stdout.strip() == "[]"
 
 
+def test_the_staging_agent_starts_without_the_ssh_stack():
+    """A boot's recover starts the staging agent in the CT three times: paramiko (0.1 s a start)
+    is for opening SSH targets, which the agent never does."""
+    code = "import sys, ops.agents.staging; print('paramiko' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True
+    )
+    assert done.stdout.strip() == "False"
+
+
 # Run in a CT by whatever python3 it has (from stdin or a pushed file): the standard library only.
 STDLIB_AGENTS = ("ops.agents.probe", "ops.agents.engine_probe", "ops.agents.supervise")
 

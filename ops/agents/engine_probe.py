@@ -2,11 +2,12 @@
 """The engine's health probe: run inside a container by the engine's Python. Stdlib only.
 
     pct exec 200 -- /opt/ddops/venv/bin/python -I -S - 8000 /etc/ddops/engine.env 30 DDOPS_API_KEY \
-        [--wait 3] < ops/agents/engine_probe.py
+        [--wait 6] < ops/agents/engine_probe.py
 
 1. GET /ready must answer 200; with `--wait S`, an engine still starting (nothing listening yet,
    or /ready answering 503) is asked again for up to S seconds, the pause growing from 0.05 s to
-   0.5 s: one `pct exec` waits in the CT instead of one per poll (ops/chain/deploy.py's
+   0.1 s (so it answers at most 0.1 s after the engine is ready; an ask costs a refused connect
+   or a 503): one `pct exec` waits in the CT instead of one per poll (ops/chain/deploy.py's
    wait_ready);
 2. a 4-token greedy completion must come back with text and usage;
 3. /v1/models without the key says whether the engine requires one: when a key is installed in
@@ -27,7 +28,7 @@ import urllib.error
 import urllib.request
 
 JSON_HEADERS = {"Content-Type": "application/json"}
-FIRST_PAUSE_S, LAST_PAUSE_S = 0.05, 0.5  # between /ready asks while the engine starts
+FIRST_PAUSE_S, LAST_PAUSE_S = 0.05, 0.1  # between /ready asks while the engine starts
 
 
 class Unhealthy(Exception):

@@ -52,7 +52,7 @@ PUSH_DIR = "/var/lib/ddops/push"  # host-side copies of files pushed into CTs (n
 CT_WHEEL_DIR = "/var/lib/ddops/wheels"  # in the CT: root's, not a world-writable /tmp
 ENGINE_HOST = "127.0.0.1"
 LOG_LINES = 20
-WAIT_SLICE_S = 3.0  # how long one probe waits in the CT for a starting engine
+WAIT_SLICE_S = 6.0  # how long one probe waits in the CT for a starting engine
 POLL_S = 1.0  # the least time between two probes
 PIP_TIMEOUT_S = 3600.0  # torch and its CUDA libraries are gigabytes
 
