@@ -23,6 +23,11 @@ The model, in three parts:
             least as good as the last, and a fixed point is the optimum of this separable
             problem). A tree's entry is its per-tree cost (before the draft, its share of the
             draft pass too).
+A sequence decoding alone is asked `drafting_alone` instead: its drafted round runs generate()'s
+static passes (engine/scheduler.py `_solo_round`), a cost of its own, measured whole
+(`observe_solo`, a running mean) rather than fitted beside the batched passes; against it, a
+pass of its bonus alone, measured the same way (`observe_alone`; until then the pass fit at one
+token). Its gain is its mean accepted per drafted round.
 The scheduler asks twice a step: `drafting` before the drafter runs (who drafts: gains from each
 sequence's running profile of past trees, entry = its share of the draft pass) and `nodes` after
 (how many of each fresh tree's nodes to verify: its own path probabilities, the draft paid). A
@@ -50,6 +55,9 @@ PROBE_AFTER = 8  # rounds without a draft before a sequence drafts again (at fir
 PROBE_MAX = 64  # the longest wait, after probes that paid for no node
 PRIOR_WEIGHT = 0.05  # each of the prior's points, against ~50 of measured weight
 MAX_ITERATIONS = 20
+SOLO_KEEP = 0.9  # a lone drafted round's running mean of seconds keeps this share each round
+PRIOR_ROUNDS = 4  # the prior's weight in a sequence's mean accepted, in rounds
+POPULATION_DECAY = 0.99  # the server's accepted per drafted round: ~100 rounds count
 # The priors' shapes, per device kind: a pass's seconds per (pass, token, tree) and the draft's
 # per (pass, sequence), relative to the first; the first sample scales them. Demo pair on the
 # CPU (engine/NOTES.md): a pass 6.9 ms, a tree segment +2.7 ms, a token +0.25 ms; a draft pass
@@ -99,6 +107,9 @@ class Acceptance:
     cap: int
     accepted: float = 1.0  # drafted tokens accepted (decayed), the prior's 1
     verified: float = 1.0  # the drafter's probability mass of the nodes verified (decayed)
+    prior_mean: float = 1.0  # accepted per drafted round before its own (the server's so far)
+    own_accepted: float = 0.0  # its drafted tokens accepted (decayed)
+    own_rounds: float = 0.0  # its rounds that verified a tree (decayed)
     profile: np.ndarray | None = None  # [cap] expected gain by node rank, over past trees
     skipped: int = 0  # rounds in a row without a draft
     probe_after: int = PROBE_AFTER  # rounds without a draft before it drafts again
@@ -119,14 +130,24 @@ class Acceptance:
             fresh = PROFILE_KEEP * self.profile + (1 - PROFILE_KEEP) * fresh
         self.profile, self.skipped = fresh, 0
 
-    def chosen(self, count: int) -> None:
-        """Its fresh tree got `count` nodes: none doubles the wait before the next probe."""
-        self.probe_after = PROBE_AFTER if count else min(2 * self.probe_after, PROBE_MAX)
+    def paid(self, worth: bool) -> None:
+        """Whether its fresh tree was worth verifying (it got nodes; alone: drafting still
+        pays after it): the wait before the next probe resets, or doubles."""
+        self.probe_after = PROBE_AFTER if worth else min(2 * self.probe_after, PROBE_MAX)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Drafted tokens accepted per drafted round: its own (decayed as the sums are) beside
+        PRIOR_ROUNDS rounds of the prior (a generation's first rounds alone say little)."""
+        prior = PRIOR_ROUNDS * self.prior_mean
+        return (self.own_accepted + prior) / (self.own_rounds + PRIOR_ROUNDS)
 
     def verified_round(self, log_probs: np.ndarray, accepted: int) -> None:
         """A round verified nodes of path log-probs `log_probs` and accepted `accepted` of them."""
         self.accepted = self.accepted * DECAY + accepted
         self.verified = self.verified * DECAY + float(np.exp(log_probs).sum())
+        self.own_accepted = self.own_accepted * DECAY + accepted
+        self.own_rounds = self.own_rounds * DECAY + 1
 
     def predicted(self, room: int) -> np.ndarray:
         """Gains expected of its next tree, from the profile (sorted: a mean of sorted rows)."""
@@ -188,6 +209,43 @@ class Budgets:
     def __init__(self, device: str = "cpu") -> None:
         self.passes = LinearCost(PASS_PRIOR.get(device, PASS_PRIOR["cpu"]), PASS_DESIGN)
         self.drafts = LinearCost(DRAFT_PRIOR.get(device, DRAFT_PRIOR["cpu"]), DRAFT_DESIGN)
+        self.solo_round: float | None = None  # seconds of a lone sequence's drafted round
+        self.population = (0.0, 0.0)  # every auto sequence's accepted, drafted rounds (decayed)
+        self.bonus_round: float | None = None  # and of its round of the bonus alone
+
+    def drafting_alone(self, acc: Acceptance) -> bool:
+        """Whether a sequence decoding alone drafts this round: its tokens per second drafting
+        (its bonus and its mean accepted, over a measured solo round) against its bonus alone
+        (over a one-token pass). Unmeasured, due a probe, or never drafted: it drafts. Its
+        mean, not one tree's profile: a tree verified whole costs the same whatever its
+        drafter's confidence, so only what its rounds accept on average decides."""
+        if self.solo_round is None or not self.passes.known:
+            return True
+        if acc.profile is None or acc.skipped >= acc.probe_after:
+            return True
+        drafted_rate = (1 + acc.mean_accepted) / self.solo_round
+        bonus = self.bonus_round if self.bonus_round is not None else self.passes.seconds(1, 1, 0)
+        return drafted_rate > 1 / bonus
+
+    def new_sequence(self, cap: int) -> Acceptance:
+        """An `auto` sequence's acceptance, its prior the server's mean so far."""
+        accepted, rounds = self.population
+        return Acceptance(cap, prior_mean=accepted / rounds if rounds else 1.0)
+
+    def verified(self, acc: Acceptance, log_probs: np.ndarray, accepted: int) -> None:
+        """A round of `acc`'s sequence verified nodes of path log-probs `log_probs` and
+        accepted `accepted` of them (the server's mean follows every sequence's)."""
+        acc.verified_round(log_probs, accepted)
+        total, rounds = self.population
+        self.population = (total * POPULATION_DECAY + accepted, rounds * POPULATION_DECAY + 1)
+
+    def observe_solo(self, seconds: float) -> None:
+        """A lone sequence's drafted round (its draft, verify and commit) took `seconds`."""
+        self.solo_round = _running_mean(self.solo_round, seconds)
+
+    def observe_alone(self, seconds: float) -> None:
+        """A lone sequence's round of its bonus alone (its pass and commit) took `seconds`."""
+        self.bonus_round = _running_mean(self.bonus_round, seconds)
 
     def drafting(self, sequences: list[tuple[Acceptance, int]], base: Baseline) -> list[bool]:
         """Which `auto` sequences (each its acceptance and node room) draft this step."""
@@ -213,7 +271,7 @@ class Budgets:
         candidates = [Candidate(acc.gains(log_probs), per_tree) for acc, log_probs in trees]
         counts = choose(candidates, base.gain, self._seconds(base) + draft_seconds, per_token)
         for (acc, _), count in zip(trees, counts, strict=True):
-            acc.chosen(count)
+            acc.paid(count > 0)
         return counts
 
     def observe_pass(self, tokens: int, trees: int, seconds: float) -> None:
@@ -224,3 +282,7 @@ class Budgets:
 
     def _seconds(self, base: Baseline) -> float:
         return self.passes.seconds(1, base.tokens, base.trees)
+
+
+def _running_mean(last: float | None, seconds: float) -> float:
+    return seconds if last is None else SOLO_KEEP * last + (1 - SOLO_KEEP) * seconds

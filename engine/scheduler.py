@@ -261,7 +261,7 @@ class Scheduler:
             raise
         active = _Active(item, seq, pool, run, time.monotonic())
         if item.cfg.method == "auto":
-            active.acceptance = Acceptance(item.cfg.budget)
+            active.acceptance = self.budgets.new_sequence(item.cfg.budget)
         return active
 
     def _hold_first_piece(self, active: _Active) -> None:
@@ -391,31 +391,32 @@ class Scheduler:
             tree = run.next_tree(active.request.should_stop)
             if tree is None:  # finished: retired by the step
                 return
-            drafted = time.perf_counter()
             accepted, new_tokens = seq.commit(tree, *seq.verify(tree), run.out.taking)
             run.committed(tree, accepted, new_tokens)
         except Exception as error:
             self._fail([active], error)
             return
         if active.acceptance is not None:
-            self._solo_auto_round(active, tree, len(accepted) - 1, drafted - started, started)
+            self._solo_auto_round(active, tree, len(accepted) - 1, started)
         self.passes += 1
         if self.on_pass is not None:
             self.on_pass(1, tree.size + 1)
 
     def _solo_auto_round(
-        self, active: _Active, tree: DraftTree, accepted: int, draft_seconds: float, started: float
+        self, active: _Active, tree: DraftTree, accepted: int, started: float
     ) -> None:
-        """What an `auto` sequence's solo round tells its budgets: its tree and acceptance (a
-        tree verified whole: what it paid for is what it accepted), and (eager passes only: a
-        captured graph's first replay is its capture) the draft's and the verify's seconds."""
-        active.acceptance.drafted(tree.log_probs)
-        active.acceptance.chosen(accepted)
-        active.acceptance.verified_round(tree.log_probs, accepted)
+        """What an `auto` sequence's solo round tells its budgets: its tree and acceptance, and
+        (eager passes only: a captured graph's first replay is its capture) the round's
+        seconds. A probe (a draft after its skipped rounds) that leaves drafting alone not
+        paying doubles its wait to the next; a round after which it pays resets it."""
+        acceptance = active.acceptance
+        probed = acceptance.skipped >= acceptance.probe_after
+        acceptance.drafted(tree.log_probs)
+        self.budgets.verified(acceptance, tree.log_probs, accepted)
         if not active.seq.graphs:
-            verify_seconds = time.perf_counter() - started - draft_seconds
-            self.budgets.observe_draft(1, draft_seconds)
-            self.budgets.observe_pass(tree.size + 1, int(tree.size > 0), verify_seconds)
+            self.budgets.observe_solo(time.perf_counter() - started)
+        if (pays := self.budgets.drafting_alone(acceptance)) or probed:
+            acceptance.paid(pays)
 
     def _rounds(self, rounds: list[tuple[_Active, tuple[int, int]]]) -> list[_Work]:
         """Each decoding sequence's round (with its rooms) as its verify segment: the drafts
@@ -458,9 +459,12 @@ class Scheduler:
         return [active for active in drafting if drafts.get(id(active), True)]
 
     def _auto_drafts(self, rounds: list, auto: list[_Active] | None = None) -> list[bool]:
-        """Whether each of the `auto` sequences (default: those of `rounds`) drafts this step."""
+        """Whether each of the `auto` sequences (default: those of `rounds`) drafts this step
+        (alone: by generate()'s static passes, or its bonus alone in a batched pass)."""
         auto = [active for active, _ in rounds] if auto is None else auto
         rooms = {id(active): node_room for active, (_, node_room) in rounds}
+        if len(self.running) == 1 and len(auto) == 1:
+            return [self.budgets.drafting_alone(auto[0].acceptance)]
         asked = [(active.acceptance, rooms[id(active)]) for active in auto]
         return self.budgets.drafting(asked, self._baseline(rounds, {}))
 
@@ -556,9 +560,14 @@ class Scheduler:
             )
             item.active.run.committed(item.tree, accepted, new_tokens)
             if item.active.acceptance is not None and item.tree.size:
-                item.active.acceptance.verified_round(item.tree.log_probs, len(accepted) - 1)
+                self.budgets.verified(
+                    item.active.acceptance, item.tree.log_probs, len(accepted) - 1
+                )
         trees = sum(item.segment.ids.shape[0] > 1 for item in work)
-        self.budgets.observe_pass(tokens, trees, time.perf_counter() - started)  # choices read
+        seconds = time.perf_counter() - started  # the choices were read: the device is done
+        self.budgets.observe_pass(tokens, trees, seconds)
+        if len(self.running) == 1 and tokens == 1 and self.running[0].acceptance is not None:
+            self.budgets.observe_alone(seconds)  # a lone auto sequence's bonus alone
 
     def _prefilled(self, active: _Active) -> None:
         active.prefilling = False

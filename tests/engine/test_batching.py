@@ -206,7 +206,7 @@ def test_auto_alone_drafts_by_generates_passes_or_batches_its_bonus_alone(
     cfg = GenerationConfig("auto", 15, max_new_tokens=NEW, prefill_chunk=16)
     prompt = prompts(pair, [6], seed=3)[0]
     sched, got = scheduler(pair, slots=1), Collector()
-    monkeypatch.setattr(sched.budgets, "drafting", lambda asked, _: [drafts] * len(asked))
+    monkeypatch.setattr(sched.budgets, "drafting_alone", lambda acceptance: drafts)
     sched.add(got.request(0, prompt, cfg))
     drain(sched)
     assert got.output(0) == solo(pair, prompt, replace(cfg, method="ar"))
@@ -215,7 +215,8 @@ def test_auto_alone_drafts_by_generates_passes_or_batches_its_bonus_alone(
         assert passes == [["prefill"], ["round"]] and min(chosen[:-1]) > 0 == chosen[-1]
     else:
         assert set(map(tuple, passes[1:])) == {("round",)} and set(chosen) == {0}
-    assert sched.budgets.drafts.known is drafts  # a solo round's draft seconds were measured
+    assert (sched.budgets.solo_round is not None) is drafts  # a solo round was measured
+    assert sched.budgets.bonus_round is not None  # and a batched round of its bonus alone
 
 
 def test_a_cancelled_sequence_leaves_and_the_others_are_unchanged(pair):

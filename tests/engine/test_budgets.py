@@ -175,8 +175,49 @@ def test_probes_that_pay_for_no_node_wait_longer_and_one_that_pays_resets_the_wa
         seq.drafted(log_probs)  # a draft resets `skipped`
         skipped = 0
     assert waits == [PROBE_AFTER, 2 * PROBE_AFTER, 4 * PROBE_AFTER, PROBE_MAX, PROBE_MAX]
-    seq.chosen(5)
+    seq.paid(True)
     assert seq.probe_after == PROBE_AFTER
+
+
+def test_a_lone_sequence_drafts_when_its_measured_round_beats_its_bonus_alone():
+    """Alone, the choice is a drafted round by generate()'s static passes (measured whole)
+    against a one-token pass: a sequence whose drafts land drafts, one whose drafts miss
+    decodes its bonus alone and probes again after PROBE_AFTER rounds."""
+    budgets = measured(Budgets(), per_token=0.0003)  # a one-token pass: 5.3 ms
+    log_probs = np.log(np.linspace(0.9, 0.1, 15))
+    landing, missing = Acceptance(15), Acceptance(15)
+    assert budgets.drafting_alone(missing)  # no solo round measured yet: it drafts
+    budgets.observe_solo(0.012)
+    budgets.observe_solo(0.012)
+    for acceptance, accepted in ((landing, 6), (missing, 0)):
+        acceptance.drafted(log_probs)
+        for _ in range(30):
+            acceptance.verified_round(log_probs, accepted)
+    assert budgets.solo_round == pytest.approx(0.012)
+    assert budgets.drafting_alone(landing)
+    assert not budgets.drafting_alone(missing)
+    missing.skipped = PROBE_AFTER
+    assert budgets.drafting_alone(missing)
+    budgets.observe_alone(0.001)  # measured: 1,000 tokens/s beat its ~500 (the fit said 5.3 ms)
+    assert not budgets.drafting_alone(landing)
+    budgets.bonus_round = None
+    budgets.observe_solo(1.0)  # rounds grown dear: the mean follows
+    assert budgets.solo_round > 0.1 and not budgets.drafting_alone(landing)
+
+
+def test_a_new_sequence_starts_from_the_servers_mean_acceptance():
+    """A generation's first rounds say little about its acceptance: a new sequence's mean
+    starts at the server's so far (every auto sequence's drafted rounds), then follows its own."""
+    budgets = Budgets()
+    assert budgets.new_sequence(15).mean_accepted == 1.0  # nothing measured: the prior's 1
+    earlier = budgets.new_sequence(15)
+    for _ in range(50):
+        budgets.verified(earlier, np.log(np.full(15, 0.5)), 3)
+    fresh = budgets.new_sequence(15)
+    assert fresh.mean_accepted == pytest.approx(3.0)
+    for _ in range(40):
+        budgets.verified(fresh, np.log(np.full(15, 0.5)), 0)
+    assert fresh.mean_accepted < 0.6 < budgets.new_sequence(15).mean_accepted < 3.0  # both
 
 
 def test_before_any_measurement_every_sequence_drafts_its_cap():
