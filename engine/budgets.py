@@ -21,15 +21,17 @@ The model, in three parts:
             them all if their surplus does not pay its entry cost (its draft); R becomes the
             rate of that choice; repeat until R stops rising (a few iterations; each is at
             least as good as the last, and a fixed point is the optimum of this separable
-            problem). A tree's entry is its per-tree cost (before the draft, its share of the
-            draft pass too).
+            problem). A tree's entry is its per-tree cost (before the draft, its sequence's
+            part of the draft pass too). The draft pass's fixed seconds are the step's, paid
+            once if any sequence drafts: the choice is made with them paid, and kept only if
+            it beats drafting none.
 A sequence decoding alone is asked `drafting_alone` instead: its drafted round runs generate()'s
 static passes (engine/scheduler.py `_solo_round`), a cost of its own, measured whole
 (`observe_solo`, a running mean) rather than fitted beside the batched passes; against it, a
 pass of its bonus alone, measured the same way (`observe_alone`; until then the pass fit at one
 token). Its gain is its mean accepted per drafted round.
 The scheduler asks twice a step: `drafting` before the drafter runs (who drafts: gains from each
-sequence's running profile of past trees, entry = its share of the draft pass) and `nodes` after
+sequence's running profile of past trees, entry = its part of the draft pass) and `nodes` after
 (how many of each fresh tree's nodes to verify: its own path probabilities, the draft paid). A
 sequence that has not drafted for PROBE_AFTER rounds drafts again, so a sequence turned off by a
 busy batch sees the batch thin out and its own acceptance change; a probe whose tree gets no node
@@ -174,13 +176,25 @@ def choose(
     rate = base_gain / max(base_seconds, 1e-12)
     for _ in range(MAX_ITERATIONS):
         trial = [_best_count(candidate, rate, per_token) for candidate in candidates]
-        taken = [(c, k) for c, k in zip(candidates, trial, strict=True) if k]
-        gain = base_gain + sum(float(c.gains[:k].sum()) for c, k in taken)
-        seconds = base_seconds + sum(per_token * k + c.entry for c, k in taken)
-        if gain / max(seconds, 1e-12) <= rate * (1 + 1e-9):
+        trial_rate = step_rate(candidates, trial, base_gain, base_seconds, per_token)
+        if trial_rate <= rate * (1 + 1e-9):
             break
-        counts, rate = trial, gain / max(seconds, 1e-12)
+        counts, rate = trial, trial_rate
     return counts
+
+
+def step_rate(
+    candidates: Sequence[Candidate],
+    counts: list[int],
+    base_gain: float,
+    base_seconds: float,
+    per_token: float,
+) -> float:
+    """The step's tokens a second with `counts` nodes for `candidates` (see `choose`)."""
+    taken = [(c, k) for c, k in zip(candidates, counts, strict=True) if k]
+    gain = base_gain + sum(float(c.gains[:k].sum()) for c, k in taken)
+    seconds = base_seconds + sum(per_token * k + c.entry for c, k in taken)
+    return gain / max(seconds, 1e-12)
 
 
 def _best_count(candidate: Candidate, rate: float, per_token: float) -> int:
@@ -252,9 +266,14 @@ class Budgets:
         if not self.passes.known or not self.drafts.known:
             return [True] * len(sequences)
         _, per_token, per_tree = self.passes.weights
-        share = self.drafts.seconds(1, len(sequences)) / len(sequences)
-        candidates = [Candidate(acc.predicted(room), per_tree + share) for acc, room in sequences]
-        counts = choose(candidates, base.gain, self._seconds(base), per_token)
+        fixed, per_sequence = self.drafts.weights
+        entry = per_tree + per_sequence
+        candidates = [Candidate(acc.predicted(room), entry) for acc, room in sequences]
+        seconds = self._seconds(base)
+        counts = choose(candidates, base.gain, seconds + fixed, per_token)
+        drafted = step_rate(candidates, counts, base.gain, seconds + fixed, per_token)
+        if drafted <= base.gain / max(seconds, 1e-12):
+            counts = [0] * len(candidates)  # the draft pass would not pay for itself
         return [
             count > 0 or acc.profile is None or acc.skipped >= acc.probe_after
             for count, (acc, _) in zip(counts, sequences, strict=True)

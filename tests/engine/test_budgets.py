@@ -140,6 +140,23 @@ def test_a_busier_batch_and_dearer_tokens_shrink_the_trees():
     assert max(cheap_counts) == 15
 
 
+def test_the_draft_passs_fixed_cost_is_paid_once_by_the_step():
+    """A draft pass costs 3 ms whoever drafts, plus 2 ms a sequence: one sequence whose tree
+    pays for its own part but not for the pass alone does not draft; three such share it."""
+    budgets = measured(Budgets(), per_token=0.0003)
+    worth = np.log(np.r_[np.full(8, 0.9), np.full(7, 1e-9)])  # ~7.2 tokens in its first 8 nodes
+
+    def batch(drafters: int) -> list[tuple[Acceptance, int]]:
+        sequences = [Acceptance(15) for _ in range(6)]
+        for index, acc in enumerate(sequences):
+            acc.drafted(worth if index < drafters else np.full(15, -30.0))
+        return [(acc, 15) for acc in sequences]
+
+    six = Baseline(tokens=6, trees=0, gain=6.0)
+    assert budgets.drafting(batch(1), six) == [False] * 6
+    assert budgets.drafting(batch(3), six) == [True] * 3 + [False] * 3
+
+
 def test_a_sequence_whose_drafts_miss_stops_drafting_then_probes_again():
     budgets = measured(Budgets(), per_token=0.0003)
     missing = Acceptance(15)
