@@ -224,8 +224,8 @@ class Budgets:
         self.passes = LinearCost(PASS_PRIOR.get(device, PASS_PRIOR["cpu"]), PASS_DESIGN)
         self.drafts = LinearCost(DRAFT_PRIOR.get(device, DRAFT_PRIOR["cpu"]), DRAFT_DESIGN)
         self.solo_round: float | None = None  # seconds of a lone sequence's drafted round
-        self.population = (0.0, 0.0)  # every auto sequence's accepted, drafted rounds (decayed)
         self.bonus_round: float | None = None  # and of its round of the bonus alone
+        self.population = (0.0, 0.0)  # every auto sequence's accepted, drafted rounds (decayed)
 
     def drafting_alone(self, acc: Acceptance) -> bool:
         """Whether a sequence decoding alone drafts this round: its tokens per second drafting

@@ -462,9 +462,9 @@ class Scheduler:
         """Whether each of the `auto` sequences (default: those of `rounds`) drafts this step
         (alone: by generate()'s static passes, or its bonus alone in a batched pass)."""
         auto = [active for active, _ in rounds] if auto is None else auto
-        rooms = {id(active): node_room for active, (_, node_room) in rounds}
         if len(self.running) == 1 and len(auto) == 1:
             return [self.budgets.drafting_alone(auto[0].acceptance)]
+        rooms = {id(active): node_room for active, (_, node_room) in rounds}
         asked = [(active.acceptance, rooms[id(active)]) for active in auto]
         return self.budgets.drafting(asked, self._baseline(rounds, {}))
 
@@ -566,8 +566,15 @@ class Scheduler:
         trees = sum(item.segment.ids.shape[0] > 1 for item in work)
         seconds = time.perf_counter() - started  # the choices were read: the device is done
         self.budgets.observe_pass(tokens, trees, seconds)
-        if len(self.running) == 1 and tokens == 1 and self.running[0].acceptance is not None:
-            self.budgets.observe_alone(seconds)  # a lone auto sequence's bonus alone
+        if self._lone_auto_bonus(work):
+            self.budgets.observe_alone(seconds)
+
+    def _lone_auto_bonus(self, work: list[_Work]) -> bool:
+        """Whether the pass was a lone `auto` sequence's round of its bonus alone."""
+        if len(work) != 1 or len(self.running) != 1:
+            return False
+        (item,) = work
+        return item.active.acceptance is not None and item.tree is not None and not item.tree.size
 
     def _prefilled(self, active: _Active) -> None:
         active.prefilling = False
