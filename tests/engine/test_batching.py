@@ -159,9 +159,8 @@ def test_requests_join_while_others_decode_and_wait_for_a_slot(pair):
         assert got.output(index) == solo(pair, prompt, cfg)
 
 
-def test_a_sequence_alone_decodes_by_generates_passes_and_batches_when_another_joins(
-    pair, monkeypatch
-):
+def recorded_passes(pair, monkeypatch) -> list[list[str]]:
+    """The target's batched passes as they run: each a list of "prefill" / "round" segments."""
     target, _ = pair
     passes, batched_pass = [], target.forward_batch
 
@@ -170,6 +169,13 @@ def test_a_sequence_alone_decodes_by_generates_passes_and_batches_when_another_j
         return batched_pass(segments, hidden_layers)
 
     monkeypatch.setattr(target, "forward_batch", forward_batch)
+    return passes
+
+
+def test_a_sequence_alone_decodes_by_generates_passes_and_batches_when_another_joins(
+    pair, monkeypatch
+):
+    passes = recorded_passes(pair, monkeypatch)
     sched = scheduler(pair, slots=1)
     assert "cuda_graphs" not in sched.options  # one slot: its solo rounds may capture graphs
     assert scheduler(pair, slots=2).options["cuda_graphs"] is False  # several: not per slot
@@ -195,14 +201,7 @@ def test_auto_alone_drafts_by_generates_passes_or_batches_its_bonus_alone(
     """Alone, an `auto` sequence its budgets tell to draft verifies its whole tree by
     generate()'s static passes (no batched round pass, as `ddtree` alone); one told not to
     decodes its bonus alone in the batched pass. Its tokens are plain decoding's either way."""
-    target, _ = pair
-    passes, batched_pass = [], target.forward_batch
-
-    def forward_batch(segments, hidden_layers=()):
-        passes.append(["prefill" if segment.extend else "round" for segment in segments])
-        return batched_pass(segments, hidden_layers)
-
-    monkeypatch.setattr(target, "forward_batch", forward_batch)
+    passes = recorded_passes(pair, monkeypatch)
     cfg = GenerationConfig("auto", 15, max_new_tokens=NEW, prefill_chunk=16)
     prompt = prompts(pair, [6], seed=3)[0]
     sched, got = scheduler(pair, slots=1), Collector()
