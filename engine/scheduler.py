@@ -260,7 +260,10 @@ class Scheduler:
             seq.caches.abandon()
             raise
         active = _Active(item, seq, pool, run, time.monotonic())
-        if item.cfg.method == "auto":
+        # A seeded sampled request must repeat its tokens, and how many nodes a round verifies
+        # changes its generator's draws: it verifies its cap every round, as ddtree.
+        seeded = item.cfg.temperature > 0 and item.cfg.seed is not None
+        if item.cfg.method == "auto" and not seeded:
             active.acceptance = self.budgets.new_sequence(item.cfg.budget)
         return active
 

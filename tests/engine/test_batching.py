@@ -412,6 +412,22 @@ def test_auto_budgets_vary_and_each_output_equals_its_solo_ar_run(pair, grammar,
     assert len(set(chosen)) >= (2 if grammar else 3), chosen  # grammar-valid trees are small
 
 
+def test_a_seeded_sampled_auto_request_verifies_its_cap_and_repeats(pair, monkeypatch):
+    """Sampled, a round's node count changes how the sequence's generator is drawn: a seeded
+    `auto` request keeps its cap every round, so its tokens are ddtree's with that seed however
+    the budgets swing beside it."""
+    cfg = GenerationConfig("auto", 15, max_new_tokens=NEW, prefill_chunk=16, temperature=1.0)
+    cases = prompts(pair, [5, 40, 9], seed=4)
+    sched, got = scheduler(pair, slots=3, tokens=48), Collector()
+    scripted_costs(sched, monkeypatch)
+    for index, prompt in enumerate(cases):
+        sched.add(got.request(index, prompt, replace(cfg, seed=None if index else 7)))
+    drain(sched)
+    assert got.output(0) == solo(pair, cases[0], replace(cfg, method="ddtree", seed=7))
+    seeded, unseeded = (got.finished[index].result.budgets for index in (0, 1))
+    assert set(seeded[:-1]) == {15} and len(set(unseeded)) > 1
+
+
 # -- preemption: an oversubscribed KV pool -------------------------------------------------
 
 POOL = 128  # tokens of the small pools: the longest request fits alone, six at once do not
