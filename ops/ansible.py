@@ -154,12 +154,17 @@ def run_playbook(
     return run
 
 
+def search_path() -> str:
+    """PATH with this Python's bin directory first: its ansible-playbook, else the one PATH has
+    (a venv made with --system-site-packages over an interpreter that holds ansible)."""
+    return os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+
+
 def _env() -> dict[str, str]:
     """ansible-playbook from this Python's environment; modules piped to the host's Python
     (pipelining: one SSH round trip per task instead of three)."""
-    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     return {
-        "PATH": path,
+        "PATH": search_path(),
         "ANSIBLE_PIPELINING": "1",
         "ANSIBLE_NOCOWS": "1",
         "ANSIBLE_RETRY_FILES_ENABLED": "0",

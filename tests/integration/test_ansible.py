@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ from ops.ansible import (
     bench_args,
     connection_vars,
     run_playbook,
+    search_path,
     site_inventory,
     with_local_connections,
 )
@@ -62,8 +64,9 @@ BOOT_UNITS = [spec.INSTALL_PATH for spec in boot_specs((0,), (200,), PIN_RECORD)
 def test_every_playbook_and_task_file_parses(playbook, tmp_path):
     inventory = tmp_path / "inventory.yml"
     inventory.write_text("all:\n  hosts:\n    h:\n      ansible_connection: local\n")
-    ansible = Path(sys.executable).parent / "ansible-playbook"
-    argv = [str(ansible), "-i", str(inventory), str(playbooks_dir() / playbook), "--syntax-check"]
+    ansible = shutil.which("ansible-playbook", path=search_path())  # as ops runs it
+    assert ansible is not None
+    argv = [ansible, "-i", str(inventory), str(playbooks_dir() / playbook), "--syntax-check"]
     checked = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
