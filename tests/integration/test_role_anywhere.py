@@ -8,6 +8,7 @@ path is all it takes. --syntax-check, then a --check run against a sim host from
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ops.ansible import search_path
 from ops.resources import playbooks_dir
 from tests.helpers.site import sim_site
 
@@ -39,8 +41,9 @@ def ansible_playbook(where: Path, inventory: Path, *args: str) -> subprocess.Com
         "ANSIBLE_CONFIG": str(where / "none.cfg"),  # not a file: ansible's defaults
         "ANSIBLE_NOCOLOR": "1",
     }
-    ansible = Path(sys.executable).parent / "ansible-playbook"
-    argv = [str(ansible), "-i", str(inventory), "site.yml", *args]
+    ansible = shutil.which("ansible-playbook", path=search_path())  # as ops runs it
+    assert ansible is not None
+    argv = [ansible, "-i", str(inventory), "site.yml", *args]
     return subprocess.run(argv, cwd=where, env=env, capture_output=True, text=True, timeout=600)
 
 
