@@ -215,9 +215,10 @@ def verdict(
 class RepeatSchedule:
     """How many repeats one measurement (a scenario and length of `ddops bench`, a prompt of
     `python -m engine bench`) gets: at least `min_repeats` clean ones; more, up to
-    `max_repeats`, while the next one fits in `share_s` seconds at the pace so far; a disturbed
-    repeat is redone, at most `min_repeats` times over (a machine that stays busy ends the
-    measurement with what it has)."""
+    `max_repeats`, while the next one fits in `share_s` seconds at the pace so far. A disturbed
+    repeat is redone while the share lasts, and past it at most `min_repeats` times over (a
+    machine that stays busy ends the measurement with what it has): under bursts the share buys
+    clean repeats, where a few leave a median that moves with the bursts."""
 
     def __init__(self, min_repeats: int, max_repeats: int, share_s: float) -> None:
         self.min_repeats = min_repeats
@@ -240,9 +241,9 @@ class RepeatSchedule:
 
     def more(self) -> bool:
         """Whether to run another repeat."""
-        if self.clean >= self.max_repeats or self.disturbed > self.min_repeats:
+        if self.clean >= self.max_repeats:
             return False
-        if self.clean < self.min_repeats:
+        pace = self.spent_s / self.attempts if self.attempts else 0.0
+        if self.spent_s + pace <= self.share_s:
             return True
-        pace = self.spent_s / self.attempts
-        return self.spent_s + pace <= self.share_s
+        return self.clean < self.min_repeats and self.disturbed <= self.min_repeats

@@ -184,6 +184,21 @@ def test_the_schedule_runs_the_minimum_then_fills_its_share_and_redoes_disturbed
     assert (busy.clean, busy.disturbed) == (0, 3)  # a machine that stays busy: give up
 
 
+def test_under_bursts_the_share_buys_clean_repeats_past_the_redo_limit():
+    """Issue 37, Must 8: 4 disturbed repeats of 6 ended the group with 2 clean ones, whose
+    median moved with the bursts; while the share lasts every disturbed repeat is redone."""
+    bursts = RepeatSchedule(min_repeats=3, max_repeats=20, share_s=100.0)
+    verdicts = iter([True, True, False, True, True, False] + [True, False] * 20)
+    while bursts.more():
+        bursts.record(5.0, disturbed=next(verdicts))
+    # 20 repeats of 5 s fill the share: 9 clean beside 11 disturbed (the old limit stopped at 2)
+    assert (bursts.clean, bursts.disturbed) == (9, 11)
+    spent = RepeatSchedule(min_repeats=3, max_repeats=20, share_s=10.0)
+    while spent.more():
+        spent.record(5.0, disturbed=True)
+    assert (spent.clean, spent.disturbed) == (0, 4)  # past the share: min_repeats redone at most
+
+
 PROC_STAT = """cpu  100 5 50 800 20 3 2 0 0 0
 cpu0 50 2 25 400 10 1 1 0 0 0
 cpu1 50 3 25 400 10 2 1 0 0 0
