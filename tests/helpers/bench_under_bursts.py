@@ -9,11 +9,15 @@ come from it. On a quiet machine only: the quiet run is the reference.
     # issue 37, Must 8: 5 runs under 2 s on / 2 s off bursts, each within 15% of quiet
     python -m tests.helpers.bench_under_bursts --out DIR --methods ar,ddtree:15 \
         --lengths 128,256 --burst-runs 5 --burst-on 2 --burst-off 2 --tolerance 0.15
+    # the same at 256 tokens with a budget that buys ~9+ clean repeats under bursts
+    python -m tests.helpers.bench_under_bursts --out DIR --methods ar,ddtree:15 \
+        --lengths 256 --burst-runs 3 --burst-on 2 --burst-off 2 --tolerance 0.15 --time-budget 300
 
 It serves the demo pair with `python -m engine serve` (--threads torch threads: 2, as the demo's
 2-core CT gives it), runs `ddops bench --url` with the demo's bench options (ops/demo_story.py:
-methods, length, repeats, time budget) and prints each run's table, verdict and machine warning,
-then the comparison. The burst load: --burst-workers processes, --burst-on / --burst-off seconds.
+methods, length, repeats, time budget; --time-budget another) and prints each run's table,
+verdict and machine warning, then the comparison. The burst load: --burst-workers processes,
+--burst-on / --burst-off seconds.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ def bench_argv(url: str, out: Path, args: argparse.Namespace) -> list[str]:
     return [
         *(sys.executable, "-m", "ops.cli", "--json", "bench", "--url", url, "--out", str(out)),
         *("--methods", args.methods, "--lengths", args.lengths, "--repeats", BENCH_REPEATS),
-        *("--time-budget", BENCH_BUDGET_S),
+        *("--time-budget", str(args.time_budget)),
     ]
 
 
@@ -126,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=BENCH_METHODS)
     parser.add_argument("--lengths", default=BENCH_LENGTHS)
     parser.add_argument("--tolerance", type=float, default=TOLERANCE, help="of the quiet speedup")
+    parser.add_argument(
+        "--time-budget", type=float, default=float(BENCH_BUDGET_S), help="each run's, seconds"
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     server = start_engine_server(
