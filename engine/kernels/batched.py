@@ -74,6 +74,14 @@ class SolvedPiece:
         states = states + self.start_decay[:, :, None, None] * self.initial[:, None]
         return states.transpose(0, 1)
 
+    def unstack(self, initials: list[torch.Tensor]) -> list[SolvedPiece]:
+        """The pieces of trees solved stacked (leading dimension), each keeping its own
+        `initials` entry (its state before the pass, not a stacked copy of it)."""
+        factors = (self.weights, self.keys, self.writes, self.start_decay)
+        return [
+            SolvedPiece(*(t[i] for t in factors), initial) for i, initial in enumerate(initials)
+        ]
+
     def nbytes(self) -> int:
         tensors = (self.weights, self.keys, self.writes, self.start_decay)
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -100,23 +108,25 @@ class TreeStates:
 
 
 def _solve_piece(
-    q: torch.Tensor,  # [H, T, Dk] scaled
-    k: torch.Tensor,  # [H, T, Dk]
-    v: torch.Tensor,  # [H, T, Dv]
-    g: torch.Tensor,  # [H, T]
-    beta: torch.Tensor,  # [H, T]
-    visible: torch.Tensor,  # [T, T] bool, see ancestor_matrix
-    state: torch.Tensor,  # [H, Dk, Dv]
-) -> tuple[torch.Tensor, SolvedPiece]:  # outputs [H, T, Dv]
-    G = g @ visible.to(g.dtype).T  # [H, T]: path sums of the log decay
-    gaps = (G[:, :, None] - G[:, None, :]).masked_fill(~visible, float("-inf"))
-    weights = gaps.exp()  # [H, T, T] W: lower triangular, zero off the paths
+    q: torch.Tensor,  # [..., H, T, Dk] scaled
+    k: torch.Tensor,  # [..., H, T, Dk]
+    v: torch.Tensor,  # [..., H, T, Dv]
+    g: torch.Tensor,  # [..., H, T]
+    beta: torch.Tensor,  # [..., H, T]
+    visible: torch.Tensor,  # [..., T, T] bool, see ancestor_matrix (one per leading index)
+    state: torch.Tensor,  # [..., H, Dk, Dv]
+) -> tuple[torch.Tensor, SolvedPiece]:  # outputs [..., H, T, Dv]
+    """One tree, or several of one size stacked on leading dimensions (a batched pass's verify
+    trees): each its own system, all solved in the same calls."""
+    G = g @ visible.to(g.dtype).mT  # [..., H, T]: path sums of the log decay
+    gaps = (G[..., :, None] - G[..., None, :]).masked_fill(~visible[..., None, :, :], float("-inf"))
+    weights = gaps.exp()  # [..., H, T, T] W: lower triangular, zero off the paths
     # The solve reads only the strict lower triangle (unitriangular): the diagonal stays as is.
-    system = beta[:, :, None] * weights * (k @ k.transpose(1, 2))
+    system = beta[..., None] * weights * (k @ k.mT)
     start_decay = G.exp()
-    rhs = beta[:, :, None] * (v - start_decay[:, :, None] * (k @ state))
+    rhs = beta[..., None] * (v - start_decay[..., None] * (k @ state))
     writes = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    out = start_decay[:, :, None] * (q @ state) + (weights * (q @ k.transpose(1, 2))) @ writes
+    out = start_decay[..., None] * (q @ state) + (weights * (q @ k.mT)) @ writes
     return out, SolvedPiece(weights, k, writes, start_decay, state)
 
 

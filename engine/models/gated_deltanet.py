@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -248,8 +249,8 @@ class GatedDeltaNet(nn.Module):
     ) -> tuple[torch.Tensor, list[PendingRecurrence]]:
         """`tree_mix` under "factored" of several segments at once (a batched pass's verify
         trees): one conv over every segment's window (each tap offset into its own committed
-        inputs and tokens), the heads of all rows at once, then each segment's tree solved
-        against its own state. Returns the outputs [sum T_i, Hv, Dv] and each one's pending."""
+        inputs and tokens), the heads of all rows at once, then the trees solved against their
+        own states, those of one size together (`solve_trees`). Returns the outputs [sum T_i, Hv, Dv] and each one's pending."""
         conv_inputs, beta, g = inputs
         sizes = [tree.shape[0] for tree in parents]
         pieces = conv_inputs.split(sizes)
@@ -271,17 +272,14 @@ class GatedDeltaNet(nn.Module):
         conv_outputs = conv_at_taps(conv_inputs[:0], columns, self.conv1d.weight[:, 0], taps)
         heads = self._heads(conv_outputs)
         scale = self.shape.key_dim**-0.5
-        outs, pending = [], []
-        rows = [0, *torch.tensor(sizes).cumsum(0).tolist()]
-        for i, state in enumerate(states):
-            r = slice(rows[i], rows[i + 1])
-            q, k, v = (t[r] for t in heads)
-            out, piece = solve_visible(q, k, v, g[r], beta[r], visible[i], state.recurrent, scale)
-            outs.append(out)
-            kept = PendingRecurrence(parents=parents[i], conv_inputs=pieces[i])
-            kept.tree_states = TreeStates([piece], sizes[i])
+        initials = [state.recurrent for state in states]
+        out, solved = solve_trees(heads, g, beta, sizes, visible, initials, scale)
+        pending = []
+        for tree, inputs_of, piece, size in zip(parents, pieces, solved, sizes, strict=True):
+            kept = PendingRecurrence(parents=tree, conv_inputs=inputs_of)
+            kept.tree_states = TreeStates([piece], size)
             pending.append(kept)
-        return torch.cat(outs), pending
+        return out, pending
 
     def single_steps(
         self,
@@ -439,21 +437,54 @@ def conv_at_taps(
 
 
 def solve_visible(
-    q: torch.Tensor,  # [T, H, Dk]
-    k: torch.Tensor,  # [T, H, Dk]
-    v: torch.Tensor,  # [T, H, Dv]
-    g: torch.Tensor,  # [T, H]
-    beta: torch.Tensor,  # [T, H]
-    visible: torch.Tensor,  # [T, T] bool ancestor-or-self
-    initial_state: torch.Tensor,  # [H, Dk, Dv]
+    q: torch.Tensor,  # [..., T, H, Dk]
+    k: torch.Tensor,  # [..., T, H, Dk]
+    v: torch.Tensor,  # [..., T, H, Dv]
+    g: torch.Tensor,  # [..., T, H]
+    beta: torch.Tensor,  # [..., T, H]
+    visible: torch.Tensor,  # [..., T, T] bool ancestor-or-self
+    initial_state: torch.Tensor,  # [..., H, Dk, Dv]
     scale: float,
-) -> tuple[torch.Tensor, SolvedPiece]:  # outputs [T, H, Dv] in v's dtype
+) -> tuple[torch.Tensor, SolvedPiece]:  # outputs [..., T, H, Dv] in v's dtype
     """The batched solve of a tree whose ancestor mask is already on the device (solve_tree
-    builds it from parents on the host)."""
+    builds it from parents on the host); trees of one size may be stacked on a leading
+    dimension, each with its own mask and state."""
     dt = compute_dtype(v.dtype)
-    heads_first = [t.to(dt).transpose(0, 1) for t in (q * scale, k, v, g, beta)]
+    nodes_first = [t.to(dt).transpose(-3, -2) for t in (q * scale, k, v)]
+    heads_first = [*nodes_first, *(t.to(dt).transpose(-2, -1) for t in (g, beta))]
     out, piece = solve_piece(*heads_first, visible, initial_state.to(dt))
-    return out.transpose(0, 1).to(v.dtype), piece
+    return out.transpose(-3, -2).to(v.dtype), piece
+
+
+def solve_trees(
+    heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # q, k, v of every tree's rows
+    g: torch.Tensor,  # [sum T_i, H]
+    beta: torch.Tensor,  # [sum T_i, H]
+    sizes: list[int],  # each tree's rows, in order
+    visible: list[torch.Tensor],  # each tree's [T_i, T_i] ancestor mask
+    initials: list[torch.Tensor],  # each tree's state [H, Dk, Dv]
+    scale: float,
+) -> tuple[torch.Tensor, list[SolvedPiece]]:  # outputs [sum T_i, H, Dv], each tree's piece
+    """`solve_visible` of several trees, those of one size stacked and solved together (a
+    batched pass's verify trees: one set of calls per size, not per tree)."""
+    rows = np.cumsum([0, *sizes])
+    out = torch.empty_like(heads[2])
+    pieces: list[SolvedPiece | None] = [None] * len(sizes)
+    by_size: dict[int, list[int]] = {}
+    for i, size in enumerate(sizes):
+        by_size.setdefault(size, []).append(i)
+    for size, members in by_size.items():
+        index = np.concatenate([np.arange(rows[i], rows[i] + size) for i in members])
+        index = torch.from_numpy(index).to(out.device)
+        stacked = [t.index_select(0, index).unflatten(0, (len(members), size)) for t in heads]
+        gb = [t.index_select(0, index).unflatten(0, (len(members), size)) for t in (g, beta)]
+        masks = torch.stack([visible[i] for i in members])
+        states = [initials[i].to(compute_dtype(out.dtype)) for i in members]
+        solved, piece = solve_visible(*stacked, *gb, masks, torch.stack(states), scale)
+        out.index_copy_(0, index, solved.flatten(0, 1))
+        for i, each in zip(members, piece.unstack(states), strict=True):
+            pieces[i] = each
+    return out, pieces
 
 
 def pending_from(
