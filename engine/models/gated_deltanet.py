@@ -250,7 +250,8 @@ class GatedDeltaNet(nn.Module):
         """`tree_mix` under "factored" of several segments at once (a batched pass's verify
         trees): one conv over every segment's window (each tap offset into its own committed
         inputs and tokens), the heads of all rows at once, then the trees solved against their
-        own states, those of one size together (`solve_trees`). Returns the outputs [sum T_i, Hv, Dv] and each one's pending."""
+        own states, those of one size together (`solve_trees`). Returns the outputs
+        [sum T_i, Hv, Dv] and each one's pending."""
         conv_inputs, beta, g = inputs
         sizes = [tree.shape[0] for tree in parents]
         pieces = conv_inputs.split(sizes)
@@ -450,8 +451,8 @@ def solve_visible(
     builds it from parents on the host); trees of one size may be stacked on a leading
     dimension, each with its own mask and state."""
     dt = compute_dtype(v.dtype)
-    nodes_first = [t.to(dt).transpose(-3, -2) for t in (q * scale, k, v)]
-    heads_first = [*nodes_first, *(t.to(dt).transpose(-2, -1) for t in (g, beta))]
+    qkv = [t.to(dt).transpose(-3, -2) for t in (q * scale, k, v)]
+    heads_first = [*qkv, *(t.to(dt).transpose(-2, -1) for t in (g, beta))]
     out, piece = solve_piece(*heads_first, visible, initial_state.to(dt))
     return out.transpose(-3, -2).to(v.dtype), piece
 
@@ -467,24 +468,38 @@ def solve_trees(
 ) -> tuple[torch.Tensor, list[SolvedPiece]]:  # outputs [sum T_i, H, Dv], each tree's piece
     """`solve_visible` of several trees, those of one size stacked and solved together (a
     batched pass's verify trees: one set of calls per size, not per tree)."""
-    rows = np.cumsum([0, *sizes])
-    out = torch.empty_like(heads[2])
-    pieces: list[SolvedPiece | None] = [None] * len(sizes)
     by_size: dict[int, list[int]] = {}
     for i, size in enumerate(sizes):
         by_size.setdefault(size, []).append(i)
+    if len(by_size) == 1:  # every tree one size, in order: the rows stack as they are
+        solved, pieces = _solve_stacked(heads, g, beta, sizes[0], visible, initials, scale)
+        return solved.flatten(0, 1), pieces
+    starts = np.cumsum([0, *sizes])
+    out = torch.empty_like(heads[2])
+    found: list[SolvedPiece | None] = [None] * len(sizes)
     for size, members in by_size.items():
-        index = np.concatenate([np.arange(rows[i], rows[i] + size) for i in members])
+        index = np.concatenate([np.arange(starts[i], starts[i] + size) for i in members])
         index = torch.from_numpy(index).to(out.device)
-        stacked = [t.index_select(0, index).unflatten(0, (len(members), size)) for t in heads]
-        gb = [t.index_select(0, index).unflatten(0, (len(members), size)) for t in (g, beta)]
-        masks = torch.stack([visible[i] for i in members])
-        states = [initials[i].to(compute_dtype(out.dtype)) for i in members]
-        solved, piece = solve_visible(*stacked, *gb, masks, torch.stack(states), scale)
+        rows = [t.index_select(0, index) for t in (*heads, g, beta)]
+        masks, states = [visible[i] for i in members], [initials[i] for i in members]
+        solved, pieces = _solve_stacked(rows[:3], *rows[3:], size, masks, states, scale)
         out.index_copy_(0, index, solved.flatten(0, 1))
-        for i, each in zip(members, piece.unstack(states), strict=True):
-            pieces[i] = each
-    return out, pieces
+        for i, piece in zip(members, pieces, strict=True):
+            found[i] = piece
+    return out, found
+
+
+def _solve_stacked(
+    heads, g, beta, size: int, visible: list, initials: list, scale: float
+) -> tuple[torch.Tensor, list[SolvedPiece]]:  # outputs [n, size, H, Dv], each tree's piece
+    """`solve_trees` of n trees of one size whose rows follow one another."""
+    n = len(initials)
+    q, k, v, g, beta = (t.unflatten(0, (n, size)) for t in (*heads, g, beta))
+    states = [state.to(compute_dtype(v.dtype)) for state in initials]
+    solved, stacked = solve_visible(
+        q, k, v, g, beta, torch.stack(visible), torch.stack(states), scale
+    )
+    return solved, stacked.unstack(states)
 
 
 def pending_from(

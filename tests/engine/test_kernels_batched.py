@@ -175,42 +175,38 @@ def test_cpu_attention_runs_the_streaming_kernel_not_the_math_one(tree) -> None:
     assert not {"aten::_softmax", "aten::softmax"} & ops
 
 
+ONE_SIZE = [TREES["ddtree_like"], _random_tree(16, 2), _random_tree(16, 4)]
+MIXED = [TREES["ddtree_like"], _random_tree(5, 1), _random_tree(16, 2), [-1], _random_tree(5, 3)]
+
+
+@pytest.mark.parametrize(
+    ("trees", "solves"), [(ONE_SIZE, 1), (MIXED, 3)], ids=["one_size", "mixed"]
+)
 def test_trees_of_one_size_are_solved_together_each_against_its_own_state(
-    monkeypatch: pytest.MonkeyPatch,
+    trees: list[list[int]], solves: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A batched pass's verify trees (engine/models/gated_deltanet.py `solve_trees`): each
     tree's outputs and node states are its own solve's, with one solve per tree size."""
     from engine.kernels.batched import ancestor_matrix
     from engine.models.gated_deltanet import solve_trees
 
-    trees = [
-        TREES["ddtree_like"],
-        _random_tree(5, 1),
-        _random_tree(16, 2),
-        [-1],
-        _random_tree(5, 3),
-    ]
     cases = [_inputs(len(tree), 2, 16, 8, torch.float64, seed=i) for i, tree in enumerate(trees)]
     q, k, v, g, beta = (torch.cat([case[n] for case in cases]) for n in range(5))
     masks = [ancestor_matrix(torch.tensor(tree)) for tree in trees]
-    solves = []
+    calls = []
     solve = torch.linalg.solve_triangular
     monkeypatch.setattr(
-        torch.linalg, "solve_triangular", lambda *a, **kw: solves.append(1) or solve(*a, **kw)
+        torch.linalg, "solve_triangular", lambda *a, **kw: calls.append(1) or solve(*a, **kw)
     )
     sizes = [len(tree) for tree in trees]
     out, pieces = solve_trees((q, k, v), g, beta, sizes, masks, [c[5] for c in cases], 0.25)
-    assert len(solves) == 3  # sizes 16, 5 and 1
-    rows = 0
+    assert len(calls) == solves
+    rows, exact = 0, TOLERANCE[torch.float64]
     for tree, case, piece in zip(trees, cases, pieces, strict=True):
         args = (*case[:5], torch.tensor(tree), case[5], 0.25)
         expected_out, expected_states = reference.tree_gated_delta_rule(*args, return_states=True)
-        torch.testing.assert_close(
-            out[rows : rows + len(tree)], expected_out, **TOLERANCE[torch.float64]
-        )
+        torch.testing.assert_close(out[rows : rows + len(tree)], expected_out, **exact)
         assert piece.initial is case[5]  # its own state, not a stacked copy held to the commit
         for node in range(len(tree)):
-            torch.testing.assert_close(
-                piece.state_after(node), expected_states[node], **TOLERANCE[torch.float64]
-            )
+            torch.testing.assert_close(piece.state_after(node), expected_states[node], **exact)
         rows += len(tree)
