@@ -313,6 +313,7 @@ def bench_args(config: BenchConfig) -> list[str]:
         *("--concurrency", ",".join(map(str, config.concurrency))),
         *("--requests-per-client", str(config.requests_per_client)),
         *(("--request-rate", str(config.request_rate)) if config.request_rate else ()),
+        *("--seed", str(config.seed)),
         *(("--slo", slo_text(config.slo)) if config.slo else ()),
     ]
 

@@ -5,7 +5,7 @@
         [--out DIR] [--no-recover]
     ddops bench --url http://127.0.0.1:8000 --lengths 16,32      # an engine by URL, no site
     ddops bench --ct 200 --concurrency 1,4,8 [--requests-per-client N] [--request-rate R] \
-        [--slo ttft=2s,tpot=100ms]                                # the serving matrix
+        [--seed S] [--slo ttft=2s,tpot=100ms]                     # the serving matrix
     ddops bench report RUN_DIR                                    # re-render a stored run
 
 Before measuring, the CT goes through the health chain and, if a check fails, `recover`
@@ -17,9 +17,9 @@ repeats per scenario and length, more (up to --max-repeats) while --time-budget 
 (0: exactly --repeats); each figure is a median with its interval, each column gets a verdict,
 and the machine's state during the run is recorded, with a warning when it was busy.
 --concurrency N runs N clients at once (closed loop: each sends its next request when its last
-ends; --request-rate R: Poisson arrivals of R a second instead, at most N in flight), and the
-report adds aggregate output tok/s, requests/s, goodput under --slo, TTFT / TPOT / ITL p50, p90
-and p99 per cell.
+ends; --request-rate R: Poisson arrivals of R a second instead, at most N in flight, repeat r's
+drawn from --seed + r), and the report adds aggregate output tok/s, requests/s, goodput under
+--slo, TTFT / TPOT / ITL p50, p90 and p99 per cell.
 The engine's API key: a CT's own (read from the CT); for --url, DDOPS_API_KEY.
 """
 
@@ -149,6 +149,14 @@ def _parsed(parse):
     help="Open loop: requests a second, Poisson arrivals (at most --concurrency in flight).",
 )
 @click.option(
+    "--seed",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="Repeat r's Poisson arrivals are random.Random(seed + r)'s gaps (guidellm's poisson "
+    "profile with --seed kind=static,value=S draws the same); also each request's sampling seed.",
+)
+@click.option(
     "--slo",
     callback=_parsed(lambda text: parse_slo(text) if text else None),
     help="Goodput's objective, e.g. ttft=2s,tpot=100ms.",
@@ -206,6 +214,7 @@ def bench_config(matrix: dict, servers: int = 1) -> BenchConfig:
         concurrency=matrix["concurrency"],
         requests_per_client=matrix["requests_per_client"],
         request_rate=matrix["request_rate"],
+        seed=matrix["seed"],
         slo=matrix["slo"],
         servers=servers,
     )

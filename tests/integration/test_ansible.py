@@ -122,6 +122,7 @@ def test_bench_args_give_each_host_the_same_matrix():
         concurrency=(1, 4),
         requests_per_client=2,
         request_rate=1.5,
+        seed=7,
         slo=Slo(ttft_s=2.0, tpot_s=0.1),
     )
     params = bench_command.make_context("bench", [*bench_args(config), "--ct", "200"]).params

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import random
 import statistics
 
 import httpx
@@ -136,8 +137,13 @@ def test_an_open_loop_sends_at_seeded_poisson_arrivals_the_same_for_every_method
     assert statistics.mean(b - a for a, b in zip(offsets, offsets[1:], strict=False)) == (
         pytest.approx(0.25, rel=0.08)
     )
+    rng = random.Random(3)  # the gaps are the seed's expovariate draws, as guidellm's poisson
+    gaps = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
+    assert gaps == pytest.approx([rng.expovariate(4.0) for _ in gaps], abs=1e-9)
     engine = BenchEngine(step_s=STEPS, tau=TAUS)
-    config = config_of(concurrency=(2,), requests_per_client=3, request_rate=2.0, repeats=2)
+    config = config_of(
+        concurrency=(2,), requests_per_client=3, request_rate=2.0, repeats=2, seed=11
+    )
     result = bench(tmp_path, config, engine)
     for cell in result.cells:
         for repeat in (0, 1):
