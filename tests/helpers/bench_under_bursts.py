@@ -2,7 +2,8 @@
 machine is and then (--burst-runs) times while burst_load.py takes the cores in bursts; then
 each run's ddtree:15 / ar speedup at each length beside the quiet one (within --tolerance?) and
 every reported speedup against its tau. A dev tool (not shipped): the closing note's figures
-come from it. On a quiet machine only: the quiet run is the reference.
+come from it. On a quiet machine only: the quiet run is the reference (with --alternate, the
+quiet runs either side of each run under bursts: the host's own speed drifts between runs).
 
     python -m tests.helpers.bench_under_bursts --out /tmp/i31/check            # both runs
     python -m tests.helpers.bench_under_bursts --out DIR --runs quiet          # one of them
@@ -12,6 +13,9 @@ come from it. On a quiet machine only: the quiet run is the reference.
     # the same at 256 tokens with a budget that buys ~9+ clean repeats under bursts
     python -m tests.helpers.bench_under_bursts --out DIR --methods ar,ddtree:15 \
         --lengths 256 --burst-runs 3 --burst-on 2 --burst-off 2 --tolerance 0.15 --time-budget 300
+    # each run under bursts beside the quiet runs just before and after it (the host drifts)
+    python -m tests.helpers.bench_under_bursts --out DIR --methods ar,ddtree:15 \
+        --lengths 128,256 --burst-runs 5 --burst-on 2 --burst-off 2 --tolerance 0.15 --alternate
 
 It serves the demo pair with `python -m engine serve` (--threads torch threads: 2, as the demo's
 2-core CT gives it), runs `ddops bench --url` with the demo's bench options (ops/demo_story.py:
@@ -92,14 +96,22 @@ def show(name: str, document: dict) -> None:
     print(f"  warning: {machine.get('warning')}")
 
 
-def compare(quiet: dict, busy: dict, name: str, tolerance: float) -> bool:
-    """Each length's ddtree:15 / ar under bursts beside quiet; whether every one is within
-    `tolerance` of quiet (a figure left out as disturbed is reported, never wrong)."""
-    held, quiet_rows = True, speedups(quiet)
+def quiet_speedups(*quiet: dict) -> dict[tuple[str, int], float]:
+    """ddtree:15 / ar of quiet runs by (method, length): one run's, or the mean of the two
+    quiet runs either side of a run under bursts (--alternate)."""
+    rows = [speedups(document) for document in quiet]
+    return {key: sum(r[key]["speedup"] for r in rows) / len(rows) for key in rows[0]}
+
+
+def compare(quiet: dict[tuple[str, int], float], busy: dict, name: str, tolerance: float) -> bool:
+    """Each length's ddtree:15 / ar under bursts beside quiet (`quiet_speedups`); whether
+    every one is within `tolerance` of quiet (a figure left out as disturbed is reported,
+    never wrong)."""
+    held = True
     for (method, length), row in speedups(busy).items():
         if method != SPED_UP:
             continue
-        a, b = quiet_rows[(method, length)]["speedup"], row["speedup"]
+        a, b = quiet[(method, length)], row["speedup"]
         if b is None:
             print(f"{name}: {method} / ar at {length}: {a:.2f}x quiet, left out under bursts")
             continue
@@ -108,14 +120,48 @@ def compare(quiet: dict, busy: dict, name: str, tolerance: float) -> bool:
         verdict = "within" if apart <= tolerance else "NOT within"
         print(f"{name}: {method} / ar at {length}: {a:.2f}x quiet, {b:.2f}x under bursts: "
               f"{apart:.0%} apart ({verdict} {tolerance:.0%})")  # fmt: skip
-    for label, document in (("quiet", quiet), (name, busy)):
-        above = [
-            f"{m}@{n} {r['speedup']:.2f}x > tau {r['tau']:.2f}"
-            for (m, n), r in speedups(document).items()
-            if r["speedup"] is not None and r["speedup"] > r["tau"] * SLACK
-        ]
-        print(f"{label}: speedups above tau (+10%): {', '.join(above) or 'none'}")
+    above = [
+        f"{m}@{n} {r['speedup']:.2f}x > tau {r['tau']:.2f}"
+        for (m, n), r in speedups(busy).items()
+        if r["speedup"] is not None and r["speedup"] > r["tau"] * SLACK
+    ]
+    print(f"{name}: speedups above tau (+10%): {', '.join(above) or 'none'}")
     return held
+
+
+def show_quiet_drift(quiet: list[dict]) -> None:
+    """How far ddtree:15 / ar moved from each quiet run to the next (the floor under any
+    tolerance: the gate cannot make a run under bursts closer to quiet than quiet is to itself)."""
+    rows = [speedups(document) for document in quiet]
+    for key in [k for k in rows[0] if k[0] == SPED_UP]:
+        figures = [r[key]["speedup"] for r in rows]
+        moves = [abs(b / a - 1) for a, b in zip(figures, figures[1:], strict=False)]
+        shown = ", ".join(f"{f:.2f}x" for f in figures)
+        print(f"quiet {key[0]} / ar at {key[1]}: {shown}; neighbours up to {max(moves):.0%} apart")
+
+
+def run_names(runs: str, burst_runs: int, alternate: bool) -> list[str]:
+    """The runs in the order they are measured: quiet first, or with `alternate` a quiet run
+    before and after each run under bursts (quiet1, bursts1, quiet2, ...)."""
+    bursts = [f"bursts{i + 1}" if burst_runs > 1 else "bursts" for i in range(burst_runs)]
+    if alternate:
+        return [name for i, b in enumerate(bursts) for name in (f"quiet{i + 1}", b)] + [
+            f"quiet{burst_runs + 1}"
+        ]
+    return {"both": ["quiet", *bursts], "quiet": ["quiet"], "bursts": bursts}[runs]
+
+
+def references(names: list[str], documents: dict) -> dict[str, list[dict]]:
+    """Each run under bursts and the quiet runs it is compared with: its neighbours when the
+    runs alternate, else the one quiet run."""
+    found = {}
+    for i, name in enumerate(names):
+        if name.startswith("bursts"):
+            around = [n for n in names[max(0, i - 1) : i + 2] if n.startswith("quiet")]
+            quiet = around if len(around) == 2 else ["quiet"]
+            if all(n in documents for n in quiet) and name in documents:
+                found[name] = [documents[n] for n in quiet]
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default=BENCH_LENGTHS)
     parser.add_argument("--tolerance", type=float, default=TOLERANCE, help="of the quiet speedup")
     parser.add_argument(
+        "--alternate",
+        action="store_true",
+        help="a quiet run before and after each run under bursts, each compared with its two",
+    )
+    parser.add_argument(
         "--time-budget", type=float, default=float(BENCH_BUDGET_S), help="each run's, seconds"
     )
     args = parser.parse_args(argv)
@@ -142,25 +193,26 @@ def main(argv: list[str] | None = None) -> int:
         log_path=args.out / "serve.log",
         cpu_threads=args.threads,
     )
-    bursts = [f"bursts{i + 1}" if args.burst_runs > 1 else "bursts" for i in range(args.burst_runs)]
-    names = {"both": ["quiet", *bursts], "quiet": ["quiet"], "bursts": bursts}[args.runs]
+    names = run_names(args.runs, args.burst_runs, args.alternate)
     documents = {}
     try:
         for name in names:
-            documents[name] = run_bench(server.url, args.out / name, args, name != "quiet")
+            bursts = name.startswith("bursts")
+            documents[name] = run_bench(server.url, args.out / name, args, bursts)
             (args.out / f"{name}.json").write_text(json.dumps(documents[name], indent=1))
             show(name, documents[name])
     finally:
         server.stop()
-    if "quiet" not in documents:
-        return 0
+    compared = references(names, documents)
     held = [
-        compare(documents["quiet"], documents[n], n, args.tolerance)
-        for n in bursts
-        if n in documents
+        compare(quiet_speedups(*quiet), documents[name], name, args.tolerance)
+        for name, quiet in compared.items()
     ]
+    if args.alternate:
+        show_quiet_drift([documents[n] for n in names if n.startswith("quiet")])
+    where = "its neighbouring quiet runs" if args.alternate else "quiet"
     print(
-        f"\n{sum(held)} of {len(held)} runs under bursts within {args.tolerance:.0%} of quiet at every length"
+        f"\n{sum(held)} of {len(held)} runs under bursts within {args.tolerance:.0%} of {where} at every length"
     )
     return 0 if all(held) else 1
 
