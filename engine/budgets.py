@@ -36,11 +36,17 @@ sequence's running profile of past trees, entry = its part of the draft pass) an
 sequence that has not drafted for PROBE_AFTER rounds drafts again, so a sequence turned off by a
 busy batch sees the batch thin out and its own acceptance change; a probe whose tree gets no node
 doubles that wait (up to PROBE_MAX rounds: on a busy batch a probe's draft costs more than it
-tells), one that gets nodes resets it.
+tells), one that gets nodes resets it. When the step drafts at all, every sequence whose wait is
+half over probes with it: the probes of sequences that joined at different times would each pay
+the draft pass's fixed seconds in a step of their own; drawn into one pass, their waits stay in
+step from then on. A new sequence's profile starts as the server's (every fresh tree's, decayed
+by POPULATION_DECAY): it drafts its first round when that profile says a tree pays (or the server
+has drafted none yet), not to learn what the others' trees already tell.
 
 Lossless: a budget only says how many of the tree's first nodes are verified (a best-first tree
 of k nodes is the first k of a larger one), and every output token is still the target's own
-choice. Memory: per sequence an `Acceptance` keeps its profile (cap float64s) and four numbers.
+choice. Memory: per sequence an `Acceptance` keeps its profile (cap float64s) and four numbers;
+the server one profile more.
 """
 
 from __future__ import annotations
@@ -115,6 +121,11 @@ class Acceptance:
     profile: np.ndarray | None = None  # [cap] expected gain by node rank, over past trees
     skipped: int = 0  # rounds in a row without a draft
     probe_after: int = PROBE_AFTER  # rounds without a draft before it drafts again
+
+    @property
+    def probe_due(self) -> bool:
+        """It has gone `probe_after` rounds without a draft: it drafts again."""
+        return self.skipped >= self.probe_after
 
     @property
     def scale(self) -> float:
@@ -226,6 +237,7 @@ class Budgets:
         self.solo_round: float | None = None  # seconds of a lone sequence's drafted round
         self.bonus_round: float | None = None  # and of its round of the bonus alone
         self.population = (0.0, 0.0)  # every auto sequence's accepted, drafted rounds (decayed)
+        self.trees = (np.zeros(0), 0.0)  # every fresh tree's node probabilities, trees (decayed)
 
     def drafting_alone(self, acc: Acceptance) -> bool:
         """Whether a sequence decoding alone drafts this round: its tokens per second drafting
@@ -235,16 +247,35 @@ class Budgets:
         drafter's confidence, so only what its rounds accept on average decides."""
         if self.solo_round is None or not self.passes.known:
             return True
-        if acc.profile is None or acc.skipped >= acc.probe_after:
+        if acc.profile is None or acc.probe_due:
             return True
         drafted_rate = (1 + acc.mean_accepted) / self.solo_round
         bonus = self.bonus_round if self.bonus_round is not None else self.passes.seconds(1, 1, 0)
         return drafted_rate > 1 / bonus
 
     def new_sequence(self, cap: int) -> Acceptance:
-        """An `auto` sequence's acceptance, its prior the server's mean so far."""
+        """An `auto` sequence's acceptance, its priors the server's so far: its mean accepted,
+        and the profile of every sequence's trees (with one, it need not draft its first
+        round to be judged: on a busy batch, where drafting does not pay, it waits for its
+        first probe)."""
         accepted, rounds = self.population
-        return Acceptance(cap, prior_mean=accepted / rounds if rounds else 1.0)
+        acc = Acceptance(cap, prior_mean=accepted / rounds if rounds else 1.0)
+        trees, weight = self.trees
+        if weight:
+            acc.profile = np.zeros(cap)
+            known = min(cap, len(trees))
+            acc.profile[:known] = trees[:known] / weight
+        return acc
+
+    def drafted(self, acc: Acceptance, log_probs: np.ndarray) -> None:
+        """`acc`'s sequence drafted a tree of path log-probs `log_probs` (the server's profile
+        follows every sequence's, as theirs do)."""
+        acc.drafted(log_probs)
+        trees, weight = self.trees
+        fresh = np.exp(log_probs.astype(np.float64))
+        size = max(len(trees), len(fresh))
+        trees, fresh = np.pad(trees, (0, size - len(trees))), np.pad(fresh, (0, size - len(fresh)))
+        self.trees = (POPULATION_DECAY * trees + fresh, POPULATION_DECAY * weight + 1)
 
     def verified(self, acc: Acceptance, log_probs: np.ndarray, accepted: int) -> None:
         """A round of `acc`'s sequence verified nodes of path log-probs `log_probs` and
@@ -274,10 +305,16 @@ class Budgets:
         drafted = step_rate(candidates, counts, base.gain, seconds + fixed, per_token)
         if drafted <= base.gain / max(seconds, 1e-12):
             counts = [0] * len(candidates)  # the draft pass would not pay for itself
-        return [
-            count > 0 or acc.profile is None or acc.skipped >= acc.probe_after
+        drafts = [
+            count > 0 or acc.profile is None or acc.probe_due
             for count, (acc, _) in zip(counts, sequences, strict=True)
         ]
+        if any(drafts):  # the pass's fixed seconds are paid: probes half due join it
+            drafts = [
+                d or acc.skipped >= acc.probe_after // 2
+                for d, (acc, _) in zip(drafts, sequences, strict=True)
+            ]
+        return drafts
 
     def nodes(
         self, trees: list[tuple[Acceptance, np.ndarray]], base: Baseline, draft_seconds: float

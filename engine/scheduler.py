@@ -413,8 +413,8 @@ class Scheduler:
         seconds. A probe (a draft after its skipped rounds) that leaves drafting alone not
         paying doubles its wait to the next; a round after which it pays resets it."""
         acceptance = active.acceptance
-        probed = acceptance.skipped >= acceptance.probe_after
-        acceptance.drafted(tree.log_probs)
+        probed = acceptance.probe_due
+        self.budgets.drafted(acceptance, tree.log_probs)
         self.budgets.verified(acceptance, tree.log_probs, accepted)
         if not active.seq.graphs:
             self.budgets.observe_solo(time.perf_counter() - started)
@@ -478,7 +478,7 @@ class Scheduler:
             return
         base = self._baseline(rounds, trees)
         for active in auto:
-            active.acceptance.drafted(trees[id(active)].log_probs)
+            self.budgets.drafted(active.acceptance, trees[id(active)].log_probs)
         asked = [(active.acceptance, trees[id(active)].log_probs) for active in auto]
         counts = self.budgets.nodes(asked, base, draft_seconds)
         for active, count in zip(auto, counts, strict=True):

@@ -196,6 +196,33 @@ def test_probes_that_pay_for_no_node_wait_longer_and_one_that_pays_resets_the_wa
     assert seq.probe_after == PROBE_AFTER
 
 
+def test_probes_of_sequences_that_joined_at_different_times_share_one_draft_pass():
+    """Six sequences on a batch where no tree pays, each joining a round after the last: a
+    probe draws in those whose wait is half over, so after the first probes every step that
+    drafts drafts for all six (one draft pass's fixed seconds, not six)."""
+    budgets = measured(Budgets(), per_token=0.002)
+    log_probs = np.log(np.full(15, 0.3))
+    sequences, drafting_steps = [], []
+    for step in range(6 + PROBE_AFTER + 16 + 32 + 64):
+        if len(sequences) < 6:  # a new one has drafted its first round
+            sequences.append(Acceptance(15))
+            sequences[-1].drafted(log_probs)
+        drafts = budgets.drafting([(acc, 15) for acc in sequences], Baseline(6, 0, 6.0))
+        for acc, draws in zip(sequences, drafts, strict=True):
+            acc.skipped += not draws
+        fresh = [acc for acc, draws in zip(sequences, drafts, strict=True) if draws]
+        if fresh:
+            drafting_steps.append((step, len(fresh)))
+            counts = budgets.nodes([(acc, log_probs) for acc in fresh], Baseline(6, 0, 6.0), 0.015)
+            assert counts == [0] * len(fresh)
+            for acc in fresh:
+                acc.drafted(log_probs)
+    assert [n for _, n in drafting_steps[-3:]] == [6, 6, 6]
+    assert len(drafting_steps) <= 5  # without sharing: six sequences' probes, ~4 each
+    gaps = np.diff([step for step, _ in drafting_steps[-3:]])
+    assert gaps[1] > gaps[0]  # the waits still grow
+
+
 def test_a_lone_sequence_drafts_when_its_measured_round_beats_its_bonus_alone():
     """Alone, the choice is a drafted round by generate()'s static passes (measured whole)
     against a one-token pass: a sequence whose drafts land drafts, one whose drafts miss
@@ -235,6 +262,24 @@ def test_a_new_sequence_starts_from_the_servers_mean_acceptance():
     for _ in range(40):
         budgets.verified(fresh, np.log(np.full(15, 0.5)), 0)
     assert fresh.mean_accepted < 0.6 < budgets.new_sequence(15).mean_accepted < 3.0  # both
+
+
+def test_a_new_sequence_on_a_busy_batch_waits_for_its_probe_once_the_server_has_trees():
+    """The server's first sequence drafts its first round (nothing to judge it by); one that
+    joins after trees were drafted starts from their profile and, on a batch where no tree
+    pays, decodes its bonus alone until its first probe."""
+    budgets = measured(Budgets(), per_token=0.002)  # dear tokens: no tree pays at six
+    busy = Baseline(tokens=6, trees=0, gain=6.0)
+    first = budgets.new_sequence(15)
+    assert first.profile is None and budgets.drafting([(first, 15)], busy) == [True]
+    weak = np.log(np.r_[np.full(4, 0.3), np.full(6, 0.01)])  # a tree of 10 nodes
+    for _ in range(20):
+        budgets.drafted(first, weak)
+    joining = budgets.new_sequence(15)
+    assert joining.profile == pytest.approx(np.r_[np.exp(weak), np.zeros(5)])
+    assert budgets.drafting([(joining, 15)], busy) == [False]
+    joining.skipped = PROBE_AFTER
+    assert budgets.drafting([(joining, 15)], busy) == [True]
 
 
 def test_before_any_measurement_every_sequence_drafts_its_cap():
