@@ -87,7 +87,7 @@ class LinearCost:
         size = len(shape)
         self.gram, self.moment = np.zeros((size, size)), np.zeros(size)  # sum w x x^T, w x y
         self.prior: tuple[np.ndarray, np.ndarray] | None = None
-        self.weights: np.ndarray | None = None
+        self._weights: np.ndarray | None = None  # solved when read: passes outnumber reads
 
     def observe(self, features: tuple[int, ...], seconds: float) -> None:
         x = np.array(features, np.float64)
@@ -97,12 +97,20 @@ class LinearCost:
             self.prior = (PRIOR_WEIGHT * d.T @ d, PRIOR_WEIGHT * d.T @ (d @ weights))
         self.gram = self.gram * FORGET + np.outer(x, x)
         self.moment = self.moment * FORGET + x * seconds
-        solved = np.linalg.solve(self.gram + self.prior[0], self.moment + self.prior[1])
-        self.weights = np.maximum(solved, 0.0)
+        self._weights = None
 
     @property
     def known(self) -> bool:
-        return self.weights is not None
+        return self.prior is not None
+
+    @property
+    def weights(self) -> np.ndarray:
+        """The fit's weights, non-negative (an ar-only server observes every pass and never
+        reads them: no solve)."""
+        if self._weights is None:
+            solved = np.linalg.solve(self.gram + self.prior[0], self.moment + self.prior[1])
+            self._weights = np.maximum(solved, 0.0)
+        return self._weights
 
     def seconds(self, *features: float) -> float:
         return float(self.weights @ np.array(features, np.float64))
