@@ -39,6 +39,7 @@ as they are.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -221,7 +222,7 @@ class GatedDeltaNet(nn.Module):
         conv_inputs, beta, g = self._inputs(x)
         weight = self.conv1d.weight[:, 0]
         if keep == "factored":  # the batched conv would tell a chain from a tree on the host
-            conv_outputs = conv_at_taps(conv_inputs, state.conv, weight, taps)
+            conv_outputs = conv_at_taps(window_rows(state.conv, conv_inputs), weight, taps)
         else:
             conv_outputs = tree_causal_conv1d(conv_inputs, inputs.parents, state.conv, weight, None)
         q, k, v = self._heads(conv_outputs)
@@ -246,6 +247,7 @@ class GatedDeltaNet(nn.Module):
         states: list[RecurrentState],  # each segment's own
         parents: list[torch.Tensor],  # each segment's tree [T_i] (on the device)
         visible: list[torch.Tensor],  # each segment's ancestor mask [T_i, T_i] (ancestor_matrix)
+        taps: list[torch.Tensor],  # each segment's conv_taps [T_i, K]
     ) -> tuple[torch.Tensor, list[PendingRecurrence]]:
         """`tree_mix` under "factored" of several segments at once (a batched pass's verify
         trees): one conv over every segment's window (each tap offset into its own committed
@@ -256,21 +258,12 @@ class GatedDeltaNet(nn.Module):
         sizes = [tree.shape[0] for tree in parents]
         pieces = conv_inputs.split(sizes)
         window = self.shape.conv_kernel - 1
-        columns = torch.cat(
-            [part for st, x in zip(states, pieces, strict=True) for part in (st.conv, x.T)], 1
-        )
-        offsets = (
-            torch.tensor([0, *sizes], device=conv_inputs.device)[:-1].cumsum(0)
-            + torch.arange(len(sizes), device=conv_inputs.device) * window
-        )
-        taps = torch.cat(
-            [
-                conv_taps(tree, window + 1) + offset
-                for tree, offset in zip(parents, offsets, strict=True)
-            ]
-        )
-        # Every window is a column of `columns` (no pending tokens beyond them to append).
-        conv_outputs = conv_at_taps(conv_inputs[:0], columns, self.conv1d.weight[:, 0], taps)
+        rows = torch.cat(
+            [part for st, x in zip(states, pieces, strict=True) for part in (st.conv.T, x)]
+        )  # window_rows of each tree, one after another
+        starts = [0, *itertools.accumulate(size + window for size in sizes)][:-1]
+        taps = torch.cat([tree_taps + start for tree_taps, start in zip(taps, starts, strict=True)])
+        conv_outputs = conv_at_taps(rows, self.conv1d.weight[:, 0], taps)
         heads = self._heads(conv_outputs)
         scale = self.shape.key_dim**-0.5
         initials = [state.recurrent for state in states]
@@ -425,16 +418,22 @@ def conv_taps(parents: torch.Tensor, kernel: int) -> torch.Tensor:  # [T, K]
 
 
 def conv_at_taps(
-    x: torch.Tensor,  # [T, C]
-    conv_state: torch.Tensor,  # [C, K-1]
+    rows: torch.Tensor,  # [N, C] the inputs the windows read: committed K-1, then pending
     weight: torch.Tensor,  # [C, K]
-    taps: torch.Tensor,  # [T, K] see conv_taps
+    taps: torch.Tensor,  # [T, K] rows of each node's window (see conv_taps)
 ) -> torch.Tensor:  # [T, C]
     """silu(depthwise causal conv) of each node over its window, `reference.tree_causal_conv1d`
-    with the windows given."""
-    dt = compute_dtype(x.dtype)
-    columns = torch.cat([conv_state.to(dt), x.to(dt).T], dim=1)  # [C, K-1 + T]
-    return F.silu((columns[:, taps] * weight.to(dt)[:, None, :]).sum(dim=-1).T).to(x.dtype)
+    with the windows given. The windows are gathered as whole rows: on the CPU ~5x faster than
+    gathering the columns of a [C, N] layout (contiguous copies, not a strided gather)."""
+    dt = compute_dtype(rows.dtype)
+    windows = rows.to(dt)[taps]  # [T, K, C]
+    return F.silu((windows * weight.to(dt).T).sum(dim=1)).to(rows.dtype)
+
+
+def window_rows(conv_state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # [K-1 + T, C]
+    """The rows `conv_at_taps` reads for one tree: the committed conv state [C, K-1] (oldest
+    first), then the pending inputs x [T, C]."""
+    return torch.cat([conv_state.T, x])
 
 
 def solve_visible(

@@ -206,7 +206,8 @@ class TreePass:
     rotary: Rotary
     extend: bool = False  # a chain committed as it runs (a prefill chunk): nothing pending
     static: TreeInputs | None = None  # forward_static: the device-side tree
-    taps: torch.Tensor | None = None  # forward_static: each node's conv window (conv_taps)
+    taps: torch.Tensor | None = None  # each node's conv window (conv_taps): forward_static's,
+    # or a batched pass's tree segment solved "factored" (made once for all its GDN layers)
     pending: list = field(default_factory=list)
     parts: list[tuple[slice, TreePass]] = field(default_factory=list)  # forward_batch: rows and
     # each segment's own pass (its cache, tree and pending), which its GDN layers run on
@@ -318,7 +319,8 @@ class HybridDecoderLayer(nn.Module):
         """Tree segments solved "factored", their conv and heads at once."""
         states = [part.cache.recurrent[self.slot] for part in parts]
         parents = [part.parents for part in parts]
-        return self.linear_attn.factored_mix(inputs, states, parents, [p.ancestors for p in parts])
+        visible, taps = [p.ancestors for p in parts], [p.taps for p in parts]
+        return self.linear_attn.factored_mix(inputs, states, parents, visible, taps)
 
     def _mix(self, normed: torch.Tensor, tree: TreePass, strategy: StateStrategy) -> torch.Tensor:
         """The GDN mixer over one sequence's tokens, against its own state."""
@@ -482,6 +484,7 @@ class Qwen3_5Model(nn.Module):
         )
         if not segment.extend and T > 1 and self._factored_on(segment.cache, T):
             part.ancestors = ancestor_matrix(part.parents)
+            part.taps = conv_taps(part.parents, self.config.linear_conv_kernel_dim)
         return part
 
     def _factored_on(self, cache: HybridCache, tokens: int) -> bool:
