@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import paged_tree_attention, sequence_slots, tree_attention
+from engine.kernels import paged_tree_attention, reference, sequence_slots, tree_attention
 from engine.memory_plan import BLOCK_TOKENS
 from engine.tree import on_device
 
@@ -435,3 +435,71 @@ def attend_sequences(
             mask[r, :T] = seen if seen is not None else torch.ones(T, T, device=device).tril()
     k, v = pool.k[layer], pool.v[layer]
     return paged_tree_attention(q, k, v, tables, starts, prefixes, mask, scale)
+
+
+@dataclass
+class PaddedSequences:
+    """Sequences of one pool with the same number of pending tokens T, attending together on
+    the CPU: their keys gathered from their blocks into one padded batch [B, S] (S: the
+    longest one's committed + T), one attention call a layer instead of one per sequence.
+    Made once a pass (`of`); every layer of the pass reuses its slots and mask."""
+
+    rows: torch.Tensor  # [B * T] the sequences' rows of the pass, in order
+    pending: torch.Tensor  # [B * T] the pool slots their pending K/V are stored at
+    keys: torch.Tensor  # [B * S] the pool slots each reads (past its own end: masked)
+    mask: torch.Tensor  # [B, 1, T, S] added to the scores: 0 where a key is seen, -inf not
+    shape: tuple[int, int, int]  # B, T, S
+
+    @classmethod
+    def of(
+        cls,
+        caches: list[PagedKVCache],
+        rows: list[slice],  # each sequence's rows of the pass
+        visible: list[torch.Tensor | None],  # each sequence's [T, T] mask; None = causal
+        dtype: torch.dtype,
+    ) -> PaddedSequences:
+        pool = caches[0].pool
+        B, T = len(caches), rows[0].stop - rows[0].start
+        lengths = [cache.length for cache in caches]
+        S = max(lengths) + T
+        tables = torch.stack([cache.table for cache in caches])  # [B, W]
+        slots = torch.arange(S, device=pool.device)
+        block = (slots // pool.block_tokens).clamp(max=tables.shape[1] - 1)
+        keys = tables[:, block] * pool.block_tokens + slots % pool.block_tokens  # [B, S]
+        ahead = torch.tensor(lengths, device=pool.device)[:, None] + torch.arange(T)  # [B, T]
+        seen = torch.stack(
+            [
+                reference.key_visibility(T, S, length, tree, pool.device)
+                for length, tree in zip(lengths, visible, strict=True)
+            ]
+        )
+        mask = torch.zeros(B, 1, T, S, dtype=dtype, device=pool.device)
+        return cls(
+            torch.cat([torch.arange(r.start, r.stop) for r in rows]).to(pool.device),
+            keys.gather(1, ahead).flatten(),
+            keys.flatten(),
+            mask.masked_fill_(~seen[:, None], float("-inf")),
+            (B, T, S),
+        )
+
+    def attend(
+        self,
+        pool: KVBlockPool,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:  # [B * T, Hq, D]
+        """Store the sequences' pending k, v (rows of the pass's [N, Hkv, D]) in their blocks,
+        then attend their queries (rows of q [N, Hq, D]) over their keys."""
+        (B, T, S), flat = self.shape, pool.flat(layer)
+        for storage, pending in zip(flat, (k, v), strict=True):
+            storage.index_copy_(0, self.pending, pending[self.rows])
+        K, V = (
+            storage.index_select(0, self.keys).view(B, S, *storage.shape[1:]).transpose(1, 2)
+            for storage in flat
+        )  # [B, Hkv, S, D]
+        Q = q[self.rows].view(B, T, *q.shape[1:]).transpose(1, 2)  # [B, Hq, T, D]
+        out = F.scaled_dot_product_attention(Q, K, V, self.mask, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).reshape(B * T, *q.shape[1:])

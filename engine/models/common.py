@@ -32,7 +32,13 @@ from torch import nn
 from engine import kernels
 from engine.kernels import pass_mask, tree_attention
 from engine.kernels.reference import cast
-from engine.kv_blocks import KVBlockPool, KVLayout, PagedKVCache, attend_sequences
+from engine.kv_blocks import (
+    KVBlockPool,
+    KVLayout,
+    PaddedSequences,
+    PagedKVCache,
+    attend_sequences,
+)
 from engine.tree import on_device, tree_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -360,30 +366,62 @@ ONE_LAUNCH_DEVICES = ("cuda",)  # where a batched pass attends every segment in 
 class SegmentsPass:
     """Attention of a batched pass: the rows of each segment attend against that segment's own
     KV cache, with its own tree mask (a `GrowingPass` each); the `cache` a layer hands
-    `attend` is ignored (each segment's is used). On CUDA, when every cache is a block table
-    over one pool, all segments attend in one paged launch (kv_blocks.attend_sequences);
-    elsewhere one after another."""
+    `attend` is ignored (each segment's is used). When every cache is a block table over one
+    pool: on CUDA all segments attend in one paged launch (kv_blocks.attend_sequences);
+    elsewhere the segments of one token count attend together in a padded batch
+    (kv_blocks.PaddedSequences: ar steps, or trees of one budget) while it pads their keys at
+    most twice over, the rest one after another."""
 
     rows: list[slice]  # each segment's rows of the flattened pass
     caches: list[KVCache]
     passes: list[GrowingPass]
+    groups: tuple[list[PaddedSequences], list[int]] | None = None  # made at the first layer:
+    # the padded batches, and the segments that attend alone
 
     def attend(self, cache, layer: int, q, k, v, scale: float) -> torch.Tensor:
-        parts = list(zip(self.rows, self.caches, self.passes, strict=True))
-        if not self._together(q.device):
+        if not self._shared_pool():
+            parts = zip(self.rows, self.caches, self.passes, strict=True)
             return torch.cat(
                 [grow.attend(kv, layer, q[r], k[r], v[r], scale) for r, kv, grow in parts]
             )
-        for r, kv, _ in parts:
-            kv.store(layer, kv.length, k[r], v[r])
-        visible = [grow.visible for grow in self.passes]
-        return attend_sequences(self.caches, layer, q, self.rows, visible, scale)
+        if q.device.type in ONE_LAUNCH_DEVICES:
+            for r, kv in zip(self.rows, self.caches, strict=True):
+                kv.store(layer, kv.length, k[r], v[r])
+            visible = [grow.visible for grow in self.passes]
+            return attend_sequences(self.caches, layer, q, self.rows, visible, scale)
+        if self.groups is None:
+            self.groups = self._padded_groups(q.dtype)
+        batches, alone = self.groups
+        out = torch.empty_like(q)
+        for i in alone:
+            r = self.rows[i]
+            out[r] = self.passes[i].attend(self.caches[i], layer, q[r], k[r], v[r], scale)
+        for batch in batches:
+            out.index_copy_(0, batch.rows, batch.attend(self.caches[0].pool, layer, q, k, v, scale))
+        return out
 
-    def _together(self, device: torch.device) -> bool:
-        if device.type not in ONE_LAUNCH_DEVICES or len(self.caches) < 2:
+    def _shared_pool(self) -> bool:
+        if len(self.caches) < 2 or not all(isinstance(kv, PagedKVCache) for kv in self.caches):
             return False
-        pools = {id(getattr(kv, "pool", None)) for kv in self.caches}
-        return all(isinstance(kv, PagedKVCache) for kv in self.caches) and len(pools) == 1
+        return len({id(kv.pool) for kv in self.caches}) == 1
+
+    def _padded_groups(self, dtype: torch.dtype) -> tuple[list[PaddedSequences], list[int]]:
+        """The segments grouped by token count into padded batches of two or more (each
+        padding its keys at most twice over), and those that attend alone."""
+        by_count: dict[int, list[int]] = {}
+        for i, r in enumerate(self.rows):
+            by_count.setdefault(r.stop - r.start, []).append(i)
+        batches, alone = [], []
+        for T, members in by_count.items():
+            keys = [self.caches[i].length + T for i in members]
+            if len(members) < 2 or len(members) * max(keys) > 2 * sum(keys):
+                alone += members
+                continue
+            caches = [self.caches[i] for i in members]
+            rows = [self.rows[i] for i in members]
+            visible = [self.passes[i].visible for i in members]
+            batches.append(PaddedSequences.of(caches, rows, visible, dtype))
+        return batches, alone
 
 
 def segment_layout(
