@@ -221,18 +221,15 @@ def test_the_paged_kernel_s_arguments_decode_the_same(pair, monkeypatch) -> None
     assert got.output_ids == want.output_ids and got.rounds == want.rounds
 
 
-def test_sequences_attended_together_equal_each_alone() -> None:
-    """Three sequences over one pool (their blocks interleaved), a tree, a causal chunk and a
-    single token: one attend_sequences call gives what each cache's own attend gives."""
-    from engine.kv_blocks import attend_sequences
-
+def _interleaved_sequences(pending: list[int], trees: list, lengths=(7, 2, 13)):
+    """Three sequences over one pool, committed in turns (their blocks interleave), with
+    `pending` tokens each (a `trees` entry: its parents, None = causal) stored after them:
+    (caches, queries, each one's rows, each one's [T, T] mask, the pending k and v rows)."""
     gen = torch.Generator().manual_seed(3)
     pool = KVBlockPool(layout(), capacity=24, block_tokens=BLOCK)
     caches = [PagedKVCache(pool, 40) for _ in range(3)]
-    trees = [torch.tensor([-1, 0, 0, 1]), None, torch.tensor([-1])]
-    pending = [4, 5, 1]
-    for step in range(3):  # commit in turns so the blocks interleave
-        for cache, length in zip(caches, (7, 2, 13), strict=True):
+    for step in range(3):
+        for cache, length in zip(caches, lengths, strict=True):
             count = length // 3 + (step < length % 3)
             cache.check_room(count)
             for layer in range(2):
@@ -240,26 +237,60 @@ def test_sequences_attended_together_equal_each_alone() -> None:
                 cache.store(layer, cache.length, kv, -kv)
             cache.advance(count)
     q = torch.randn(sum(pending), 2, 2, generator=gen, dtype=torch.float64)
+    k, v = torch.randn(2, 2, sum(pending), 1, 2, generator=gen, dtype=torch.float64)
     rows, start = [], 0
     for count in pending:
         rows.append(slice(start, start + count))
         start += count
     visible = []
-    for cache, count, tree in zip(caches, pending, trees, strict=True):
-        cache.check_room(count)
+    for cache, r, tree in zip(caches, rows, trees, strict=True):
+        cache.check_room(r.stop - r.start)
         for layer in range(2):
-            kv = torch.randn(count, 1, 2, generator=gen, dtype=torch.float64)
-            cache.store(layer, cache.length, kv, kv)
+            cache.store(layer, cache.length, k[layer, r], v[layer, r])
         visible.append(None if tree is None else ancestor_matrix(tree))
     first = caches[0].blocks
     assert first != list(range(first[0], first[0] + len(first)))  # interleaved with the others'
-    for layer in range(2):
-        together = attend_sequences(caches, layer, q, rows, visible, 0.5)
-        alone = [
+    return caches, q, rows, visible, k, v
+
+
+def _each_alone(caches, layer: int, q, rows, visible) -> torch.Tensor:
+    return torch.cat(
+        [
             cache.attend(layer, q[r], cache.length, seen, 0.5, cache.length + r.stop - r.start)
             for cache, r, seen in zip(caches, rows, visible, strict=True)
         ]
-        assert torch.equal(together, torch.cat(alone))
+    )
+
+
+def test_sequences_attended_together_equal_each_alone() -> None:
+    """A tree, a causal chunk and a single token: one attend_sequences call gives what each
+    cache's own attend gives."""
+    from engine.kv_blocks import attend_sequences
+
+    trees = [torch.tensor([-1, 0, 0, 1]), None, torch.tensor([-1])]
+    caches, q, rows, visible, _, _ = _interleaved_sequences([4, 5, 1], trees)
+    for layer in range(2):
+        together = attend_sequences(caches, layer, q, rows, visible, 0.5)
+        assert torch.equal(together, _each_alone(caches, layer, q, rows, visible))
+
+
+def test_padded_sequences_attend_as_each_alone() -> None:
+    """Two trees and a causal chain of four tokens each, over 7, 2 and 13 committed ones: the
+    padded batch (its keys gathered, the shorter ones' padding masked) stores their pending K/V
+    where each cache's own store puts them and attends as each cache's own attend."""
+    from engine.kv_blocks import PaddedSequences
+
+    trees = [torch.tensor([-1, 0, 0, 1]), torch.tensor([-1, 0, 1, 0]), None]
+    caches, q, rows, visible, k, v = _interleaved_sequences([4, 4, 4], trees)
+    pool = caches[0].pool
+    stored = [flat.clone() for layer in range(2) for flat in pool.flat(layer)]
+    batch = PaddedSequences.of(caches, rows, visible, torch.float64)
+    assert batch.shape == (3, 4, 17)
+    for layer in range(2):
+        together = batch.attend(pool, layer, q, k[layer], v[layer], 0.5)
+        torch.testing.assert_close(together, _each_alone(caches, layer, q, rows, visible))
+    after = [flat for layer in range(2) for flat in pool.flat(layer)]
+    assert all(torch.equal(a, b) for a, b in zip(stored, after, strict=True))
 
 
 def test_a_pool_limited_below_its_sequences_gives_back_storage_and_runs_out() -> None:
