@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import paged_tree_attention, reference, sequence_slots, tree_attention
+from engine.kernels import paged_tree_attention, sequence_slots, tree_attention
 from engine.memory_plan import BLOCK_TOKENS
 from engine.tree import on_device
 
@@ -466,13 +466,9 @@ class PaddedSequences:
         slots = torch.arange(S, device=pool.device)
         block = (slots // pool.block_tokens).clamp(max=tables.shape[1] - 1)
         keys = tables[:, block] * pool.block_tokens + slots % pool.block_tokens  # [B, S]
-        ahead = torch.tensor(lengths, device=pool.device)[:, None] + torch.arange(T)  # [B, T]
-        seen = torch.stack(
-            [
-                reference.key_visibility(T, S, length, tree, pool.device)
-                for length, tree in zip(lengths, visible, strict=True)
-            ]
-        )
+        committed = torch.tensor(lengths, device=pool.device)[:, None]  # [B, 1]
+        ahead = committed + torch.arange(T, device=pool.device)  # [B, T] their pending slots
+        seen = _keys_seen(slots - committed, visible, T)
         mask = torch.zeros(B, 1, T, S, dtype=dtype, device=pool.device)
         return cls(
             torch.cat([torch.arange(r.start, r.stop) for r in rows]).to(pool.device),
@@ -503,3 +499,18 @@ class PaddedSequences:
         Q = q[self.rows].view(B, T, *q.shape[1:]).transpose(1, 2)  # [B, Hq, T, D]
         out = F.scaled_dot_product_attention(Q, K, V, self.mask, scale=scale, enable_gqa=True)
         return out.transpose(1, 2).reshape(B * T, *q.shape[1:])
+
+
+def _keys_seen(
+    column: torch.Tensor,  # [B, S] each key's slot less its sequence's committed length
+    visible: list[torch.Tensor | None],  # each sequence's [T, T] mask; None = causal
+    T: int,
+) -> torch.Tensor:  # [B, T, S] bool
+    """`reference.key_visibility` of B sequences at once: every committed key (column < 0),
+    the pending ones each one's mask allows, none past its pending tokens."""
+    causal = torch.ones(T, T, dtype=torch.bool, device=column.device).tril()
+    trees = torch.stack([causal if tree is None else tree.to(column.device) for tree in visible])
+    B, S = column.shape
+    sees = trees.gather(2, column.clamp(0, T - 1)[:, None, :].expand(B, T, S))
+    pending = ((column >= 0) & (column < T))[:, None, :]
+    return (column < 0)[:, None, :] | (pending & sees)

@@ -299,10 +299,11 @@ class GatedDeltaNet(nn.Module):
         qf, vf = q.to(dt) * scale, v.to(dt)
         decayed = torch.stack([state.recurrent.to(dt) for state in states])
         decayed = decayed * g.to(dt).exp()[:, :, None, None]  # [B, Hv, Dk, Dv]
-        recalled = torch.einsum("bhkv,bhk->bhv", decayed, k)
+        # Row-vector products (einsum costs ~6x as much host time on the CPU at these sizes).
+        recalled = (k[:, :, None, :] @ decayed)[:, :, 0]  # [B, Hv, Dv]
         delta = (vf - recalled) * beta.to(dt)[:, :, None]
         after = decayed + k[:, :, :, None] * delta[:, :, None, :]
-        out = torch.einsum("bhkv,bhk->bhv", after, qf).to(v.dtype)
+        out = (qf[:, :, None, :] @ after)[:, :, 0].to(v.dtype)
         root = torch.full((1,), -1, dtype=torch.long, device=conv_inputs.device)
         pending = [
             PendingRecurrence(

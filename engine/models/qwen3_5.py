@@ -553,7 +553,10 @@ class Qwen3_5Model(nn.Module):
         gdn_layers = self._layers_of(LINEAR)
         for layer, state, kept in zip(gdn_layers, cache.recurrent, cache.pending, strict=True):
             layer.linear_attn.commit(state, kept, accepted, path[-1])
-        cache.kv.commit(accepted)
+        if path == list(range(len(path))):  # the first pending slots (an ar step): kept in place
+            cache.kv.advance(len(path))
+        else:
+            cache.kv.commit(accepted)
         cache.pending = []
 
 
