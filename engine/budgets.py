@@ -280,10 +280,11 @@ class Budgets:
         follows every sequence's, as theirs do)."""
         acc.drafted(log_probs)
         trees, weight = self.trees
-        fresh = np.exp(log_probs.astype(np.float64))
-        size = max(len(trees), len(fresh))
-        trees, fresh = np.pad(trees, (0, size - len(trees))), np.pad(fresh, (0, size - len(fresh)))
-        self.trees = (POPULATION_DECAY * trees + fresh, POPULATION_DECAY * weight + 1)
+        if len(trees) < len(log_probs):
+            trees = np.concatenate([trees, np.zeros(len(log_probs) - len(trees))])
+        trees = POPULATION_DECAY * trees
+        trees[: len(log_probs)] += np.exp(log_probs.astype(np.float64))
+        self.trees = (trees, POPULATION_DECAY * weight + 1)
 
     def verified(self, acc: Acceptance, log_probs: np.ndarray, accepted: int) -> None:
         """A round of `acc`'s sequence verified nodes of path log-probs `log_probs` and
