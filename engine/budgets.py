@@ -1,6 +1,9 @@
 """Tree budgets chosen for the batch (`auto`): each scheduler step picks every `auto` sequence's
 node count, 0 (plain decoding: its bonus token alone, no draft) to its cap, to maximise the
-step's expected committed tokens per second.
+step's proportional fairness: the sum over its sequences of log(tokens a second). Alone, that
+is the most tokens a second; beside others, a tree must pay for the time it adds to each of
+their steps, not only to the batch's total (a throughput objective lets a sequence whose drafts
+are accepted slow every other one: six chats at once then finish later than with no drafts).
 
 The model, in three parts:
   cost      `LinearCost`: a target pass's seconds = fixed + per token * its tokens (prefill
@@ -15,16 +18,14 @@ The model, in three parts:
             scale * exp(log-prob of its path under the drafter), at most 1, where scale is the
             sequence's accepted drafted tokens over the probability mass it verified, both
             decayed by DECAY a round and started from a prior of 1;
-  choice    `choose`: the node counts maximising (tokens committed) / (seconds of the step),
-            by Dinkelbach's iteration: at a rate R every sequence takes the nodes whose gain
-            beats R * per-token cost (its gains are non-increasing, so a prefix), then drops
-            them all if their surplus does not pay its entry cost (its draft); R becomes the
-            rate of that choice; repeat until R stops rising (a few iterations; each is at
-            least as good as the last, and a fixed point is the optimum of this separable
-            problem). A tree's entry is its per-tree cost (before the draft, its sequence's
-            part of the draft pass too). The draft pass's fixed seconds are the step's, paid
-            once if any sequence drafts: the choice is made with them paid, and kept only if
-            it beats drafting none.
+  choice    `choose`: the node counts maximising sum log(1 + gains taken) over the choosing
+            sequences less n * log(seconds of the step), n the step's decoding sequences (the
+            others' tokens are fixed: only the seconds they share move), by coordinate
+            ascent: each sequence in turn takes its best count given the others' (its gains
+            are a prefix sum, all counts tried at once), until none changes. A tree's entry is
+            its per-tree cost (before the draft, its sequence's part of the draft pass too).
+            The draft pass's fixed seconds are the step's, paid once if any sequence drafts:
+            the choice is made with them paid, and kept only if it beats drafting none.
 A sequence decoding alone is asked `drafting_alone` instead: its drafted round runs generate()'s
 static passes (engine/scheduler.py `_solo_round`), a cost of its own, measured whole
 (`observe_solo`, a running mean) rather than fitted beside the batched passes; against it, a
@@ -51,6 +52,7 @@ the server one profile more.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,6 +65,7 @@ PROBE_AFTER = 8  # rounds without a draft before a sequence drafts again (at fir
 PROBE_MAX = 64  # the longest wait, after probes that paid for no node
 PRIOR_WEIGHT = 0.05  # each of the prior's points, against ~50 of measured weight
 MAX_ITERATIONS = 20
+PRICES = 16  # the prices of a second `choose` tries at once
 SOLO_KEEP = 0.9  # a lone drafted round's running mean of seconds keeps this share each round
 PRIOR_ROUNDS = 4  # the prior's weight in a sequence's mean accepted, in rounds
 POPULATION_DECAY = 0.99  # the server's accepted per drafted round: ~100 rounds count
@@ -186,54 +189,83 @@ class Candidate:
 
 
 def choose(
-    candidates: Sequence[Candidate], base_gain: float, base_seconds: float, per_token: float
+    candidates: Sequence[Candidate], sequences: int, base_seconds: float, per_token: float
 ) -> list[int]:
-    """Node counts for `candidates` maximising the step's rate, (base_gain + the gains taken) /
-    (base_seconds + per_token * nodes + the entries of those taking any): Dinkelbach's
-    iteration (see the module docstring)."""
-    counts = [0] * len(candidates)
-    rate = base_gain / max(base_seconds, 1e-12)
-    for _ in range(MAX_ITERATIONS):
-        trial = [_best_count(candidate, rate, per_token) for candidate in candidates]
-        trial_rate = step_rate(candidates, trial, base_gain, base_seconds, per_token)
-        if trial_rate <= rate * (1 + 1e-9):
+    """Node counts for `candidates` maximising the step's `fairness` (see the module docstring).
+
+    The sequences interact only through the step's seconds T, whose marginal worth at the
+    optimum is sequences / T: at a price p a second, each candidate alone takes the count of
+    the most log(tokens) - p * seconds. PRICES prices from sequences / (T with every node) to
+    sequences / base_seconds are tried at once (a coordinated move, six trees that pay only
+    together, is found: no single one of them pays alone), the fairest of those choices and
+    of none kept, then the best move of one candidate to its best count given the others'
+    is made while one gains. None taking a node at the lowest price means none is the best:
+    each count's log(seconds) rises by at least that price times its seconds. Ties keep the
+    fewer nodes."""
+    if not candidates:
+        return []
+    value, cost = _options(candidates, per_token)
+    base = max(base_seconds, 1e-12)
+    prices = sequences / np.geomspace(base + cost.max(axis=1).sum(), base, PRICES)
+    picks = np.argmax(value[None] - prices[:, None, None] * cost[None], axis=2)  # [P, n]
+    if not picks[0].any():  # none takes a node at the lowest price: none is the best
+        return [0] * len(candidates)
+    picks = np.vstack([np.zeros_like(picks[:1]), picks])  # none, then each price's
+    rows = np.arange(len(candidates))
+    scores = value[rows, picks].sum(axis=1) - sequences * np.log(base + cost[rows, picks].sum(1))
+    counts = picks[int(np.argmax(scores))].copy()
+    total = base + cost[rows, counts].sum()
+    for _ in range(MAX_ITERATIONS):  # the best single move, while one gains
+        rest = total - cost[rows, counts]
+        scores = value - sequences * np.log(rest[:, None] + cost)  # [n, counts]
+        best = scores.argmax(axis=1)
+        gains = scores[rows, best] - scores[rows, counts]
+        i = int(gains.argmax())
+        if gains[i] <= 1e-12:
             break
-        counts, rate = trial, trial_rate
-    return counts
+        total += cost[i, best[i]] - cost[i, counts[i]]
+        counts[i] = best[i]
+    return counts.tolist()
 
 
-def step_rate(
+def _options(candidates: Sequence[Candidate], per_token: float) -> tuple[np.ndarray, np.ndarray]:
+    """Each candidate's log(tokens) and added seconds by node count, [n, most nodes + 1] (a
+    count beyond a candidate's nodes: -inf, never chosen)."""
+    lengths = np.array([len(candidate.gains) for candidate in candidates])
+    gains = np.zeros((len(candidates), lengths.max() + 1))
+    for row, candidate in zip(gains, candidates, strict=True):
+        row[1 : len(candidate.gains) + 1] = candidate.gains
+    nodes = np.arange(gains.shape[1])
+    entries = np.array([candidate.entry for candidate in candidates])
+    value = np.where(nodes <= lengths[:, None], np.log1p(gains.cumsum(axis=1)), -np.inf)
+    cost = per_token * nodes + np.where(nodes > 0, entries[:, None], 0.0)
+    return value, cost
+
+
+def fairness(
     candidates: Sequence[Candidate],
-    counts: list[int],
-    base_gain: float,
+    counts: Sequence[int],
+    sequences: int,
     base_seconds: float,
     per_token: float,
 ) -> float:
-    """The step's tokens a second with `counts` nodes for `candidates` (see `choose`)."""
+    """The step's sum of log(tokens a second) over its `sequences` with `counts` nodes for
+    `candidates` (each its bonus and the gains taken), less the others' fixed log(tokens)."""
     taken = [(c, k) for c, k in zip(candidates, counts, strict=True) if k]
-    gain = base_gain + sum(float(c.gains[:k].sum()) for c, k in taken)
+    tokens = sum(math.log1p(float(c.gains[:k].sum())) for c, k in taken)
     seconds = base_seconds + sum(per_token * k + c.entry for c, k in taken)
-    return gain / max(seconds, 1e-12)
-
-
-def _best_count(candidate: Candidate, rate: float, per_token: float) -> int:
-    """The nodes worth verifying at `rate` tokens a second: those whose gain beats the time
-    they add (a prefix: the gains are non-increasing), all or none after the entry."""
-    worth = candidate.gains > rate * per_token
-    count = len(worth) if worth.all() else int(np.argmin(worth))
-    surplus = float((candidate.gains[:count] - rate * per_token).sum())
-    return count if surplus > rate * candidate.entry else 0
+    return tokens - sequences * math.log(max(seconds, 1e-12))
 
 
 @dataclass(frozen=True)
 class Baseline:
     """The step's work beside the sequences choosing: the pass's tokens and segments of more
-    than one token, and the tokens it is expected to commit (each choosing sequence counted
-    as its bonus alone: one token, one row)."""
+    than one token (each choosing sequence counted as its bonus alone: one token, one row),
+    and how many sequences decode in it (the choosing ones included)."""
 
     tokens: int
     trees: int
-    gain: float
+    sequences: int
 
 
 class Budgets:
@@ -309,10 +341,11 @@ class Budgets:
         fixed, per_sequence = self.drafts.weights
         entry = per_tree + per_sequence
         candidates = [Candidate(acc.predicted(room), entry) for acc, room in sequences]
-        seconds = self._seconds(base)
-        counts = choose(candidates, base.gain, seconds + fixed, per_token)
-        drafted = step_rate(candidates, counts, base.gain, seconds + fixed, per_token)
-        if drafted <= base.gain / max(seconds, 1e-12):
+        seconds, n = self._seconds(base), base.sequences
+        counts = choose(candidates, n, seconds + fixed, per_token)
+        if fairness(candidates, counts, n, seconds + fixed, per_token) <= -n * math.log(
+            max(seconds, 1e-12)
+        ):
             counts = [0] * len(candidates)  # the draft pass would not pay for itself
         drafts = [
             count > 0 or acc.profile is None or acc.probe_due
@@ -329,14 +362,21 @@ class Budgets:
         self, trees: list[tuple[Acceptance, np.ndarray]], base: Baseline, draft_seconds: float
     ) -> list[int]:
         """How many nodes of each fresh tree (its acceptance, its path log-probs) to verify,
-        the draft's `draft_seconds` spent."""
+        the draft's `draft_seconds` spent. The trees' sequences learn whether the draft paid:
+        the step with their nodes and the draft's seconds against the step without a draft
+        (a probe drawn into a busy batch's draft may get nodes, the draft being spent, and
+        the step still be slower than without it); a tree that got nodes in a step that paid
+        resets its wait to the next probe, any other doubles it."""
         if not self.passes.known:
             return [len(log_probs) for _, log_probs in trees]
         _, per_token, per_tree = self.passes.weights
         candidates = [Candidate(acc.gains(log_probs), per_tree) for acc, log_probs in trees]
-        counts = choose(candidates, base.gain, self._seconds(base) + draft_seconds, per_token)
+        undrafted, n = self._seconds(base), base.sequences
+        counts = choose(candidates, n, undrafted + draft_seconds, per_token)
+        drafted = fairness(candidates, counts, n, undrafted + draft_seconds, per_token)
+        paid = drafted > -n * math.log(max(undrafted, 1e-12))
         for (acc, _), count in zip(trees, counts, strict=True):
-            acc.paid(count > 0)
+            acc.paid(paid and count > 0)
         return counts
 
     def observe_pass(self, tokens: int, trees: int, seconds: float) -> None:

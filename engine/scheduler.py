@@ -45,7 +45,6 @@ A sequence that does not fit the pool even alone fails with the pool's out-of-me
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -486,18 +485,17 @@ class Scheduler:
 
     def _baseline(self, rounds: list, trees: dict) -> Baseline:
         """This step's rounds beside the auto sequences (each counted as its bonus alone):
-        another's tokens are its tree's (before the draft: its widest), its gain its mean
-        tokens a round so far. Prefill pieces are left out (they fill what the rounds leave)."""
-        tokens, trees_in, gain = 0, 0, 0.0
+        another's tokens are its tree's (before the draft: its widest). Prefill pieces are
+        left out (they fill what the rounds leave)."""
+        tokens, trees_in = 0, 0
         for active, rooms in rounds:
             if active.acceptance is not None:
-                tokens, gain = tokens + 1, gain + 1
+                tokens += 1
                 continue
             tree = trees.get(id(active))
             nodes = tree.size if tree is not None else min(active.seq.width - 1, *rooms)
             tokens, trees_in = tokens + 1 + nodes, trees_in + (nodes > 0)
-            gain += statistics.fmean(active.run.acceptance) if active.run.acceptance else 1.0
-        return Baseline(tokens, trees_in, gain)
+        return Baseline(tokens, trees_in, len(rounds))
 
     def _draft(self, drafting: list[_Active]) -> list[torch.Tensor]:
         """The drafter's logits [B-1, V] after each sequence's bonus, from one batched pass."""
