@@ -35,14 +35,17 @@ The scheduler asks twice a step: `drafting` before the drafter runs (who drafts:
 sequence's running profile of past trees, entry = its part of the draft pass) and `nodes` after
 (how many of each fresh tree's nodes to verify: its own path probabilities, the draft paid). A
 sequence that has not drafted for PROBE_AFTER rounds drafts again, so a sequence turned off by a
-busy batch sees the batch thin out and its own acceptance change; a probe whose tree gets no node
-doubles that wait (up to PROBE_MAX rounds: on a busy batch a probe's draft costs more than it
-tells), one that gets nodes resets it. When the step drafts at all, every sequence whose wait is
+busy batch sees the batch thin out and its own acceptance change; a probe in a drafted step that
+did not beat the step without a draft (or whose tree got no node) doubles that wait (up to
+PROBE_MAX rounds: on a busy batch a probe's draft costs more than it tells), one whose tree got
+nodes in a step that paid resets it. When the step drafts at all, every sequence whose wait is
 half over probes with it: the probes of sequences that joined at different times would each pay
 the draft pass's fixed seconds in a step of their own; drawn into one pass, their waits stay in
 step from then on. A new sequence's profile starts as the server's (every fresh tree's, decayed
 by POPULATION_DECAY): it drafts its first round when that profile says a tree pays (or the server
-has drafted none yet), not to learn what the others' trees already tell.
+has drafted none yet), not to learn what the others' trees already tell; its wait to its first
+probe is the server's last lesson (`probe_wait`: doubled by each drafted step that did not pay,
+reset by one that did).
 
 Lossless: a budget only says how many of the tree's first nodes are verified (a best-first tree
 of k nodes is the first k of a larger one), and every output token is still the target's own
@@ -278,6 +281,8 @@ class Budgets:
         self.bonus_round: float | None = None  # and of its round of the bonus alone
         self.population = (0.0, 0.0)  # every auto sequence's accepted, drafted rounds (decayed)
         self.trees = (np.zeros(0), 0.0)  # every fresh tree's node probabilities, trees (decayed)
+        self.probe_wait = PROBE_AFTER  # a new sequence's wait to its first probe: the last
+        # drafted step's lesson (reset when it paid, doubled when it did not)
 
     def drafting_alone(self, acc: Acceptance) -> bool:
         """Whether a sequence decoding alone drafts this round: its tokens per second drafting
@@ -300,6 +305,7 @@ class Budgets:
         first probe)."""
         accepted, rounds = self.population
         acc = Acceptance(cap, prior_mean=accepted / rounds if rounds else 1.0)
+        acc.probe_after = self.probe_wait
         trees, weight = self.trees
         if weight:
             acc.profile = np.zeros(cap)
@@ -377,7 +383,17 @@ class Budgets:
         paid = drafted > -n * math.log(max(undrafted, 1e-12))
         for (acc, _), count in zip(trees, counts, strict=True):
             acc.paid(paid and count > 0)
+        self._learned(paid)
         return counts
+
+    def solo_paid(self, acc: Acceptance, pays: bool) -> None:
+        """A lone sequence's probe, or a drafted round after which drafting still pays (or
+        not): its wait to the next probe, and a new sequence's, reset or double."""
+        acc.paid(pays)
+        self._learned(pays)
+
+    def _learned(self, paid: bool) -> None:
+        self.probe_wait = PROBE_AFTER if paid else min(2 * self.probe_wait, PROBE_MAX)
 
     def observe_pass(self, tokens: int, trees: int, seconds: float) -> None:
         self.passes.observe((1, tokens, trees), seconds)

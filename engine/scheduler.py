@@ -418,7 +418,7 @@ class Scheduler:
         if not active.seq.graphs:
             self.budgets.observe_solo(time.perf_counter() - started)
         if (pays := self.budgets.drafting_alone(acceptance)) or probed:
-            acceptance.paid(pays)
+            self.budgets.solo_paid(acceptance, pays)
 
     def _rounds(self, rounds: list[tuple[_Active, tuple[int, int]]]) -> list[_Work]:
         """Each decoding sequence's round (with its rooms) as its verify segment: the drafts

@@ -253,6 +253,21 @@ def test_probes_of_sequences_that_joined_at_different_times_share_one_draft_pass
     assert gaps[1] > gaps[0]  # the waits still grow
 
 
+def test_a_new_sequence_waits_for_its_first_probe_as_long_as_the_last_probes_taught():
+    """Drafted steps that did not pay double a new sequence's wait to its first probe (to
+    PROBE_MAX), as they do the probing sequences'; one that paid (or a lone round after which
+    drafting pays) sets it back to PROBE_AFTER."""
+    budgets = measured(Budgets(), per_token=0.002)  # dear tokens: no tree pays at six
+    assert budgets.new_sequence(15).probe_after == PROBE_AFTER
+    weak = np.log(np.full(15, 0.3))
+    for probes in range(1, 5):
+        probing = [budgets.new_sequence(15) for _ in range(6)]
+        budgets.nodes([(acc, weak) for acc in probing], Baseline(6, 0, 6), 0.015)
+        assert budgets.new_sequence(15).probe_after == min(PROBE_AFTER << probes, PROBE_MAX)
+    budgets.solo_paid(budgets.new_sequence(15), True)
+    assert budgets.new_sequence(15).probe_after == PROBE_AFTER
+
+
 def test_a_lone_sequence_drafts_when_its_measured_round_beats_its_bonus_alone():
     """Alone, the choice is a drafted round by generate()'s static passes (measured whole)
     against a one-token pass: a sequence whose drafts land drafts, one whose drafts miss
