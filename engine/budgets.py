@@ -55,9 +55,10 @@ the server one profile more.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -68,7 +69,9 @@ PROBE_AFTER = 8  # rounds without a draft before a sequence drafts again (at fir
 PROBE_MAX = 64  # the longest wait, after probes that paid for no node
 PRIOR_WEIGHT = 0.05  # each of the prior's points, against ~50 of measured weight
 MAX_ITERATIONS = 20
-PRICES = 16  # the prices of a second `choose` tries at once
+RESOLVE_AFTER = 8  # new samples before a cost fit's weights are solved again
+_SERIALS = itertools.count()  # Acceptance.serial
+PRICE_STEPS = np.linspace(0.0, 1.0, 16)  # `choose`'s prices of a second, geometric steps
 SOLO_KEEP = 0.9  # a lone drafted round's running mean of seconds keeps this share each round
 PRIOR_ROUNDS = 4  # the prior's weight in a sequence's mean accepted, in rounds
 POPULATION_DECAY = 0.99  # the server's accepted per drafted round: ~100 rounds count
@@ -91,19 +94,26 @@ class LinearCost:
     def __init__(self, shape: tuple[float, ...], design: tuple[tuple[int, ...], ...]) -> None:
         self.shape, self.design = np.array(shape, np.float64), np.array(design, np.float64)
         size = len(shape)
-        self.gram, self.moment = np.zeros((size, size)), np.zeros(size)  # sum w x x^T, w x y
+        # sum w x x^T and sum w x y, as lists: a pass's update is a few float operations
+        self.gram = [[0.0] * size for _ in range(size)]
+        self.moment = [0.0] * size
         self.prior: tuple[np.ndarray, np.ndarray] | None = None
-        self._weights: np.ndarray | None = None  # solved when read: passes outnumber reads
+        self._weights: np.ndarray | None = None
+        self._unsolved = 0  # samples since the weights were solved
+        self.solves = 0  # how many times they were
 
     def observe(self, features: tuple[int, ...], seconds: float) -> None:
-        x = np.array(features, np.float64)
         if self.prior is None:  # the first sample sets the prior's scale
+            x = np.array(features, np.float64)
             weights = self.shape * seconds / float(self.shape @ x)
             d = self.design
             self.prior = (PRIOR_WEIGHT * d.T @ d, PRIOR_WEIGHT * d.T @ (d @ weights))
-        self.gram = self.gram * FORGET + np.outer(x, x)
-        self.moment = self.moment * FORGET + x * seconds
-        self._weights = None
+        self.gram = [
+            [g * FORGET + a * b for g, b in zip(row, features, strict=True)]
+            for row, a in zip(self.gram, features, strict=True)
+        ]
+        self.moment = [m * FORGET + a * seconds for m, a in zip(self.moment, features, strict=True)]
+        self._unsolved += 1
 
     @property
     def known(self) -> bool:
@@ -111,11 +121,14 @@ class LinearCost:
 
     @property
     def weights(self) -> np.ndarray:
-        """The fit's weights, non-negative (an ar-only server observes every pass and never
-        reads them: no solve)."""
-        if self._weights is None:
-            solved = np.linalg.solve(self.gram + self.prior[0], self.moment + self.prior[1])
-            self._weights = np.maximum(solved, 0.0)
+        """The fit's weights, non-negative: solved when read, again once RESOLVE_AFTER samples
+        came since (a sample moves them by ~2%; an ar-only server, which observes every pass
+        and never reads them, never solves)."""
+        if self._weights is None or self._unsolved >= RESOLVE_AFTER:
+            gram, moment = np.array(self.gram), np.array(self.moment)
+            solved = np.linalg.solve(gram + self.prior[0], moment + self.prior[1])
+            self._weights, self._unsolved = np.maximum(solved, 0.0), 0
+            self.solves += 1
         return self._weights
 
     def seconds(self, *features: float) -> float:
@@ -135,6 +148,8 @@ class Acceptance:
     profile: np.ndarray | None = None  # [cap] expected gain by node rank, over past trees
     skipped: int = 0  # rounds in a row without a draft
     probe_after: int = PROBE_AFTER  # rounds without a draft before it drafts again
+    version: int = 0  # changes whenever its predictions may (a draft, a verified round)
+    serial: int = field(default_factory=lambda: next(_SERIALS))  # one of its own, ever
 
     @property
     def probe_due(self) -> bool:
@@ -156,6 +171,7 @@ class Acceptance:
         if self.profile is not None:
             fresh = PROFILE_KEEP * self.profile + (1 - PROFILE_KEEP) * fresh
         self.profile, self.skipped = fresh, 0
+        self.version += 1
 
     def paid(self, worth: bool) -> None:
         """Whether its fresh tree was worth verifying (it got nodes; alone: drafting still
@@ -175,6 +191,7 @@ class Acceptance:
         self.verified = self.verified * DECAY + float(np.exp(log_probs).sum())
         self.own_accepted = self.own_accepted * DECAY + accepted
         self.own_rounds = self.own_rounds * DECAY + 1
+        self.version += 1
 
     def predicted(self, room: int) -> np.ndarray:
         """Gains expected of its next tree, from the profile (sorted: a mean of sorted rows)."""
@@ -198,7 +215,7 @@ def choose(
 
     The sequences interact only through the step's seconds T, whose marginal worth at the
     optimum is sequences / T: at a price p a second, each candidate alone takes the count of
-    the most log(tokens) - p * seconds. PRICES prices from sequences / (T with every node) to
+    the most log(tokens) - p * seconds. 16 prices from sequences / (T with every node) to
     sequences / base_seconds are tried at once (a coordinated move, six trees that pay only
     together, is found: no single one of them pays alone), the fairest of those choices and
     of none kept, then the best move of one candidate to its best count given the others'
@@ -209,10 +226,11 @@ def choose(
         return []
     value, cost = _options(candidates, per_token)
     base = max(base_seconds, 1e-12)
-    prices = sequences / np.geomspace(base + cost.max(axis=1).sum(), base, PRICES)
-    picks = np.argmax(value[None] - prices[:, None, None] * cost[None], axis=2)  # [P, n]
-    if not picks[0].any():  # none takes a node at the lowest price: none is the best
+    most = base + float(cost.max(axis=1).sum())
+    if not (value > sequences / most * cost).any():  # none takes a node at the lowest price
         return [0] * len(candidates)
+    prices = sequences / (most * (base / most) ** PRICE_STEPS)  # lowest to highest
+    picks = np.argmax(value[None] - prices[:, None, None] * cost[None], axis=2)  # [P, n]
     picks = np.vstack([np.zeros_like(picks[:1]), picks])  # none, then each price's
     rows = np.arange(len(candidates))
     scores = value[rows, picks].sum(axis=1) - sequences * np.log(base + cost[rows, picks].sum(1))
@@ -281,6 +299,7 @@ class Budgets:
         self.bonus_round: float | None = None  # and of its round of the bonus alone
         self.population = (0.0, 0.0)  # every auto sequence's accepted, drafted rounds (decayed)
         self.trees = (np.zeros(0), 0.0)  # every fresh tree's node probabilities, trees (decayed)
+        self._paid: tuple[tuple, list[int]] | None = None  # `_paying`'s last answer, its key
         self.probe_wait = PROBE_AFTER  # a new sequence's wait to its first probe: the last
         # drafted step's lesson (reset when it paid, doubled when it did not)
 
@@ -343,16 +362,7 @@ class Budgets:
         """Which `auto` sequences (each its acceptance and node room) draft this step."""
         if not self.passes.known or not self.drafts.known:
             return [True] * len(sequences)
-        _, per_token, per_tree = self.passes.weights
-        fixed, per_sequence = self.drafts.weights
-        entry = per_tree + per_sequence
-        candidates = [Candidate(acc.predicted(room), entry) for acc, room in sequences]
-        seconds, n = self._seconds(base), base.sequences
-        counts = choose(candidates, n, seconds + fixed, per_token)
-        if fairness(candidates, counts, n, seconds + fixed, per_token) <= -n * math.log(
-            max(seconds, 1e-12)
-        ):
-            counts = [0] * len(candidates)  # the draft pass would not pay for itself
+        counts = self._paying(sequences, base)
         drafts = [
             count > 0 or acc.profile is None or acc.probe_due
             for count, (acc, _) in zip(counts, sequences, strict=True)
@@ -363,6 +373,29 @@ class Budgets:
                 for d, (acc, _) in zip(drafts, sequences, strict=True)
             ]
         return drafts
+
+    def _paying(self, sequences: list[tuple[Acceptance, int]], base: Baseline) -> list[int]:
+        """The node counts the sequences' predicted trees would get with the draft paid (all 0
+        when the draft pass would not pay for itself). Kept while nothing it reads changed:
+        the profiles and scales change only when a sequence drafts, the fits' weights every
+        RESOLVE_AFTER passes, so most steps of a busy batch reuse it (the choice costs the
+        host ~0.2 ms a step there, between a pass's large operations)."""
+        passes, drafts = self.passes.weights, self.drafts.weights
+        key = (base, self.passes.solves, self.drafts.solves)
+        key += tuple((acc.serial, acc.version, min(room, acc.cap)) for acc, room in sequences)
+        if self._paid is not None and self._paid[0] == key:
+            return self._paid[1]
+        (_, per_token, per_tree), (fixed, per_sequence) = passes, drafts
+        entry = per_tree + per_sequence
+        candidates = [Candidate(acc.predicted(room), entry) for acc, room in sequences]
+        seconds, n = self._seconds(base), base.sequences
+        counts = choose(candidates, n, seconds + fixed, per_token)
+        if fairness(candidates, counts, n, seconds + fixed, per_token) <= -n * math.log(
+            max(seconds, 1e-12)
+        ):
+            counts = [0] * len(candidates)  # the draft pass would not pay for itself
+        self._paid = (key, counts)
+        return counts
 
     def nodes(
         self, trees: list[tuple[Acceptance, np.ndarray]], base: Baseline, draft_seconds: float
