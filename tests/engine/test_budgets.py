@@ -17,6 +17,7 @@ import pytest
 from engine.budgets import (
     PROBE_AFTER,
     PROBE_MAX,
+    RESOLVE_AFTER,
     Acceptance,
     Baseline,
     Budgets,
@@ -266,6 +267,31 @@ def test_a_new_sequence_waits_for_its_first_probe_as_long_as_the_last_probes_tau
         assert budgets.new_sequence(15).probe_after == min(PROBE_AFTER << probes, PROBE_MAX)
     budgets.solo_paid(budgets.new_sequence(15), True)
     assert budgets.new_sequence(15).probe_after == PROBE_AFTER
+
+
+def test_a_step_s_choice_is_kept_until_a_profile_or_the_fit_changes(monkeypatch):
+    """Steps of a busy batch where nothing the choice reads changed reuse it; a sequence's
+    fresh tree, or the cost fit solved again after RESOLVE_AFTER passes, makes it anew."""
+    import engine.budgets as budgets_module
+
+    budgets = measured(Budgets(), per_token=0.002)
+    calls = []
+    monkeypatch.setattr(budgets_module, "choose", lambda *a: calls.append(a) or [0] * len(a[0]))
+    sequences = [Acceptance(15) for _ in range(6)]
+    for acc in sequences:
+        acc.drafted(np.log(np.full(15, 0.3)))
+    asked = [(acc, 40) for acc in sequences]  # a node room past the cap reads as the cap
+    for _ in range(3):
+        budgets.drafting(asked, Baseline(6, 0, 6))
+    assert len(calls) == 1
+    sequences[2].drafted(np.log(np.full(15, 0.6)))
+    budgets.drafting(asked, Baseline(6, 0, 6))
+    assert len(calls) == 2
+    for _ in range(RESOLVE_AFTER):
+        budgets.observe_pass(6, 0, 0.02)
+    budgets.drafting(asked, Baseline(6, 0, 6))
+    budgets.drafting(asked, Baseline(5, 0, 5))
+    assert len(calls) == 4
 
 
 def test_a_lone_sequence_drafts_when_its_measured_round_beats_its_bonus_alone():
