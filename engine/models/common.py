@@ -360,6 +360,9 @@ class Segment:
 
 
 ONE_LAUNCH_DEVICES = ("cuda",)  # where a batched pass attends every segment in one launch
+# The most key slots a padded batch gathers (its K and V copies, per layer): Qwen3.6-27B's 4 KV
+# heads of 256 in bf16 make that 256 MiB; longer batches attend one sequence at a time.
+PADDED_KEYS = 65536
 
 
 @dataclass
@@ -407,14 +410,16 @@ class SegmentsPass:
 
     def _padded_groups(self, dtype: torch.dtype) -> tuple[list[PaddedSequences], list[int]]:
         """The segments grouped by token count into padded batches of two or more (each
-        padding its keys at most twice over), and those that attend alone."""
+        padding its keys at most twice over, and gathering at most PADDED_KEYS), and those
+        that attend alone."""
         by_count: dict[int, list[int]] = {}
         for i, r in enumerate(self.rows):
             by_count.setdefault(r.stop - r.start, []).append(i)
         batches, alone = [], []
         for T, members in by_count.items():
             keys = [self.caches[i].length + T for i in members]
-            if len(members) < 2 or len(members) * max(keys) > 2 * sum(keys):
+            padded = len(members) * max(keys)
+            if len(members) < 2 or padded > min(2 * sum(keys), PADDED_KEYS):
                 alone += members
                 continue
             caches = [self.caches[i] for i in members]
