@@ -20,12 +20,13 @@ The model, in three parts:
             decayed by DECAY a round and started from a prior of 1;
   choice    `choose`: the node counts maximising sum log(1 + gains taken) over the choosing
             sequences less n * log(seconds of the step), n the step's decoding sequences (the
-            others' tokens are fixed: only the seconds they share move), by coordinate
-            ascent: each sequence in turn takes its best count given the others' (its gains
-            are a prefix sum, all counts tried at once), until none changes. A tree's entry is
-            its per-tree cost (before the draft, its sequence's part of the draft pass too).
-            The draft pass's fixed seconds are the step's, paid once if any sequence drafts:
-            the choice is made with them paid, and kept only if it beats drafting none.
+            others' tokens are fixed: only the seconds they share move): at a price of a
+            second each sequence's best count is its own (its gains a prefix sum, every count
+            tried at once); the fairest of 16 prices' choices, then single moves that still
+            gain (see `choose`). A tree's entry is its per-tree cost (before the draft, its
+            sequence's part of the draft pass too). The draft pass's fixed seconds are the
+            step's, paid once if any sequence drafts: the choice is made with them paid, and
+            kept only if it beats drafting none.
 A sequence decoding alone is asked `drafting_alone` instead: its drafted round runs generate()'s
 static passes (engine/scheduler.py `_solo_round`), a cost of its own, measured whole
 (`observe_solo`, a running mean) rather than fitted beside the batched passes; against it, a
@@ -49,8 +50,9 @@ reset by one that did).
 
 Lossless: a budget only says how many of the tree's first nodes are verified (a best-first tree
 of k nodes is the first k of a larger one), and every output token is still the target's own
-choice. Memory: per sequence an `Acceptance` keeps its profile (cap float64s) and four numbers;
-the server one profile more.
+choice. Memory: per sequence an `Acceptance` keeps its profile (cap float64s) and a few numbers;
+the server one profile more and its last choice (`_paying`, kept while nothing it reads
+changed).
 """
 
 from __future__ import annotations
@@ -174,8 +176,9 @@ class Acceptance:
         self.version += 1
 
     def paid(self, worth: bool) -> None:
-        """Whether its fresh tree was worth verifying (it got nodes; alone: drafting still
-        pays after it): the wait before the next probe resets, or doubles."""
+        """Whether its draft paid (its tree got nodes in a step that beat the step without a
+        draft; alone: drafting still pays after it): the wait before the next probe resets,
+        or doubles."""
         self.probe_after = PROBE_AFTER if worth else min(2 * self.probe_after, PROBE_MAX)
 
     @property
