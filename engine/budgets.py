@@ -45,8 +45,9 @@ the draft pass's fixed seconds in a step of their own; drawn into one pass, thei
 step from then on. A new sequence's profile starts as the server's (every fresh tree's, decayed
 by POPULATION_DECAY): it drafts its first round when that profile says a tree pays (or the server
 has drafted none yet), not to learn what the others' trees already tell; its wait to its first
-probe is the server's last lesson (`probe_wait`: doubled by each drafted step that did not pay,
-reset by one that did).
+probe is the server's last lesson at the size of the batch it joins (`probe_waits`, by batches
+of 1, 2, up to 4, up to 8...: doubled by each drafted step of that size that did not pay, reset
+by one that did; drafting may pay alone and not at six).
 
 Lossless: a budget only says how many of the tree's first nodes are verified (a best-first tree
 of k nodes is the first k of a larger one), and every output token is still the target's own
@@ -303,8 +304,8 @@ class Budgets:
         self.population = (0.0, 0.0)  # every auto sequence's accepted, drafted rounds (decayed)
         self.trees = (np.zeros(0), 0.0)  # every fresh tree's node probabilities, trees (decayed)
         self._paid: tuple[tuple, list[int]] | None = None  # `_paying`'s last answer, its key
-        self.probe_wait = PROBE_AFTER  # a new sequence's wait to its first probe: the last
-        # drafted step's lesson (reset when it paid, doubled when it did not)
+        self.probe_waits: dict[int, int] = {}  # a new sequence's wait to its first probe, by
+        # batch size (see `batch_size`): the last drafted step's lesson there
 
     def drafting_alone(self, acc: Acceptance) -> bool:
         """Whether a sequence decoding alone drafts this round: its tokens per second drafting
@@ -320,14 +321,14 @@ class Budgets:
         bonus = self.bonus_round if self.bonus_round is not None else self.passes.seconds(1, 1, 0)
         return drafted_rate > 1 / bonus
 
-    def new_sequence(self, cap: int) -> Acceptance:
+    def new_sequence(self, cap: int, batch: int = 1) -> Acceptance:
         """An `auto` sequence's acceptance, its priors the server's so far: its mean accepted,
-        and the profile of every sequence's trees (with one, it need not draft its first
-        round to be judged: on a busy batch, where drafting does not pay, it waits for its
-        first probe)."""
+        the profile of every sequence's trees (with one, it need not draft its first round to
+        be judged: on a busy batch, where drafting does not pay, it waits for its first
+        probe), and the wait to that probe that drafted steps of `batch` sequences taught."""
         accepted, rounds = self.population
         acc = Acceptance(cap, prior_mean=accepted / rounds if rounds else 1.0)
-        acc.probe_after = self.probe_wait
+        acc.probe_after = self.probe_waits.get(batch_size(batch), PROBE_AFTER)
         trees, weight = self.trees
         if weight:
             acc.profile = np.zeros(cap)
@@ -419,17 +420,19 @@ class Budgets:
         paid = drafted > -n * math.log(max(undrafted, 1e-12))
         for (acc, _), count in zip(trees, counts, strict=True):
             acc.paid(paid and count > 0)
-        self._learned(paid)
+        self._learned(paid, n)
         return counts
 
     def solo_paid(self, acc: Acceptance, pays: bool) -> None:
         """A lone sequence's probe, or a drafted round after which drafting still pays (or
         not): its wait to the next probe, and a new sequence's, reset or double."""
         acc.paid(pays)
-        self._learned(pays)
+        self._learned(pays, 1)
 
-    def _learned(self, paid: bool) -> None:
-        self.probe_wait = PROBE_AFTER if paid else min(2 * self.probe_wait, PROBE_MAX)
+    def _learned(self, paid: bool, sequences: int) -> None:
+        size = batch_size(sequences)
+        wait = self.probe_waits.get(size, PROBE_AFTER)
+        self.probe_waits[size] = PROBE_AFTER if paid else min(2 * wait, PROBE_MAX)
 
     def observe_pass(self, tokens: int, trees: int, seconds: float) -> None:
         self.passes.observe((1, tokens, trees), seconds)
@@ -439,6 +442,12 @@ class Budgets:
 
     def _seconds(self, base: Baseline) -> float:
         return self.passes.seconds(1, base.tokens, base.trees)
+
+
+def batch_size(sequences: int) -> int:
+    """The bucket of a batch of `sequences` a probe's lesson is kept for: the power of two at
+    or above it (1, 2, 4, 8, ...)."""
+    return 1 << max(0, sequences - 1).bit_length()
 
 
 def _running_mean(last: float | None, seconds: float) -> float:

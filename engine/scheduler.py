@@ -263,7 +263,8 @@ class Scheduler:
         # changes its generator's draws: it verifies its cap every round, as ddtree.
         seeded = item.cfg.temperature > 0 and item.cfg.seed is not None
         if item.cfg.method == "auto" and not seeded:
-            active.acceptance = self.budgets.new_sequence(item.cfg.budget)
+            joining = min(self.max_num_seqs, len(self.running) + len(self.waiting) + 1)
+            active.acceptance = self.budgets.new_sequence(item.cfg.budget, joining)
         return active
 
     def _hold_first_piece(self, active: _Active) -> None:

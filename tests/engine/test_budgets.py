@@ -255,18 +255,26 @@ def test_probes_of_sequences_that_joined_at_different_times_share_one_draft_pass
 
 
 def test_a_new_sequence_waits_for_its_first_probe_as_long_as_the_last_probes_taught():
-    """Drafted steps that did not pay double a new sequence's wait to its first probe (to
-    PROBE_MAX), as they do the probing sequences'; one that paid (or a lone round after which
-    drafting pays) sets it back to PROBE_AFTER."""
+    """Drafted steps of six that did not pay double the wait to the first probe of a sequence
+    joining a batch of five to eight (to PROBE_MAX), as they do the probing sequences'; one
+    joining alone keeps PROBE_AFTER (drafting may pay alone), and a lone round after which
+    drafting does not pay doubles that one. A step of six that paid sets its wait back."""
     budgets = measured(Budgets(), per_token=0.002)  # dear tokens: no tree pays at six
-    assert budgets.new_sequence(15).probe_after == PROBE_AFTER
+    assert budgets.new_sequence(15, batch=6).probe_after == PROBE_AFTER
     weak = np.log(np.full(15, 0.3))
     for probes in range(1, 5):
-        probing = [budgets.new_sequence(15) for _ in range(6)]
+        probing = [budgets.new_sequence(15, batch=6) for _ in range(6)]
         budgets.nodes([(acc, weak) for acc in probing], Baseline(6, 0, 6), 0.015)
-        assert budgets.new_sequence(15).probe_after == min(PROBE_AFTER << probes, PROBE_MAX)
-    budgets.solo_paid(budgets.new_sequence(15), True)
+        waited = budgets.new_sequence(15, batch=7).probe_after
+        assert waited == min(PROBE_AFTER << probes, PROBE_MAX)
     assert budgets.new_sequence(15).probe_after == PROBE_AFTER
+    budgets.solo_paid(budgets.new_sequence(15), False)
+    assert budgets.new_sequence(15).probe_after == 2 * PROBE_AFTER
+    cheap = measured(Budgets(), per_token=0.00001)
+    cheap.probe_waits = dict(budgets.probe_waits)
+    strong = np.log(np.full(15, 0.95))
+    cheap.nodes([(cheap.new_sequence(15, 6), strong) for _ in range(6)], Baseline(6, 0, 6), 0.001)
+    assert cheap.new_sequence(15, batch=6).probe_after == PROBE_AFTER
 
 
 def test_a_step_s_choice_is_kept_until_a_profile_or_the_fit_changes(monkeypatch):
