@@ -287,7 +287,8 @@ class _Sequence:
         self.graphs = cfg.cuda_graphs and self.device.type == "cuda"
         self._open(pool)
         self.committed: list[int] = []  # the token ids in the target's cache
-        self.context: torch.Tensor | None = None  # [N, n*H] features not yet given to the drafter
+        self._kept: list[torch.Tensor] = []  # the drafter's features not yet given to it
+        self.context_rows = 0  # how many tokens' features `_kept` holds (joined or not)
         self.bonus = -1  # the target's latest choice: output, not yet in the cache
         self.width = 1 + _draft_width(cfg, drafter)  # tokens of every static verify
         self.static_target = hasattr(target, "forward_static")
@@ -297,6 +298,21 @@ class _Sequence:
         self.penalties: Penalties | None = None  # made at the prefill's logits (their width)
         self.scores: list[TokenLogprob] | None = None  # with cfg.logprobs: the last choices'
         self.prompt_scores: PromptScores | None = None  # with cfg.prompt_logprobs
+
+    @property
+    def context(self) -> torch.Tensor | None:
+        """[N, n*H] the drafter's features of the tokens not yet given to it (None: none).
+        Kept as the rounds' pieces and joined once, when read (a draft, or the prefix cache's
+        store): a sequence that skips drafting (`auto` on a busy batch) would otherwise copy
+        all of them every round, its prompt's included (at 27B, 30 KiB a token)."""
+        if len(self._kept) > 1:
+            self._kept = [torch.cat(self._kept)]
+        return self._kept[0] if self._kept else None
+
+    @context.setter
+    def context(self, features: torch.Tensor | None) -> None:
+        self._kept = [] if features is None else [features]
+        self.context_rows = 0 if features is None else features.shape[0]
 
     def _open(self, pool: CachePool) -> None:
         """Decode in `pool`'s caches (a server's slot) and static passes."""
@@ -583,8 +599,8 @@ class _Sequence:
                 self.target.commit(self.cache, host_path.to(self.device))
             if self.speculative:
                 path = to_device(host_path.numpy(), self.device)
-                fresh = hidden[path]  # [K, n*H] features of the newly committed tokens
-                self.context = fresh if self.context is None else torch.cat([self.context, fresh])
+                self._kept.append(hidden[path])  # [K, n*H] the newly committed tokens'
+                self.context_rows += len(kept)
             self._advance(accepted, next_bonus, drafted)
         self.bonus = next_bonus
         return accepted, new_tokens

@@ -332,8 +332,7 @@ class Scheduler:
         seq = active.seq
         seq.cache.check_room(_round_tokens(active, rooms))
         if seq.speculative and min(rooms) > 0:
-            cache = seq.draft_cache
-            rows = seq.context.shape[0] if seq.context is not None else 0
+            cache, rows = seq.draft_cache, seq.context_rows
             cache.check_room(min(rows + self.drafter.block_size, cache.max_len - cache.length))
 
     def _requeue(self, active: _Active, counted: bool) -> None:

@@ -412,6 +412,41 @@ def test_auto_budgets_vary_and_each_output_equals_its_solo_ar_run(pair, grammar,
     assert len(set(chosen)) >= (2 if grammar else 3), chosen  # grammar-valid trees are small
 
 
+def test_a_sequence_skipping_drafts_keeps_its_features_in_pieces_joined_when_read(
+    pair, monkeypatch
+):
+    """An `auto` sequence that does not draft (a busy batch) keeps each round's drafter
+    features as a piece of their own: its prompt's are not copied round after round (at 27B a
+    3,300-token prompt's are ~100 MiB). Read, they join into the target's features of every
+    token committed since its last draft, in order; and its output is plain decoding's."""
+    target, drafter = pair
+    cfg = GenerationConfig("auto", 15, max_new_tokens=NEW, prefill_chunk=16)
+    cases = prompts(pair, [20, 33], seed=5)
+    sched, got = scheduler(pair, slots=2), Collector()
+    never = lambda asked, _: [False] * len(asked)  # noqa: E731
+    monkeypatch.setattr(sched.budgets, "drafting", never)
+    for index, prompt in enumerate(cases):
+        sched.add(got.request(index, prompt, cfg))
+    while sched.waiting or any(active.prefilling for active in sched.running):
+        sched.step()
+    before = [(active.seq._kept[0], len(active.seq._kept)) for active in sched.running]
+    for _ in range(4):
+        sched.step()
+    for active, prompt, (kept, pieces) in zip(sched.running, cases, before, strict=True):
+        seq = active.seq
+        assert seq._kept[0] is kept and len(seq._kept) == pieces + 4  # the prompt's, uncopied
+        assert seq.context_rows == len(seq.committed) >= len(prompt) + 4
+        layers = tuple(drafter.target_layer_ids)
+        ids = torch.tensor(seq.committed)
+        _, features = target.forward(ids, target.new_cache(SLOT), None, layers)
+        torch.testing.assert_close(seq.context, features)
+        assert len(seq._kept) == 1  # joined once
+    monkeypatch.undo()
+    drain(sched)
+    for index, prompt in enumerate(cases):
+        assert got.output(index) == solo(pair, prompt, replace(cfg, method="ar"))
+
+
 def test_a_seeded_sampled_auto_request_verifies_its_cap_and_repeats(pair, monkeypatch):
     """Sampled, a round's node count changes how the sequence's generator is drawn: a seeded
     `auto` request keeps its cap every round, so its tokens are ddtree's with that seed while
