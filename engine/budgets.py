@@ -69,10 +69,17 @@ FORGET = 0.98  # a cost sample's weight falls by this factor each newer one (~50
 DECAY = 0.95  # acceptance sums fall by this each round (~20 rounds count)
 PROFILE_KEEP = 0.5  # the profile's share kept each drafted round
 PROBE_AFTER = 8  # rounds without a draft before a sequence drafts again (at first)
-PROBE_MAX = 64  # the longest wait, after probes that paid for no node
+# The longest wait, after probes that did not pay: a probe drafted into a busy batch costs it
+# ~6 plain steps more than its tree returns (six demo sequences on the CPU: a 34 ms step against
+# 3.8 ms ones, ~2.5 tokens accepted each), ~9% of a batch probing every 64 rounds, ~2% at 256.
+PROBE_MAX = 256
 PRIOR_WEIGHT = 0.05  # each of the prior's points, against ~50 of measured weight
 MAX_ITERATIONS = 20
 RESOLVE_AFTER = 8  # new samples before a cost fit's weights are solved again
+# Solves before a kept choice of who drafts is made anew with the new weights (unless what else
+# it reads changed): ~0.4 ms of host time for six sequences, ~10% of their plain step on the CPU
+# were it every 8 passes. A drafted step's node counts read the newest weights.
+CHOICE_SOLVES = 4
 _SERIALS = itertools.count()  # Acceptance.serial
 PRICE_STEPS = np.linspace(0.0, 1.0, 16)  # `choose`'s prices of a second, geometric steps
 SOLO_KEEP = 0.9  # a lone drafted round's running mean of seconds keeps this share each round
@@ -381,11 +388,11 @@ class Budgets:
     def _paying(self, sequences: list[tuple[Acceptance, int]], base: Baseline) -> list[int]:
         """The node counts the sequences' predicted trees would get with the draft paid (all 0
         when the draft pass would not pay for itself). Kept while nothing it reads changed:
-        the profiles and scales change only when a sequence drafts, the fits' weights every
-        RESOLVE_AFTER passes, so most steps of a busy batch reuse it (the choice costs the
-        host ~0.2 ms a step there, between a pass's large operations)."""
-        passes, drafts = self.passes.weights, self.drafts.weights
-        key = (base, self.passes.solves, self.drafts.solves)
+        the profiles and scales change only when a sequence drafts, the fits' weights it
+        reads every CHOICE_SOLVES solves, so most steps of a busy batch reuse it (the choice
+        costs the host ~0.4 ms there, between a pass's large operations)."""
+        passes, drafts = self.passes.weights, self.drafts.weights  # solved when due
+        key = (base, self.passes.solves // CHOICE_SOLVES, self.drafts.solves // CHOICE_SOLVES)
         key += tuple((acc.serial, acc.version, min(room, acc.cap)) for acc, room in sequences)
         if self._paid is not None and self._paid[0] == key:
             return self._paid[1]

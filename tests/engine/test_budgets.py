@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from engine.budgets import (
+    CHOICE_SOLVES,
     PROBE_AFTER,
     PROBE_MAX,
     RESOLVE_AFTER,
@@ -211,8 +212,10 @@ def test_probes_that_pay_for_no_node_wait_longer_and_one_that_pays_resets_the_wa
     log_probs = np.log(np.full(15, 0.3))
     seq.drafted(log_probs)
     others = Baseline(tokens=6, trees=0, sequences=6)
+    expected = [min(PROBE_AFTER << probe, PROBE_MAX) for probe in range(7)]
+    assert expected[-2:] == [PROBE_MAX, PROBE_MAX]
     waits, skipped = [], 0
-    for _ in range(PROBE_AFTER + 16 + 32 + 64 + 64 + 5):  # five probes
+    for _ in range(sum(expected) + len(expected)):  # the skipped rounds and the probes
         (drafts,) = budgets.drafting([(seq, 15)], others)
         if not drafts:
             skipped = seq.skipped = seq.skipped + 1
@@ -222,7 +225,7 @@ def test_probes_that_pay_for_no_node_wait_longer_and_one_that_pays_resets_the_wa
         assert count == 0
         seq.drafted(log_probs)  # a draft resets `skipped`
         skipped = 0
-    assert waits == [PROBE_AFTER, 2 * PROBE_AFTER, 4 * PROBE_AFTER, PROBE_MAX, PROBE_MAX]
+    assert waits == expected
     seq.paid(True)
     assert seq.probe_after == PROBE_AFTER
 
@@ -262,7 +265,7 @@ def test_a_new_sequence_waits_for_its_first_probe_as_long_as_the_last_probes_tau
     budgets = measured(Budgets(), per_token=0.002)  # dear tokens: no tree pays at six
     assert budgets.new_sequence(15, batch=6).probe_after == PROBE_AFTER
     weak = np.log(np.full(15, 0.3))
-    for probes in range(1, 5):
+    for probes in range(1, 8):
         probing = [budgets.new_sequence(15, batch=6) for _ in range(6)]
         budgets.nodes([(acc, weak) for acc in probing], Baseline(6, 0, 6), 0.015)
         waited = budgets.new_sequence(15, batch=7).probe_after
@@ -279,7 +282,8 @@ def test_a_new_sequence_waits_for_its_first_probe_as_long_as_the_last_probes_tau
 
 def test_a_step_s_choice_is_kept_until_a_profile_or_the_fit_changes(monkeypatch):
     """Steps of a busy batch where nothing the choice reads changed reuse it; a sequence's
-    fresh tree, or the cost fit solved again after RESOLVE_AFTER passes, makes it anew."""
+    fresh tree, another batch, or the cost fit solved CHOICE_SOLVES times since (a solve
+    every RESOLVE_AFTER passes) makes it anew."""
     import engine.budgets as budgets_module
 
     budgets = measured(Budgets(), per_token=0.002)
@@ -295,9 +299,12 @@ def test_a_step_s_choice_is_kept_until_a_profile_or_the_fit_changes(monkeypatch)
     sequences[2].drafted(np.log(np.full(15, 0.6)))
     budgets.drafting(asked, Baseline(6, 0, 6))
     assert len(calls) == 2
-    for _ in range(RESOLVE_AFTER):
-        budgets.observe_pass(6, 0, 0.02)
-    budgets.drafting(asked, Baseline(6, 0, 6))
+    solves = budgets.passes.solves
+    while budgets.passes.solves < solves + CHOICE_SOLVES:  # each solve read by a choice
+        for _ in range(RESOLVE_AFTER):
+            budgets.observe_pass(6, 0, 0.02)
+        budgets.drafting(asked, Baseline(6, 0, 6))
+    assert len(calls) == 3
     budgets.drafting(asked, Baseline(5, 0, 5))
     assert len(calls) == 4
 
