@@ -297,12 +297,16 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._heads(conv_outputs)  # [B, Hv, Dk] x2, [B, Hv, Dv]
         scale = self.shape.key_dim**-0.5
         qf, vf = q.to(dt) * scale, v.to(dt)
-        decayed = torch.stack([state.recurrent.to(dt) for state in states])
-        decayed = decayed * g.to(dt).exp()[:, :, None, None]  # [B, Hv, Dk, Dv]
+        # The states' stacked copy [B, Hv, Dk, Dv] is updated in place: decayed, then the
+        # rank-1 write as one baddbmm (on the CPU the values of a product, then a sum). At
+        # Qwen3.6-27B's widths, six rows: half the time, and no state-sized temporaries.
+        after = torch.stack([state.recurrent.to(dt) for state in states])
+        B, Hv, Dk, Dv = after.shape
+        after.mul_(g.to(dt).exp()[:, :, None, None])
         # Row-vector products (einsum costs ~6x as much host time on the CPU at these sizes).
-        recalled = (k[:, :, None, :] @ decayed)[:, :, 0]  # [B, Hv, Dv]
+        recalled = (k[:, :, None, :] @ after)[:, :, 0]  # [B, Hv, Dv]
         delta = (vf - recalled) * beta.to(dt)[:, :, None]
-        after = decayed + k[:, :, :, None] * delta[:, :, None, :]
+        after.view(B * Hv, Dk, Dv).baddbmm_(k.reshape(B * Hv, Dk, 1), delta.reshape(B * Hv, 1, Dv))
         out = (qf[:, :, None, :] @ after)[:, :, 0].to(v.dtype)
         root = torch.full((1,), -1, dtype=torch.long, device=conv_inputs.device)
         pending = [
