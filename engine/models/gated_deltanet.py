@@ -369,7 +369,7 @@ class GatedDeltaNet(nn.Module):
             state.recurrent.copy_(pending.node_states.index_select(0, accepted[-1:])[0])
             return
         if pending.tree_states is not None:
-            state.recurrent.copy_(pending.tree_states.state_after(last))
+            pending.tree_states.write_state_after(last, state.recurrent)
             return
         for piece in accepted.split(REPLAY_PIECE):
             # The kernel hands back every node's state: re-running a long path (a prefill) in

@@ -98,6 +98,21 @@ def test_state_after_any_node_is_that_nodes_state() -> None:
         )
 
 
+def test_the_state_after_a_node_written_over_the_trees_initial_state_is_that_nodes_state() -> None:
+    """What a commit does: the tree's initial state is the committed one, written over."""
+    parents = torch.tensor(TREES["forest"])
+    q, k, v, g, beta, state = _inputs(len(parents), 2, 16, 8, torch.float64)
+    _, expected = reference.tree_gated_delta_rule(
+        q, k, v, g, beta, parents, state, 0.25, return_states=True
+    )
+    for node in range(len(parents)):
+        committed = state.clone()
+        _, tree_states = batched.solve_tree(q, k, v, g, beta, parents, committed, 0.25)
+        assert tree_states.pieces[0].initial is committed
+        assert tree_states.write_state_after(node, committed) is committed
+        torch.testing.assert_close(committed, expected[node], **TOLERANCE[torch.float64])
+
+
 def test_empty_tree_and_the_ancestor_matrix() -> None:
     q, k, v, g, beta, state = _inputs(0, 2, 16, 8, torch.float32)
     no_parents = torch.zeros(0, dtype=torch.int64)
