@@ -5,7 +5,8 @@ request's first token while a long prompt prefills (issue 36's Done-when).
         [--concurrency 6] [--max-tokens 96] [--repeats 3] [--long-tokens 3300] [--json]
 
 Throughput: per repeat and method (the methods interleaved within each repeat, so a change of
-the machine's load falls on all of them), the same N greedy chat requests (`cache_prompt` off,
+the machine's load falls on all of them, their order rotated from one repeat to the next, so
+none always runs after the same one), the same N greedy chat requests (`cache_prompt` off,
 so every prompt is prefilled) one after another, then all at once; aggregate output tok/s =
 completion tokens / wall time of each, and their ratio, reported as the median with the min-max
 over the repeats. The outputs at once must equal those one after another (exit 1 if not).
@@ -152,8 +153,9 @@ async def measure(args: argparse.Namespace) -> dict:
     async with httpx.AsyncClient(base_url=args.url, timeout=timeout) as client:
         for name in names:
             await throughput(client, bodies[name][:1], at_once=False)  # warm
-        for _ in range(args.repeats):
-            for name in names:
+        for repeat in range(args.repeats):
+            turn = repeat % len(names)  # rotated: no method always runs after the same one
+            for name in names[turn:] + names[:turn]:
                 one, one_answers = await throughput(client, bodies[name], at_once=False)
                 many, many_answers = await throughput(client, bodies[name], at_once=True)
                 runs[name]["serial"].append(one)
