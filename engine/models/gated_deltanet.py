@@ -299,7 +299,8 @@ class GatedDeltaNet(nn.Module):
         qf, vf = q.to(dt) * scale, v.to(dt)
         # The states' stacked copy [B, Hv, Dk, Dv] is updated in place: decayed, then the
         # rank-1 write as one baddbmm (on the CPU the values of a product, then a sum). At
-        # Qwen3.6-27B's widths, six rows: half the time, and no state-sized temporaries.
+        # Qwen3.6-27B's widths, six rows: under a third of the time on the CPU, and no
+        # state-sized temporaries.
         after = torch.stack([state.recurrent.to(dt) for state in states])
         B, Hv, Dk, Dv = after.shape
         after.mul_(g.to(dt).exp()[:, :, None, None])

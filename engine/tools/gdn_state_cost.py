@@ -74,7 +74,7 @@ def measure(shape: GDNShape, rows: list[int], tree: int, repeats: int, device: s
             )
             step = partial(layer.single_steps, inputs, states)
             report["single_steps_s"][str(count)] = median_seconds(step, repeats, device)
-        state = layer.new_state(DTYPE, device).recurrent.normal_(0.0, 0.05)
+        committed = layer.new_state(DTYPE, device).recurrent.normal_(0.0, 0.05)
         heads = shape.value_heads
         q, k = (
             torch.nn.functional.normalize(
@@ -85,11 +85,11 @@ def measure(shape: GDNShape, rows: list[int], tree: int, repeats: int, device: s
         v = torch.randn(tree, heads, shape.value_dim, device=device)
         g, beta = -torch.rand(tree, heads, device=device), torch.rand(tree, heads, device=device)
         chain = torch.arange(-1, tree - 1, device=device)
-        _, solved = solve_tree(q, k, v, g, beta, chain, state, shape.key_dim**-0.5)
-        out = torch.empty_like(state)
+        _, solved = solve_tree(q, k, v, g, beta, chain, committed, shape.key_dim**-0.5)
+        out = torch.empty_like(committed)
         write = partial(solved.write_state_after, tree - 1, out)
         report["commit_state_s"] = median_seconds(write, repeats, device)
-    report["state_bytes"] = state.numel() * state.element_size()
+    report["state_bytes"] = committed.numel() * committed.element_size()
     return report
 
 
