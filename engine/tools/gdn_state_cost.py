@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import asdict
 from functools import partial
 
@@ -32,6 +29,7 @@ from engine.kernels.batched import solve_tree
 from engine.models.common import materialize, read_config
 from engine.models.gated_deltanet import GatedDeltaNet, GDNShape
 from engine.models.qwen3_5 import Qwen3_5Config
+from engine.tools.parallel_measure import median_seconds
 
 DTYPE = torch.bfloat16  # the checkpoints'; the recurrent state is float32 whatever the weights
 
@@ -45,20 +43,6 @@ def build_layer(shape: GDNShape, device: str) -> GatedDeltaNet:
     for parameter in layer.parameters():
         parameter.data.normal_(0.0, 0.02, generator=generator)
     return layer
-
-
-def median_seconds(run: Callable[[], object], repeats: int, device: str) -> float:
-    run()  # warm: the allocator's first blocks, the kernels' first calls
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        run()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def measure(shape: GDNShape, rows: list[int], tree: int, repeats: int, device: str) -> dict:
