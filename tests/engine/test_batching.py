@@ -423,7 +423,10 @@ def test_a_sequence_skipping_drafts_keeps_its_features_in_pieces_joined_when_rea
     cfg = GenerationConfig("auto", 15, max_new_tokens=NEW, prefill_chunk=16)
     cases = prompts(pair, [20, 33], seed=5)
     sched, got = scheduler(pair, slots=2), Collector()
-    never = lambda asked, _: [False] * len(asked)  # noqa: E731
+
+    def never(asked, _base):
+        return [False] * len(asked)
+
     monkeypatch.setattr(sched.budgets, "drafting", never)
     for index, prompt in enumerate(cases):
         sched.add(got.request(index, prompt, cfg))
