@@ -11,8 +11,8 @@
   the target dtype on the target device) and `load_checkpoint` (each tensor copied from its
   memory-mapped shard into its parameter, one at a time; unused tensors never read);
 - dtype/device helpers for the command line (`resolve_dtype`, `default_device`);
-- `inference_ready`: eval mode, and for float32 on the CPU the weight layout it multiplies
-  fastest (`input_major_linears`).
+- `inference_ready`: eval mode, and for float32 on the CPU each weight in the layout this CPU
+  multiplies fastest, timed at load (`input_major_linears`).
 
 Every layer works on tensors with any number of leading dimensions ([..., T, H]) so the drafter
 can train on batches of blocks with the same code that decodes one sequence.
@@ -21,6 +21,7 @@ can train on batches of blocks with the same code that decodes one sequence.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -482,15 +483,52 @@ def materialize(module: nn.Module, dtype: torch.dtype, device) -> nn.Module:
     return module.to(dtype).to_empty(device=device)
 
 
-def input_major_linears(module: nn.Module) -> nn.Module:
-    """Every nn.Linear weight [out, in] re-laid in input-major memory (a transposed view of a
-    contiguous [in, out] tensor), in place; a parameter tied elsewhere (an embedding) follows.
+LAYOUT_ROWS = 16  # the rows a weight layout is timed at: a verify's or a draft block's
+LAYOUT_GAIN = 0.9  # the input-major layout is taken only at this share of the time or less
+LAYOUT_TIMINGS = 5  # timed calls of each layout, alternating; the fastest of each counts
+_layouts: dict[tuple, bool] = {}  # (out, in, dtype, threads) -> input-major pays (this process)
 
-    Shapes, names and values stay; only strides change. Why: on the CPU, MKL float32 multiplies
-    x [T, in] by such a weight about twice as fast for T from a few to a few tens (a verify
-    round, a draft block) and as fast elsewhere (engine/NOTES.md).
+
+def input_major_pays(weight: torch.Tensor) -> bool:
+    """Whether x [LAYOUT_ROWS, in] times `weight` [out, in] runs faster over an input-major copy
+    (a transposed view of a contiguous [in, out] tensor) than over the row-major weight.
+
+    Measured, not assumed: which layout the CPU's BLAS multiplies faster depends on the CPU and
+    the shape (engine/NOTES.md: about twice as fast at 16 rows on one VM's demo shapes, ~15%
+    slower at 1024 wide on an AMD EPYC VM). Timed once per shape, dtype and thread count in a
+    process, so every model loaded in it lays a shape out alike (the same values either way;
+    the rounding of a product may differ between layouts).
     """
-    linear_weights = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
+    key = (*weight.shape, weight.dtype, torch.get_num_threads())
+    if key not in _layouts:
+        row_major, input_major = layout_seconds(weight)
+        _layouts[key] = input_major <= LAYOUT_GAIN * row_major
+    return _layouts[key]
+
+
+def layout_seconds(weight: torch.Tensor) -> tuple[float, float]:
+    """The fastest of LAYOUT_TIMINGS products x [LAYOUT_ROWS, in] times `weight` as it is laid
+    out (row-major) and over an input-major copy, the two alternating."""
+    x = torch.ones(LAYOUT_ROWS, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    layouts = (weight.detach(), weight.detach().t().contiguous().t())
+    best = [float("inf"), float("inf")]
+    for _ in range(LAYOUT_TIMINGS):
+        for index, laid in enumerate(layouts):
+            started = time.perf_counter()
+            torch.nn.functional.linear(x, laid)
+            best[index] = min(best[index], time.perf_counter() - started)
+    return best[0], best[1]
+
+
+def input_major_linears(module: nn.Module) -> nn.Module:
+    """Every nn.Linear weight [out, in] whose shape multiplies faster input-major
+    (`input_major_pays`) re-laid so, in place; a parameter tied elsewhere (an embedding)
+    follows. Shapes, names and values stay; only strides change."""
+    linear_weights = {
+        id(m.weight)
+        for m in module.modules()
+        if isinstance(m, nn.Linear) and input_major_pays(m.weight)
+    }
     relaid: dict[int, nn.Parameter] = {}
     for sub in module.modules():
         for name, param in list(sub.named_parameters(recurse=False)):
@@ -503,8 +541,9 @@ def input_major_linears(module: nn.Module) -> nn.Module:
 
 
 def inference_ready(model: nn.Module) -> nn.Module:
-    """A loaded model in eval mode; float32 on the CPU gets input-major linear weights (the
-    layout gained nothing for float64 and lost ~15% for bfloat16 at 16 rows, so those stay)."""
+    """A loaded model in eval mode; float32 on the CPU gets each linear weight in the layout it
+    multiplies fastest (`input_major_linears`; the input-major layout gained nothing for float64
+    and lost ~15% for bfloat16 at 16 rows, so those stay row-major)."""
     weight = next(model.parameters())
     if weight.device.type == "cpu" and weight.dtype == torch.float32:
         input_major_linears(model)

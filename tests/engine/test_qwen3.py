@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models import load_target
+from engine.models import common, load_target
 from engine.models.qwen3 import Qwen3Model
 from tests.helpers.tiny_qwen3 import save_tiny_qwen3
 
@@ -159,9 +159,26 @@ def test_tied_model_shares_embedding_and_lm_head(tmp_path):
     assert model.lm_head.weight is model.embed_tokens.weight
 
 
-def test_cpu_loading_lays_linear_weights_out_input_major_with_values_and_ties_kept(tmp_path):
+def _layouts_timed(monkeypatch, input_major_share: float) -> list[tuple]:
+    """Loading times the layouts as given (input-major at `input_major_share` of the row-major
+    time) with a fresh record of the shapes decided; returns the shapes timed."""
+    timed = []
+
+    def seconds(weight):
+        timed.append(tuple(weight.shape))
+        return 1.0, input_major_share
+
+    monkeypatch.setattr(common, "_layouts", {})
+    monkeypatch.setattr(common, "layout_seconds", seconds)
+    return timed
+
+
+def test_cpu_loading_lays_linear_weights_out_input_major_where_faster_values_and_ties_kept(
+    tmp_path, monkeypatch
+):
     from safetensors.torch import load_file
 
+    timed = _layouts_timed(monkeypatch, input_major_share=0.5)
     model_dir = save_tiny_qwen3(tmp_path, seed=6, tie_word_embeddings=True, tokenizer=False)
     saved = load_file(model_dir / "model.safetensors")
     model = load_target(model_dir)
@@ -171,6 +188,25 @@ def test_cpu_loading_lays_linear_weights_out_input_major_with_values_and_ties_ke
     assert model.lm_head.weight is model.embed_tokens.weight  # still one tied parameter
     assert model.lm_head.weight.stride() == (1, model.lm_head.weight.shape[0])
     assert torch.equal(model.embed_tokens.weight, saved["model.embed_tokens.weight"])
+    assert len(timed) == len(set(timed))  # each shape timed once: the others reuse its layout
+    load_target(model_dir)
+    assert len(timed) == len(set(timed))  # and so does a second load in the process
     # bfloat16 gains nothing from the layout (measured), so it keeps the row-major one
     bf16 = load_target(model_dir, dtype=torch.bfloat16)
     assert bf16.layers[0].mlp.up_proj.weight.is_contiguous()
+
+
+def test_cpu_loading_keeps_row_major_weights_where_input_major_is_not_clearly_faster(
+    tmp_path, monkeypatch
+):
+    _layouts_timed(monkeypatch, input_major_share=0.95)
+    model_dir = save_tiny_qwen3(tmp_path, seed=6, tie_word_embeddings=True, tokenizer=False)
+    model = load_target(model_dir)
+    assert model.layers[0].mlp.up_proj.weight.is_contiguous()
+    assert model.lm_head.weight.is_contiguous()
+    assert model.lm_head.weight is model.embed_tokens.weight
+
+
+def test_layout_seconds_times_both_layouts_of_a_weight():
+    row_major, input_major = common.layout_seconds(torch.randn(64, 32))
+    assert 0 < row_major < 1 and 0 < input_major < 1
