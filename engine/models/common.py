@@ -484,60 +484,95 @@ def materialize(module: nn.Module, dtype: torch.dtype, device) -> nn.Module:
 
 
 LAYOUT_ROWS = 16  # the rows a weight layout is timed at: a verify's or a draft block's
-LAYOUT_GAIN = 0.9  # the input-major layout is taken only at this share of the time or less
-LAYOUT_TIMINGS = 5  # timed calls of each layout, alternating; the fastest of each counts
-_layouts: dict[tuple, bool] = {}  # (out, in, dtype, threads) -> input-major pays (this process)
-
-
-def input_major_pays(weight: torch.Tensor) -> bool:
-    """Whether x [LAYOUT_ROWS, in] times `weight` [out, in] runs faster over an input-major copy
-    (a transposed view of a contiguous [in, out] tensor) than over the row-major weight.
-
-    Measured, not assumed: which layout the CPU's BLAS multiplies faster depends on the CPU and
-    the shape (engine/NOTES.md: about twice as fast at 16 rows on one VM's demo shapes, ~15%
-    slower at 1024 wide on an AMD EPYC VM). Timed once per shape, dtype and thread count in a
-    process, so every model loaded in it lays a shape out alike (the same values either way;
-    the rounding of a product may differ between layouts).
-    """
-    key = (*weight.shape, weight.dtype, torch.get_num_threads())
-    if key not in _layouts:
-        row_major, input_major = layout_seconds(weight)
-        _layouts[key] = input_major <= LAYOUT_GAIN * row_major
-    return _layouts[key]
-
-
-def layout_seconds(weight: torch.Tensor) -> tuple[float, float]:
-    """The fastest of LAYOUT_TIMINGS products x [LAYOUT_ROWS, in] times `weight` as it is laid
-    out (row-major) and over an input-major copy, the two alternating."""
-    x = torch.ones(LAYOUT_ROWS, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    layouts = (weight.detach(), weight.detach().t().contiguous().t())
-    best = [float("inf"), float("inf")]
-    for _ in range(LAYOUT_TIMINGS):
-        for index, laid in enumerate(layouts):
-            started = time.perf_counter()
-            torch.nn.functional.linear(x, laid)
-            best[index] = min(best[index], time.perf_counter() - started)
-    return best[0], best[1]
+LAYOUT_GAIN = 0.95  # the input-major layout is taken only at this share of the time or less
+LAYOUT_SWEEPS = 3  # timed sweeps over a model's weights in each layout (the fastest counts)
+_layouts: dict[tuple, bool] = {}  # (out, in, dtype, threads) -> input-major (this process)
 
 
 def input_major_linears(module: nn.Module) -> nn.Module:
-    """Every nn.Linear weight [out, in] whose shape multiplies faster input-major
-    (`input_major_pays`) re-laid so, in place; a parameter tied elsewhere (an embedding)
-    follows. Shapes, names and values stay; only strides change."""
-    linear_weights = {
-        id(m.weight)
-        for m in module.modules()
-        if isinstance(m, nn.Linear) and input_major_pays(m.weight)
-    }
-    relaid: dict[int, nn.Parameter] = {}
+    """Each nn.Linear weight [out, in] laid out as this CPU multiplies it faster: row-major, or
+    input-major (a transposed view of a contiguous [in, out] tensor), in place; a parameter tied
+    elsewhere (an embedding) follows. Shapes, names and values stay; only strides change.
+
+    Measured, not assumed (engine/NOTES.md): which layout MKL multiplies faster depends on the
+    CPU, the shape and what the cache holds. Input-major was about twice as fast at 16 rows on
+    one VM's demo shapes; on an AMD EPYC VM it is ~9% faster at the demo's widths and ~20%
+    slower at 1024 wide. A shape is decided once per dtype and thread count in a process
+    (`decide_layouts`), so every model loaded in it lays that shape out alike: the values are
+    the same either way, a product's rounding may not be.
+    """
+    undecided = [w for w in _linear_weights(module) if _layout_key(w) not in _layouts]
+    if undecided:
+        decide_layouts(module, undecided)
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear):
+            wanted = _layouts[_layout_key(sub.weight)]
+            if wanted and sub.weight.is_contiguous():
+                _relay(module, sub.weight, _input_major)
+            elif not wanted and not sub.weight.is_contiguous():
+                _relay(module, sub.weight, torch.Tensor.contiguous)
+    return module
+
+
+def decide_layouts(module: nn.Module, weights: list[nn.Parameter]) -> None:
+    """Decide the layout of the shapes of `weights` (row-major, of `module`): every product
+    x [LAYOUT_ROWS, in] times a weight timed over sweeps through them in model order, as a pass
+    reads them from memory, then again with each re-laid input-major (one at a time: the
+    weights and one copy in memory); a shape is input-major where its weights' time in that
+    layout is at most LAYOUT_GAIN of their row-major time. `weights` ends input-major."""
+    row_major = sweep_seconds(weights)
+    for index, weight in enumerate(weights):
+        weights[index] = _relay(module, weight, _input_major)
+    input_major = sweep_seconds(weights)
+    totals: dict[tuple, list[float]] = {}
+    for weight, row, column in zip(weights, row_major, input_major, strict=True):
+        total = totals.setdefault(_layout_key(weight), [0.0, 0.0])
+        total[0], total[1] = total[0] + row, total[1] + column
+    for key, (row, column) in totals.items():
+        _layouts[key] = column <= LAYOUT_GAIN * row
+
+
+def sweep_seconds(weights: list[torch.Tensor]) -> list[float]:
+    """Each weight's fastest product x [LAYOUT_ROWS, in] times it over LAYOUT_SWEEPS sweeps
+    through all of them in order, after an untimed one."""
+    inputs: dict[int, torch.Tensor] = {}
+    best = [float("inf")] * len(weights)
+    for sweep in range(LAYOUT_SWEEPS + 1):
+        for index, weight in enumerate(weights):
+            x = inputs.get(weight.shape[1])
+            if x is None:
+                x = inputs[weight.shape[1]] = torch.ones(
+                    LAYOUT_ROWS, weight.shape[1], dtype=weight.dtype, device=weight.device
+                )
+            started = time.perf_counter()
+            torch.nn.functional.linear(x, weight)
+            if sweep:
+                best[index] = min(best[index], time.perf_counter() - started)
+    return best
+
+
+def _linear_weights(module: nn.Module) -> list[nn.Parameter]:
+    """The module's nn.Linear weights in order, each once (a tied one may serve two)."""
+    weights = [sub.weight for sub in module.modules() if isinstance(sub, nn.Linear)]
+    return list({id(weight): weight for weight in weights}.values())
+
+
+def _layout_key(weight: torch.Tensor) -> tuple:
+    return (*weight.shape, weight.dtype, torch.get_num_threads())
+
+
+def _input_major(weight: torch.Tensor) -> torch.Tensor:
+    return weight.t().contiguous().t()
+
+
+def _relay(module: nn.Module, weight: nn.Parameter, laid: Callable) -> nn.Parameter:
+    """`weight` replaced by `laid(weight)` wherever `module` holds it (a tie follows)."""
+    new = nn.Parameter(laid(weight.detach()), requires_grad=weight.requires_grad)
     for sub in module.modules():
         for name, param in list(sub.named_parameters(recurse=False)):
-            if id(param) in linear_weights:
-                if id(param) not in relaid:
-                    data = param.detach().t().contiguous().t()
-                    relaid[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
-                setattr(sub, name, relaid[id(param)])
-    return module
+            if param is weight:
+                setattr(sub, name, new)
+    return new
 
 
 def inference_ready(model: nn.Module) -> nn.Module:

@@ -159,18 +159,19 @@ def test_tied_model_shares_embedding_and_lm_head(tmp_path):
     assert model.lm_head.weight is model.embed_tokens.weight
 
 
-def _layouts_timed(monkeypatch, input_major_share: float) -> list[tuple]:
-    """Loading times the layouts as given (input-major at `input_major_share` of the row-major
-    time) with a fresh record of the shapes decided; returns the shapes timed."""
-    timed = []
+def _layouts_timed(monkeypatch, input_major_share: float) -> list[list[tuple]]:
+    """Loading times the layouts as given (an input-major product at `input_major_share` of a
+    row-major one's time) with a fresh record of the shapes decided; returns each sweep's
+    shapes."""
+    sweeps = []
 
-    def seconds(weight):
-        timed.append(tuple(weight.shape))
-        return 1.0, input_major_share
+    def seconds(weights):
+        sweeps.append([tuple(weight.shape) for weight in weights])
+        return [1.0 if weight.is_contiguous() else input_major_share for weight in weights]
 
     monkeypatch.setattr(common, "_layouts", {})
-    monkeypatch.setattr(common, "layout_seconds", seconds)
-    return timed
+    monkeypatch.setattr(common, "sweep_seconds", seconds)
+    return sweeps
 
 
 def test_cpu_loading_lays_linear_weights_out_input_major_where_faster_values_and_ties_kept(
@@ -178,7 +179,7 @@ def test_cpu_loading_lays_linear_weights_out_input_major_where_faster_values_and
 ):
     from safetensors.torch import load_file
 
-    timed = _layouts_timed(monkeypatch, input_major_share=0.5)
+    sweeps = _layouts_timed(monkeypatch, input_major_share=0.5)
     model_dir = save_tiny_qwen3(tmp_path, seed=6, tie_word_embeddings=True, tokenizer=False)
     saved = load_file(model_dir / "model.safetensors")
     model = load_target(model_dir)
@@ -188,9 +189,11 @@ def test_cpu_loading_lays_linear_weights_out_input_major_where_faster_values_and
     assert model.lm_head.weight is model.embed_tokens.weight  # still one tied parameter
     assert model.lm_head.weight.stride() == (1, model.lm_head.weight.shape[0])
     assert torch.equal(model.embed_tokens.weight, saved["model.embed_tokens.weight"])
-    assert len(timed) == len(set(timed))  # each shape timed once: the others reuse its layout
-    load_target(model_dir)
-    assert len(timed) == len(set(timed))  # and so does a second load in the process
+    assert len(sweeps) == 2  # each layout's sweep over the model's weights, each weight once
+    assert len(sweeps[0]) == len(set(map(id, common._linear_weights(model))))
+    again = load_target(model_dir).layers[0].mlp.up_proj.weight
+    assert again.stride() == up.stride()  # a second load lays the decided shapes out alike,
+    assert len(sweeps) == 2  # untimed
     # bfloat16 gains nothing from the layout (measured), so it keeps the row-major one
     bf16 = load_target(model_dir, dtype=torch.bfloat16)
     assert bf16.layers[0].mlp.up_proj.weight.is_contiguous()
@@ -199,7 +202,7 @@ def test_cpu_loading_lays_linear_weights_out_input_major_where_faster_values_and
 def test_cpu_loading_keeps_row_major_weights_where_input_major_is_not_clearly_faster(
     tmp_path, monkeypatch
 ):
-    _layouts_timed(monkeypatch, input_major_share=0.95)
+    _layouts_timed(monkeypatch, input_major_share=(1 + common.LAYOUT_GAIN) / 2)
     model_dir = save_tiny_qwen3(tmp_path, seed=6, tie_word_embeddings=True, tokenizer=False)
     model = load_target(model_dir)
     assert model.layers[0].mlp.up_proj.weight.is_contiguous()
@@ -207,6 +210,6 @@ def test_cpu_loading_keeps_row_major_weights_where_input_major_is_not_clearly_fa
     assert model.lm_head.weight is model.embed_tokens.weight
 
 
-def test_layout_seconds_times_both_layouts_of_a_weight():
-    row_major, input_major = common.layout_seconds(torch.randn(64, 32))
-    assert 0 < row_major < 1 and 0 < input_major < 1
+def test_a_sweep_times_every_weight():
+    seconds = common.sweep_seconds([torch.randn(64, 32), torch.randn(8, 64)])
+    assert len(seconds) == 2 and all(0 < s < 1 for s in seconds)
