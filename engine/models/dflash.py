@@ -34,15 +34,16 @@ from torch import nn
 from engine.kernels.reference import cast, compute_dtype
 from engine.kv_blocks import KVBlockPool, KVLayout
 from engine.models.common import (
+    GrowingPass,
     KVCache,
     QKNormProjections,
     RMSNorm,
     Rotary,
+    SegmentsPass,
     SwiGLU,
     WindowPass,
     finish_loading,
     new_kv_cache,
-    pass_mask_once,
     read_config,
     rope_theta,
 )
@@ -263,38 +264,34 @@ class DFlashDrafter(nn.Module):
     ) -> list[torch.Tensor]:  # each [B-1, V] float32
         """`draft` of several sequences in one pass: each (cache, context [N, n*H], bonus) has
         its context appended to its own cache and its block attend to it; the context
-        projections, the blocks' layers and the lm_head run over every sequence's rows at once.
-        A drafter with sliding-window layers drafts them one after another."""
+        projections, the blocks' layers and the lm_head run over every sequence's rows at once,
+        and so does attention where the caches share one block pool (`SegmentsPass`: one paged
+        launch on CUDA, padded batches elsewhere). A drafter with sliding-window layers drafts
+        them one after another."""
         if not self.static_ok:
             return [self.draft(target, cache, context, bonus) for cache, context, bonus in items]
         B, device = self.block_size, self.fc.weight.device
         for cache, context, _ in items:
             cache.check_room(context.shape[0] + B)
         self._write_contexts([(cache, context) for cache, context, _ in items])
-        starts = [cache.length + context.shape[0] for cache, context, _ in items]
-        block_pos = torch.cat([torch.arange(start, start + B, device=device) for start in starts])
+        caches = [cache for cache, _, _ in items]
+        for cache, context, _ in items:
+            cache.length += context.shape[0]  # the context is committed; the block is not
+        block_pos = torch.cat([torch.arange(c.length, c.length + B, device=device) for c in caches])
         rope = self._positions_rope(block_pos)
         ids = torch.full((len(items), B), self.mask_token_id, dtype=torch.long, device=device)
         ids[:, 0] = torch.tensor([bonus for _, _, bonus in items], device=device)
         x = self._embed(target, ids.flatten())  # [n*B, H]
+        rows = [slice(row * B, (row + 1) * B) for row in range(len(items))]
         in_block = torch.ones(B, B, dtype=torch.bool, device=device)
-        visible = {True: in_block.tril(), False: in_block}  # by causal
-        masks: dict[tuple[int, bool], list] = {}  # each block's, made at its first layer
+        passes = {  # by causal: each block attends its context and (part of) itself
+            causal: SegmentsPass(rows, caches, [GrowingPass(mask) for _ in caches])
+            for causal, mask in ((True, in_block.tril()), (False, in_block))
+        }
         for index, layer in enumerate(self.layers):
             q, k, v = layer.block_qkv(x, rope)
-            causal, _ = self.config.attention_kind(index)
-            attended = []
-            for row, ((cache, _, _), start) in enumerate(zip(items, starts, strict=True)):
-                rows, keys = slice(row * B, (row + 1) * B), start + B
-                cache.store(index, start, k[rows], v[rows])
-                memo = masks.setdefault((row, causal), [])
-                mask = pass_mask_once(memo, q[rows], keys, start, visible[causal])
-                attended.append(
-                    cache.attend(index, q[rows], start, visible[causal], self._scale, keys, mask)
-                )
-            x = layer.finish(x, torch.cat(attended))
-        for (cache, _, _), start in zip(items, starts, strict=True):
-            cache.length = start
+            block = passes[self.config.attention_kind(index)[0]]
+            x = layer.finish(x, block.attend(None, index, q, k, v, self._scale))
         drafted = x.unflatten(0, (len(items), B))[:, 1:].flatten(0, 1)  # every block but its bonus
         return list(self._logits(target, drafted).split(B - 1))
 

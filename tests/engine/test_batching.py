@@ -20,7 +20,7 @@ from engine import budgets
 from engine.cache_pool import CachePool
 from engine.decode import GenerationConfig, generate
 from engine.grammar import Constraint
-from engine.kv_blocks import attend_sequences
+from engine.kv_blocks import KVBlockPool, attend_sequences
 from engine.memory_plan import BLOCK_TOKENS, is_out_of_memory
 from engine.models import common
 from engine.prefix_cache import PrefixCache, has_states
@@ -316,31 +316,51 @@ def test_logprobs_beside_other_sequences_equal_their_solo_runs(pair):
         assert len(result.prompt_logprobs) == len(prompt)
 
 
-def test_the_drafters_batched_pass_equals_its_drafts_one_by_one(pair):
+# Contiguous caches (one attention call a sequence), paged ones over one pool (a padded batch on
+# the CPU), and the same forced through CUDA's one paged launch.
+DRAFT_CACHES = ("contiguous", "paged", "one launch")
+
+
+@pytest.mark.parametrize("caches", DRAFT_CACHES)
+def test_the_drafters_batched_pass_equals_its_drafts_one_by_one(pair, caches, monkeypatch):
     target, drafter = pair
+    if caches == "one launch":
+        monkeypatch.setattr(common, "ONE_LAUNCH_DEVICES", ("cpu",))
     width = len(drafter.target_layer_ids) * target.config.hidden_size
     generator = torch.Generator().manual_seed(7)
     lengths, histories = [3, 1, 9], [0, 5, 12]
-    caches = [[drafter.new_cache(64) for _ in lengths] for _ in range(2)]
+    blocks = None
+    if caches != "contiguous":  # small blocks: each sequence's keys span several
+        blocks = KVBlockPool(drafter.kv_layout(), capacity=64, block_tokens=4)
+    copies = [[drafter.new_cache(64, blocks) for _ in lengths] for _ in range(2)]
     items = []
     for index, (count, history) in enumerate(zip(lengths, histories, strict=True)):
         past = torch.randn(history, width, generator=generator, dtype=torch.float64)
-        for copies in caches:
-            drafter.append_context(copies[index], past)
+        for made in copies:
+            drafter.append_context(made[index], past)
         context = torch.randn(count, width, generator=generator, dtype=torch.float64)
         items.append((context, 3 + index))
     alone = [
         drafter.draft(target, cache, context, bonus)
-        for cache, (context, bonus) in zip(caches[0], items, strict=True)
+        for cache, (context, bonus) in zip(copies[0], items, strict=True)
     ]
     batch = [
-        (cache, context, bonus) for cache, (context, bonus) in zip(caches[1], items, strict=True)
+        (cache, context, bonus) for cache, (context, bonus) in zip(copies[1], items, strict=True)
     ]
     together = drafter.draft_batch(target, batch)
-    for one, other, a, b in zip(alone, together, caches[0], caches[1], strict=True):
+    for one, other, a, b in zip(alone, together, copies[0], copies[1], strict=True):
         torch.testing.assert_close(other, one, rtol=0, atol=1e-9)
         assert a.length == b.length
-        torch.testing.assert_close(b.k[:, : b.length], a.k[:, : a.length], rtol=0, atol=1e-12)
+        for layer in range(drafter.config.num_hidden_layers):
+            for mine, theirs in zip(committed_kv(b, layer), committed_kv(a, layer), strict=True):
+                torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-12)
+
+
+def committed_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache's committed K and V of `layer`, paged or contiguous."""
+    if hasattr(cache, "keys"):
+        return cache.keys(layer, cache.length)
+    return cache.k[layer, : cache.length], cache.v[layer, : cache.length]
 
 
 def test_attention_in_one_paged_launch_decodes_as_segment_by_segment(pair, monkeypatch):
