@@ -456,7 +456,8 @@ class Qwen3_5Model(nn.Module):
         cos, sin = self.rotary.tables(positions, h.dtype)
         kv = [segment.cache.kv for segment in segments]
         parts = [
-            (r, self._segment_pass(segment)) for r, segment in zip(rows, segments, strict=True)
+            (r, self._segment_pass(segment, grow.visible))
+            for r, segment, grow in zip(rows, segments, passes, strict=True)
         ]
         # The layers' own `cache` is the first segment's and they read no `parents`: the
         # attention reads each segment's K/V (SegmentsPass), the GDN layers each part.
@@ -472,8 +473,9 @@ class Qwen3_5Model(nn.Module):
                 segment.cache.pending = part.pending
         return split_batch(self._logits, h, hidden, segments, rows)
 
-    def _segment_pass(self, segment: Segment) -> TreePass:
-        """What one segment's GDN layers read of a batched pass: its cache, tree and mode."""
+    def _segment_pass(self, segment: Segment, visible: torch.Tensor | None) -> TreePass:
+        """What one segment's GDN layers read of a batched pass: its cache, tree and mode
+        (`visible`: its ancestor mask, as its attention reads it; None: a chain)."""
         T, device = segment.ids.shape[0], self.embed_tokens.weight.device
         parents = segment.parents
         if parents is None:
@@ -483,7 +485,7 @@ class Qwen3_5Model(nn.Module):
             segment.cache, parents.to(device), None, none, none, self.rotary, segment.extend
         )
         if not segment.extend and T > 1 and self._factored_on(segment.cache, T):
-            part.ancestors = ancestor_matrix(part.parents)
+            part.ancestors = visible if visible is not None else ancestor_matrix(part.parents)
             part.taps = conv_taps(part.parents, self.config.linear_conv_kernel_dim)
         return part
 
