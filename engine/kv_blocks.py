@@ -171,6 +171,12 @@ class KVBlockPool:
             ]
         return self._flat[layer]
 
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [N, Hkv, D] written at pool `slots` [N] of `layer` (any sequences' slots)."""
+        keys, values = self.flat(layer)
+        keys.index_copy_(0, slots, k)
+        values.index_copy_(0, slots, v)
+
     def share(self, block: int) -> int:
         """One more reference to `block` (which must be in use); returns it."""
         if self.refs[block] < 1:
@@ -278,17 +284,11 @@ class PagedKVCache:
 
     def store(self, layer: int, offset: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] at slots offset.. (held by check_room)."""
-        slots = self.physical(offset, offset + k.shape[0])
-        keys, values = self._flat(layer)
-        keys.index_copy_(0, slots, k)
-        values.index_copy_(0, slots, v)
+        self.pool.store(layer, self.physical(offset, offset + k.shape[0]), k, v)
 
     def store_at(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] at device `slots` [T] (a static pass: no host reads)."""
-        physical = self._physical_at(slots)
-        keys, values = self._flat(layer)
-        keys.index_copy_(0, physical, k)
-        values.index_copy_(0, physical, v)
+        self.pool.store(layer, self._physical_at(slots), k, v)
 
     def _physical_at(self, slots: torch.Tensor) -> torch.Tensor:
         """Pool slots of device `slots`, worked out once for the tensor every layer of a pass
@@ -403,6 +403,14 @@ def reads_blocks_in_place(q: torch.Tensor) -> bool:
     return q.is_cuda
 
 
+def shared_pool(caches: list) -> KVBlockPool | None:
+    """The pool every one of `caches` is a block table over, if they share one (None else)."""
+    pools = {id(cache.pool): cache.pool for cache in caches if isinstance(cache, PagedKVCache)}
+    if len(pools) != 1 or len(caches) != sum(isinstance(c, PagedKVCache) for c in caches):
+        return None
+    return next(iter(pools.values()))
+
+
 def attend_sequences(
     caches: list[PagedKVCache],
     layer: int,
@@ -489,12 +497,11 @@ class PaddedSequences:
     ) -> torch.Tensor:  # [B * T, Hq, D]
         """Store the sequences' pending k, v (rows of the pass's [N, Hkv, D]) in their blocks,
         then attend their queries (rows of q [N, Hq, D]) over their keys."""
-        (B, T, S), flat = self.shape, pool.flat(layer)
-        for storage, pending in zip(flat, (k, v), strict=True):
-            storage.index_copy_(0, self.pending, pending[self.rows])
+        B, T, S = self.shape
+        pool.store(layer, self.pending, k[self.rows], v[self.rows])
         K, V = (
             storage.index_select(0, self.keys).view(B, S, *storage.shape[1:]).transpose(1, 2)
-            for storage in flat
+            for storage in pool.flat(layer)
         )  # [B, Hkv, S, D]
         Q = q[self.rows].view(B, T, *q.shape[1:]).transpose(1, 2)  # [B, Hq, T, D]
         out = F.scaled_dot_product_attention(Q, K, V, self.mask, scale=scale, enable_gqa=True)

@@ -39,6 +39,7 @@ from engine.kv_blocks import (
     PaddedSequences,
     PagedKVCache,
     attend_sequences,
+    shared_pool,
 )
 from engine.tree import on_device, tree_layout
 
@@ -405,9 +406,7 @@ class SegmentsPass:
         return out
 
     def _shared_pool(self) -> bool:
-        if len(self.caches) < 2 or not all(isinstance(kv, PagedKVCache) for kv in self.caches):
-            return False
-        return len({id(kv.pool) for kv in self.caches}) == 1
+        return len(self.caches) > 1 and shared_pool(self.caches) is not None
 
     def _padded_groups(self, dtype: torch.dtype) -> tuple[list[PaddedSequences], list[int]]:
         """The segments grouped by token count into padded batches of two or more (each

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from engine.kernels.reference import cast, compute_dtype
-from engine.kv_blocks import KVBlockPool, KVLayout
+from engine.kv_blocks import KVBlockPool, KVLayout, shared_pool
 from engine.models.common import (
     GrowingPass,
     KVCache,
@@ -297,7 +297,8 @@ class DFlashDrafter(nn.Module):
 
     def _write_contexts(self, items: list[tuple[KVCache, torch.Tensor]]) -> None:
         """Every sequence's context K/V behind its cache's tokens: a round's few rows of all
-        of them projected at once, a long one (a prompt's, after its prefill) on its own."""
+        of them projected at once (and stored at once where their caches share a block pool),
+        a long one (a prompt's, after its prefill) on its own."""
         short = [(cache, context) for cache, context in items if context.shape[0] <= CONTEXT_PIECE]
         for cache, context in items:
             if context.shape[0] > CONTEXT_PIECE:
@@ -312,8 +313,14 @@ class DFlashDrafter(nn.Module):
         ctx = self.hidden_norm(self.fc(contexts.to(self.fc.weight.dtype)))
         rope = self._positions_rope(positions)
         bounds = torch.tensor([0, *[x.shape[0] for _, x in short]]).cumsum(0).tolist()
+        pool = shared_pool([cache for cache, _ in short])
+        if pool is not None:
+            slots = torch.cat([c.physical(c.length, c.length + x.shape[0]) for c, x in short])
         for index, layer in enumerate(self.layers):
             k, v = layer.self_attn.key_values(ctx, rope)
+            if pool is not None:
+                pool.store(index, slots, k, v)
+                continue
             for (cache, _), first, end in zip(short, bounds, bounds[1:], strict=False):
                 cache.store(index, cache.length, k[first:end], v[first:end])
 
