@@ -81,6 +81,7 @@ from engine.tree import (
 )
 
 STAGES = ("prefill", "draft", "tree", "verify", "commit")
+TopK = tuple[np.ndarray, np.ndarray]  # top-k log-probs and token ids [D, k] of draft logits
 
 
 @dataclass
@@ -489,10 +490,13 @@ class _Sequence:
             self.guide.start_round()
         return self.speculative and min(depth_room, node_room) > 0
 
-    def shape(self, logits: torch.Tensor, depth_room: int, node_room: int) -> DraftTree:
-        """The round's tree from the drafter's logits [B-1, V]."""
+    def shape(
+        self, logits: torch.Tensor, depth_room: int, node_room: int, top: TopK | None = None
+    ) -> DraftTree:
+        """The round's tree from the drafter's logits [B-1, V] (`top`: their top-k, read back
+        already beside other sequences')."""
         with self.clock.stage("tree"):
-            return _shape_draft(self.cfg, logits, depth_room, node_room, self.guide)
+            return _shape_draft(self.cfg, logits, depth_room, node_room, self.guide, top)
 
     def trim(self, tree: DraftTree, count: int) -> DraftTree:
         """The round's tree cut to its first `count` nodes (a budget chosen after the draft,
@@ -758,14 +762,19 @@ def _shape_draft(
     depth_room: int,
     node_room: int,
     guide: Guide | None,
+    top: TopK | None = None,
 ) -> DraftTree:
     """The round's draft from logits [B-1, V]: a chain or a DDTree within the rooms left, of
-    grammar-valid tokens only under a guide (a chain ends at its first refused token)."""
+    grammar-valid tokens only under a guide (a chain ends at its first refused token). A tree
+    reads `top`, the logits' top-k log-probs and ids [B-1, budget], when given."""
     depth = min(logits.shape[0], depth_room, node_room)
     if cfg.method == "linear":
         chain = logits[:depth].argmax(dim=-1).cpu().numpy()
         return chain_tree(chain[: guide.valid_prefix(chain.tolist())] if guide else chain)
-    log_probs, token_ids = top_k_log_probs(logits[:depth], cfg.budget)
+    if top is None:
+        log_probs, token_ids = top_k_log_probs(logits[:depth], cfg.budget)
+    else:
+        log_probs, token_ids = top[0][:depth], top[1][:depth]
     allow = guide.allow if guide else None
     return build_tree(log_probs, token_ids, min(cfg.budget, node_room), allow)
 

@@ -61,15 +61,17 @@ from engine.decode import (
     GenerationConfig,
     GenerationResult,
     Run,
+    TopK,
     _check,
     _draft_width,
     _Sequence,
 )
 from engine.kv_blocks import PoolExhausted
 from engine.memory_plan import is_out_of_memory
+from engine.methods import TREE_METHODS
 from engine.models.common import Segment
 from engine.sampling import TokenLogprob
-from engine.tree import DraftTree, chain_tree
+from engine.tree import DraftTree, chain_tree, top_k_log_probs
 
 log = logging.getLogger(__name__)
 
@@ -436,8 +438,10 @@ class Scheduler:
                 rounds = [(active, rooms) for active, rooms in rounds if active not in drafting]
             else:
                 room = {id(active): rooms for active, rooms in rounds}
+                tops = _tops(drafting, drafts)
                 for active, draft in zip(drafting, drafts, strict=True):
-                    trees[id(active)] = active.seq.shape(draft, *room[id(active)])
+                    top = tops.get(id(active))
+                    trees[id(active)] = active.seq.shape(draft, *room[id(active)], top)
                 seconds = time.perf_counter() - started  # on CUDA: shape read the drafts back
                 self.budgets.observe_draft(len(drafting), seconds)
                 self._auto_nodes(rounds, trees, seconds)
@@ -497,8 +501,8 @@ class Scheduler:
             tokens, trees_in = tokens + 1 + nodes, trees_in + (nodes > 0)
         return Baseline(tokens, trees_in, len(rounds))
 
-    def _draft(self, drafting: list[_Active]) -> list[torch.Tensor]:
-        """The drafter's logits [B-1, V] after each sequence's bonus, from one batched pass."""
+    def _draft(self, drafting: list[_Active]) -> torch.Tensor:
+        """The drafter's logits [n, B-1, V] after each sequence's bonus, from one batched pass."""
         items = [(a.seq.draft_cache, a.seq.context, a.seq.bonus) for a in drafting]
         drafts = self.drafter.draft_batch(self.target, items)
         for active in drafting:
@@ -628,6 +632,22 @@ class Scheduler:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return True
+
+
+def _tops(drafting: list[_Active], drafts: torch.Tensor) -> dict[int, TopK]:
+    """The top-k of every tree-drafting sequence's draft (drafts [n, B-1, V]), by id: one
+    log_softmax, topk and host read for all those of one budget, not one each."""
+    by_budget: dict[int, list[int]] = {}
+    for index, active in enumerate(drafting):
+        if active.seq.cfg.method in TREE_METHODS:
+            by_budget.setdefault(active.seq.cfg.budget, []).append(index)
+    tops = {}
+    for budget, members in by_budget.items():
+        logits = drafts if len(members) == len(drafting) else drafts[members]
+        log_probs, token_ids = top_k_log_probs(logits, budget)
+        for row, index in enumerate(members):
+            tops[id(drafting[index])] = (log_probs[row], token_ids[row])
+    return tops
 
 
 def _round_tokens(active: _Active, rooms: tuple[int, int]) -> int:

@@ -70,12 +70,13 @@ def chain_tree(tokens: np.ndarray) -> DraftTree:
 
 
 def top_k_log_probs(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k log-probs and token ids [D, k] of logits [D, V], read back in one copy (one host
-    sync): the ids travel as float64, exact for any vocabulary below 2^53."""
+    """Top-k log-probs and token ids [..., D, k] of logits [..., D, V] (several sequences'
+    drafts at once), read back in one copy (one host sync): the ids travel as float64, exact
+    for any vocabulary below 2^53."""
     values, ids = torch.log_softmax(cast(logits, torch.float32), dim=-1).topk(
         min(k, logits.shape[-1]), dim=-1
     )
-    both = torch.stack([values.double(), ids.double()]).cpu().numpy()  # [2, D, k]
+    both = torch.stack([values.double(), ids.double()]).cpu().numpy()  # [2, ..., D, k]
     return both[0].astype(np.float32), both[1].astype(np.int64)
 
 

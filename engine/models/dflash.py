@@ -261,7 +261,7 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def draft_batch(
         self, target: nn.Module, items: list[tuple[KVCache, torch.Tensor, int]]
-    ) -> list[torch.Tensor]:  # each [B-1, V] float32
+    ) -> torch.Tensor:  # [n, B-1, V] float32
         """`draft` of several sequences in one pass: each (cache, context [N, n*H], bonus) has
         its context appended to its own cache and its block attend to it; the context
         projections, the blocks' layers and the lm_head run over every sequence's rows at once,
@@ -269,7 +269,9 @@ class DFlashDrafter(nn.Module):
         launch on CUDA, padded batches elsewhere). A drafter with sliding-window layers drafts
         them one after another."""
         if not self.static_ok:
-            return [self.draft(target, cache, context, bonus) for cache, context, bonus in items]
+            return torch.stack(
+                [self.draft(target, cache, context, bonus) for cache, context, bonus in items]
+            )
         B, device = self.block_size, self.fc.weight.device
         for cache, context, _ in items:
             cache.check_room(context.shape[0] + B)
@@ -292,8 +294,8 @@ class DFlashDrafter(nn.Module):
             q, k, v = layer.block_qkv(x, rope)
             block = passes[self.config.attention_kind(index)[0]]
             x = layer.finish(x, block.attend(None, index, q, k, v, self._scale))
-        drafted = x.unflatten(0, (len(items), B))[:, 1:].flatten(0, 1)  # every block but its bonus
-        return list(self._logits(target, drafted).split(B - 1))
+        drafted = x.unflatten(0, (len(items), B))[:, 1:]  # every block but its bonus
+        return self._logits(target, drafted)
 
     def _write_contexts(self, items: list[tuple[KVCache, torch.Tensor]]) -> None:
         """Every sequence's context K/V behind its cache's tokens: a round's few rows of all

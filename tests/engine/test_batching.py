@@ -144,6 +144,21 @@ def test_sequences_side_by_side_equal_their_solo_runs(pair):
     assert max(tokens for _, tokens in widths) <= 48 + 6 * 16  # prefill pieces kept the budget
 
 
+def test_drafted_trees_side_by_side_equal_their_solo_runs(pair):
+    """The trees of a batched step's drafts (their top-k read back together, by budget) are
+    each sequence's own: round by round those of its solo run."""
+    drafting = [("ddtree", 6), ("ddtree", 3), ("ddtree", 6), ("linear", 1), ("ddtree", 6)]
+    cfgs = [GenerationConfig(m, b, max_new_tokens=NEW, trace=True) for m, b in drafting]
+    cases = list(zip(prompts(pair, [5, 40, 9, 70, 14], seed=4), cfgs, strict=True))
+    sched, got = scheduler(pair, slots=len(cases), tokens=48), Collector()
+    for index, (prompt, cfg) in enumerate(cases):
+        sched.add(got.request(index, prompt, cfg))
+    drain(sched)
+    for index, (prompt, cfg) in enumerate(cases):
+        alone = generate(*pair, prompt, cfg).rounds
+        assert got.finished[index].result.rounds == alone, drafting[index]
+
+
 def test_requests_join_while_others_decode_and_wait_for_a_slot(pair):
     cases = list(zip(prompts(pair, [12, 30, 7, 50, 4], seed=1), configs(), strict=False))
     sched, got = scheduler(pair, slots=2, tokens=20), Collector()
