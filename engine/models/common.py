@@ -485,6 +485,7 @@ def materialize(module: nn.Module, dtype: torch.dtype, device) -> nn.Module:
 LAYOUT_ROWS = 16  # the rows a weight layout is timed at: a verify's or a draft block's
 LAYOUT_GAIN = 0.95  # the input-major layout is taken only at this share of the time or less
 LAYOUT_SWEEPS = 3  # timed sweeps over a model's weights in each layout (the fastest counts)
+LAYOUT_TIMED_FROM = 1 << 20  # elements (4 MiB in float32): smaller weights are input-major
 _layouts: dict[tuple, bool] = {}  # (out, in, dtype, threads) -> input-major (this process)
 
 
@@ -493,19 +494,25 @@ def input_major_linears(module: nn.Module) -> nn.Module:
     input-major (a transposed view of a contiguous [in, out] tensor), in place; a parameter tied
     elsewhere (an embedding) follows. Shapes, names and values stay; only strides change.
 
-    Measured, not assumed (engine/NOTES.md): which layout MKL multiplies faster depends on the
-    CPU, the shape and what the cache holds. Input-major was about twice as fast at 16 rows on
-    one VM's demo shapes; on an AMD EPYC VM it is ~9% faster at the demo's widths and ~20%
-    slower at 1024 wide. A shape is decided once per dtype and thread count in a process
-    (`decide_layouts`), so every model loaded in it lays that shape out alike: the values are
-    the same either way, a product's rounding may not be.
+    Which layout MKL multiplies faster depends on the CPU and on whether the weight streams
+    from memory (engine/NOTES.md): over the demo's weights (at most 0.5M elements) input-major
+    was about twice as fast at 16 rows on one VM and is ~9% faster on an AMD EPYC VM, where it
+    is ~20% slower over a 1024-wide model's (1M to 33M). So a weight under LAYOUT_TIMED_FROM
+    elements is input-major, and a larger one's shape is timed, once per dtype and thread
+    count in a process (`decide_layouts`): every model loaded in it lays that shape out alike.
+    The values are the same either way, a product's rounding may not be: the small models of
+    the demo and the tests lay out alike in every process.
     """
-    undecided = [w for w in _linear_weights(module) if _layout_key(w) not in _layouts]
+    undecided = [
+        weight
+        for weight in _linear_weights(module)
+        if weight.numel() >= LAYOUT_TIMED_FROM and _layout_key(weight) not in _layouts
+    ]
     if undecided:
         decide_layouts(module, undecided)
     for sub in module.modules():
         if isinstance(sub, nn.Linear):
-            wanted = _layouts[_layout_key(sub.weight)]
+            wanted = sub.weight.numel() < LAYOUT_TIMED_FROM or _layouts[_layout_key(sub.weight)]
             if wanted and sub.weight.is_contiguous():
                 _relay(module, sub.weight, _input_major)
             elif not wanted and not sub.weight.is_contiguous():

@@ -160,9 +160,9 @@ def test_tied_model_shares_embedding_and_lm_head(tmp_path):
 
 
 def _layouts_timed(monkeypatch, input_major_share: float) -> list[list[tuple]]:
-    """Loading times the layouts as given (an input-major product at `input_major_share` of a
-    row-major one's time) with a fresh record of the shapes decided; returns each sweep's
-    shapes."""
+    """Loading times every weight's layouts as given (an input-major product at
+    `input_major_share` of a row-major one's time) with a fresh record of the shapes decided;
+    returns each sweep's shapes."""
     sweeps = []
 
     def seconds(weights):
@@ -171,7 +171,19 @@ def _layouts_timed(monkeypatch, input_major_share: float) -> list[list[tuple]]:
 
     monkeypatch.setattr(common, "_layouts", {})
     monkeypatch.setattr(common, "sweep_seconds", seconds)
+    monkeypatch.setattr(common, "LAYOUT_TIMED_FROM", 1)
     return sweeps
+
+
+def test_small_weights_are_input_major_untimed(tmp_path, monkeypatch):
+    sweeps = _layouts_timed(monkeypatch, input_major_share=2.0)
+    monkeypatch.setattr(common, "LAYOUT_TIMED_FROM", 64 * 32 + 1)  # lm_head [96, 32] timed
+    model_dir = save_tiny_qwen3(tmp_path, seed=6, tokenizer=False)
+    model = load_target(model_dir)
+    up = model.layers[0].mlp.up_proj.weight  # [64, 32]
+    assert up.stride() == (1, up.shape[0])
+    assert model.lm_head.weight.is_contiguous()  # timed: row-major was faster
+    assert sweeps == [[tuple(model.lm_head.weight.shape)]] * 2
 
 
 def test_cpu_loading_lays_linear_weights_out_input_major_where_faster_values_and_ties_kept(
