@@ -21,8 +21,7 @@ from engine.decode import GenerationConfig, generate
 from engine.models import load_target
 from engine.tokenizer import load_tokenizer
 from tests.helpers.engine_server import start_engine_server
-from tests.helpers.tiny_qwen3 import save_tiny_dflash, save_tiny_qwen3
-from tests.helpers.tiny_tokenizer import BYTE_VOCAB_SIZE, save_byte_tokenizer
+from tests.helpers.tiny_pairs import save_byte_pair
 
 MAX_MODEL_LEN = 256
 PROMPT = "the cat sat on the mat"
@@ -34,10 +33,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engine-models")
-    target = save_tiny_qwen3(root / "tiny", vocab_size=BYTE_VOCAB_SIZE, tokenizer=False)
-    save_byte_tokenizer(target)
-    return target, save_tiny_dflash(root / "tiny-draft", target)
+    return save_byte_pair(tmp_path_factory.mktemp("engine-models"), "dense", name="tiny")
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,12 @@ import json
 import pytest
 
 from engine.tools.step_ops import main
-from tests.helpers.tiny_hybrid import save_tiny_hybrid, save_tiny_hybrid_drafter
-from tests.helpers.tiny_tokenizer import BYTE_VOCAB_SIZE, save_byte_tokenizer
+from tests.helpers.tiny_pairs import save_byte_pair
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("step-ops")
-    target = save_tiny_hybrid(root / "target", vocab_size=BYTE_VOCAB_SIZE, tokenizer=False)
-    save_byte_tokenizer(target)
-    return target, save_tiny_hybrid_drafter(root / "draft", target)
+    return save_byte_pair(tmp_path_factory.mktemp("step-ops"), "hybrid")
 
 
 def test_counts_every_part_of_batched_ddtree_steps(pair):
