@@ -67,6 +67,7 @@ from engine.sampling import (
 )
 from engine.tree import (
     DraftTree,
+    TopK,
     build_tree,
     chain_tree,
     pack_pass,
@@ -81,7 +82,6 @@ from engine.tree import (
 )
 
 STAGES = ("prefill", "draft", "tree", "verify", "commit")
-TopK = tuple[np.ndarray, np.ndarray]  # top-k log-probs and token ids [D, k] of draft logits
 
 
 @dataclass

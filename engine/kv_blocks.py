@@ -405,10 +405,9 @@ def reads_blocks_in_place(q: torch.Tensor) -> bool:
 
 def shared_pool(caches: list) -> KVBlockPool | None:
     """The pool every one of `caches` is a block table over, if they share one (None else)."""
-    pools = {id(cache.pool): cache.pool for cache in caches if isinstance(cache, PagedKVCache)}
-    if len(pools) != 1 or len(caches) != sum(isinstance(c, PagedKVCache) for c in caches):
+    if not caches or not all(isinstance(cache, PagedKVCache) for cache in caches):
         return None
-    return next(iter(pools.values()))
+    return caches[0].pool if len({id(cache.pool) for cache in caches}) == 1 else None
 
 
 def attend_sequences(

@@ -61,7 +61,6 @@ from engine.decode import (
     GenerationConfig,
     GenerationResult,
     Run,
-    TopK,
     _check,
     _draft_width,
     _Sequence,
@@ -71,7 +70,7 @@ from engine.memory_plan import is_out_of_memory
 from engine.methods import TREE_METHODS
 from engine.models.common import Segment
 from engine.sampling import TokenLogprob
-from engine.tree import DraftTree, chain_tree, top_k_log_probs
+from engine.tree import DraftTree, TopK, chain_tree, top_k_log_probs
 
 log = logging.getLogger(__name__)
 

@@ -69,7 +69,10 @@ def chain_tree(tokens: np.ndarray) -> DraftTree:
     return DraftTree(tokens, np.arange(len(tokens), dtype=np.int64))
 
 
-def top_k_log_probs(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+TopK = tuple[np.ndarray, np.ndarray]  # top-k log-probs and token ids [..., D, k] of draft logits
+
+
+def top_k_log_probs(logits: torch.Tensor, k: int) -> TopK:
     """Top-k log-probs and token ids [..., D, k] of logits [..., D, V] (several sequences'
     drafts at once), read back in one copy (one host sync): the ids travel as float64, exact
     for any vocabulary below 2^53."""
