@@ -36,6 +36,7 @@ still has none raises `PoolExhausted`, an out-of-memory error (engine/memory_pla
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -451,7 +452,8 @@ class PaddedSequences:
     longest one's committed + T), one attention call a layer instead of one per sequence.
     Made once a pass (`of`); every layer of the pass reuses its slots and mask."""
 
-    rows: torch.Tensor  # [B * T] the sequences' rows of the pass, in order
+    rows: torch.Tensor | slice  # [B * T] the sequences' rows of the pass, in order (a slice
+    # when they follow one another: read as views, not gathered)
     pending: torch.Tensor  # [B * T] the pool slots their pending K/V are stored at
     keys: torch.Tensor  # [B * S] the pool slots each reads (past its own end: masked)
     mask: torch.Tensor  # [B, 1, T, S] added to the scores: 0 where a key is seen, -inf not
@@ -478,12 +480,16 @@ class PaddedSequences:
         seen = _keys_seen(slots - committed, visible, T)
         mask = torch.zeros(B, 1, T, S, dtype=dtype, device=pool.device)
         return cls(
-            torch.cat([torch.arange(r.start, r.stop) for r in rows]).to(pool.device),
+            _rows_of(rows, pool.device),
             keys.gather(1, ahead).flatten(),
             keys.flatten(),
             mask.masked_fill_(~seen[:, None], float("-inf")),
             (B, T, S),
         )
+
+    def covers(self, rows: int) -> bool:
+        """Whether these are all `rows` rows of the pass, in order."""
+        return isinstance(self.rows, slice) and self.rows == slice(0, rows)
 
     def attend(
         self,
@@ -505,6 +511,13 @@ class PaddedSequences:
         Q = q[self.rows].view(B, T, *q.shape[1:]).transpose(1, 2)  # [B, Hq, T, D]
         out = F.scaled_dot_product_attention(Q, K, V, self.mask, scale=scale, enable_gqa=True)
         return out.transpose(1, 2).reshape(B * T, *q.shape[1:])
+
+
+def _rows_of(rows: list[slice], device: torch.device) -> torch.Tensor | slice:
+    """The rows of the pass `rows` name, in order: one slice when they follow one another."""
+    if all(a.stop == b.start for a, b in itertools.pairwise(rows)):
+        return slice(rows[0].start, rows[-1].stop)
+    return torch.cat([torch.arange(r.start, r.stop) for r in rows]).to(device)
 
 
 def _keys_seen(

@@ -397,12 +397,14 @@ class SegmentsPass:
         if self.groups is None:
             self.groups = self._padded_groups(q.dtype)
         batches, alone = self.groups
+        if not alone and len(batches) == 1 and batches[0].covers(q.shape[0]):
+            return batches[0].attend(self.caches[0].pool, layer, q, k, v, scale)
         out = torch.empty_like(q)
         for i in alone:
             r = self.rows[i]
             out[r] = self.passes[i].attend(self.caches[i], layer, q[r], k[r], v[r], scale)
         for batch in batches:
-            out.index_copy_(0, batch.rows, batch.attend(self.caches[0].pool, layer, q, k, v, scale))
+            out[batch.rows] = batch.attend(self.caches[0].pool, layer, q, k, v, scale)
         return out
 
     def _shared_pool(self) -> bool:

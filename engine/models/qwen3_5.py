@@ -290,14 +290,20 @@ class HybridDecoderLayer(nn.Module):
         for group, mix in ((steps, self._single_steps), (trees, self._factored)):
             if not group:
                 continue
-            rows = torch.cat([torch.arange(parts[i][0].start, parts[i][0].stop) for i in group])
-            out, pending = mix(
-                tuple(t[rows.to(normed.device)] for t in inputs), [parts[i][1] for i in group]
-            )
-            sizes = [parts[i][0].stop - parts[i][0].start for i in group]
-            for i, mixed, kept in zip(group, out.split(sizes), pending, strict=True):
-                outs[i] = mixed
+            whole = len(group) == len(parts)  # every segment, in order: the rows as they are
+            if whole:
+                mine = inputs
+            else:
+                rows = torch.cat([torch.arange(parts[i][0].start, parts[i][0].stop) for i in group])
+                mine = tuple(t[rows.to(normed.device)] for t in inputs)
+            out, pending = mix(mine, [parts[i][1] for i in group])
+            for i, kept in zip(group, pending, strict=True):
                 parts[i][1].pending.append(kept)
+            if whole:
+                return gdn._output(out, normed)
+            sizes = [parts[i][0].stop - parts[i][0].start for i in group]
+            for i, mixed in zip(group, out.split(sizes), strict=True):
+                outs[i] = mixed
         for i, (rows, part) in enumerate(parts):
             if outs[i] is not None:
                 continue
