@@ -585,10 +585,12 @@ class _Sequence:
         hidden,
         pending: tuple | None,
         taking: Callable[[list[int]], int],
+        commits: list[tuple[object, torch.Tensor]] | None = None,
     ) -> tuple[list[int], list[int]]:
         """Walk the tree and commit the accepted path, cut where `taking` says the output ends
         (so the cache holds the output but its last token, what a next turn extends); returns
-        (accepted verify indices, new tokens)."""
+        (accepted verify indices, new tokens). `commits`: the cache's part is left to the
+        caller, (cache, path) appended there (a batched pass's, all committed at once)."""
         with self.clock.stage("commit"):
             accepted, next_bonus = walk(tree, choices)
             drafted = [int(tree.tokens[i - 1]) for i in accepted[1:]]
@@ -599,6 +601,8 @@ class _Sequence:
             if pending is not None:
                 parents = padded_parents(tree.verify_parents(), self.width).tolist()
                 self.target.commit(self.cache, host_path, pending, parents=parents)
+            elif commits is not None:
+                commits.append((self.cache, host_path.to(self.device)))
             else:
                 self.target.commit(self.cache, host_path.to(self.device))
             if self.speculative:

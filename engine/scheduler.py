@@ -551,6 +551,7 @@ class Scheduler:
         tokens = sum(item.segment.ids.shape[0] for item in work)
         if self.on_pass is not None:
             self.on_pass(len(work), tokens)
+        commits: list = []  # every round's cache commit, at once after the walks
         for item, (logits, hidden) in zip(work, outputs, strict=True):
             seq, hidden = item.active.seq, hidden if item.active.seq.speculative else None
             if item.tree is None:
@@ -560,13 +561,14 @@ class Scheduler:
                 continue
             choices, seq.scores = seq._choose(logits, item.tree)
             accepted, new_tokens = seq.commit(
-                item.tree, choices, hidden, None, item.active.run.out.taking
+                item.tree, choices, hidden, None, item.active.run.out.taking, commits
             )
             item.active.run.committed(item.tree, accepted, new_tokens)
             if item.active.acceptance is not None and item.tree.size:
                 self.budgets.verified(
                     item.active.acceptance, item.tree.log_probs, len(accepted) - 1
                 )
+        self.target.commit_batch(commits)
         trees = sum(item.segment.ids.shape[0] > 1 for item in work)
         seconds = time.perf_counter() - started  # the choices were read: the device is done
         self.budgets.observe_pass(tokens, trees, seconds)

@@ -61,6 +61,8 @@ class SolvedPiece:
     writes: torch.Tensor  # [H, T, Dv] u
     start_decay: torch.Tensor  # [H, T] exp(G): how much of the initial state each node keeps
     initial: torch.Tensor  # [H, Dk, Dv] the state before the piece
+    stacked: tuple[SolvedPiece, int] | None = None  # one of trees solved stacked: their
+    # piece (leading dimension; its `initial` a copy of their states) and this one's index
 
     def state_after(self, node: int) -> torch.Tensor:  # [H, Dk, Dv]
         return self.write_state_after(node, torch.empty_like(self.initial))
@@ -86,8 +88,28 @@ class SolvedPiece:
         `initials` entry (its state before the pass, not a stacked copy of it)."""
         factors = (self.weights, self.keys, self.writes, self.start_decay)
         return [
-            SolvedPiece(*(t[i] for t in factors), initial) for i, initial in enumerate(initials)
+            SolvedPiece(*(t[i] for t in factors), initial, (self, i))
+            for i, initial in enumerate(initials)
         ]
+
+    def write_states_after(self, members: list[int], nodes: list[int]) -> torch.Tensor:
+        """Of trees solved stacked (this the stack's piece): the state after `nodes[j]` of tree
+        `members[j]`, [len(members), H, Dk, Dv], in one set of calls whatever their number:
+        `write_state_after`'s maths, its product batched (so equal within rounding: BLAS may
+        sum a batch's products in another order)."""
+        index = torch.tensor(members, device=self.weights.device)
+        at = torch.tensor(nodes, device=self.weights.device)
+        every = members == list(range(self.weights.shape[0]))
+        keys, writes, initial = (
+            (t if every else t.index_select(0, index))
+            for t in (self.keys, self.writes, self.initial)
+        )
+        weighted_keys = keys * self.weights[index, :, at, :, None]  # [n, H, T, Dk]
+        out = initial * self.start_decay[index, :, at, None, None]
+        n, H, Dk, Dv = out.shape
+        batched = out.view(n * H, Dk, Dv)
+        batched.baddbmm_(weighted_keys.transpose(2, 3).flatten(0, 1), writes.flatten(0, 1))
+        return out
 
     def nbytes(self) -> int:
         tensors = (self.weights, self.keys, self.writes, self.start_decay)

@@ -358,14 +358,45 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(x.shape[0], s.value_heads, s.value_dim)
         return self.out_proj(self.norm(out, z).reshape(x.shape[0], -1))
 
-    def commit(
-        self, state: RecurrentState, pending: PendingRecurrence, accepted: torch.Tensor, last: int
+    def commit_many(
+        self,
+        states: list[RecurrentState],
+        pendings: list[PendingRecurrence],
+        paths: list[torch.Tensor],
+        lasts: list[int],
     ) -> None:
-        """Install the state after the last node of `accepted` [K] (a root-to-node path on the
-        device; `last` is its last node, known on the host). In place: a captured graph reads
-        the committed state at its address."""
+        """Install in each state the one after the last node of its path (`paths`: root-to-node
+        paths on the device; `lasts`: their last nodes, known on the host). In place: a
+        captured graph reads the committed state at its address. The states of trees solved
+        stacked (a batched pass's `factored_mix`, the CPU's) are built together, one set of
+        calls a stack instead of one a sequence; the rest one by one."""
+        stacks: dict[int, list[int]] = {}
+        for i, (state, pending, path) in enumerate(zip(states, pendings, paths, strict=True)):
+            self._commit_conv(state, pending, path)
+            piece = pending.tree_states.pieces[0] if pending.tree_states is not None else None
+            if piece is not None and piece.stacked is not None:
+                stacks.setdefault(id(piece.stacked[0]), []).append(i)
+            else:
+                self._commit_recurrent(state, pending, path, lasts[i])
+        for members in stacks.values():
+            pieces = [pendings[i].tree_states.pieces[0].stacked for i in members]
+            built = pieces[0][0].write_states_after(
+                [at for _, at in pieces], [lasts[i] for i in members]
+            )
+            for i, after in zip(members, built, strict=True):
+                states[i].recurrent.copy_(after)
+
+    def _commit_conv(
+        self, state: RecurrentState, pending: PendingRecurrence, accepted: torch.Tensor
+    ) -> None:
+        """The conv window after the path: its last K-1 inputs."""
         path_inputs = pending.conv_inputs[accepted].T  # [C, K_acc]
         state.conv.copy_(torch.cat([state.conv, path_inputs], dim=1)[:, -state.conv.shape[1] :])
+
+    def _commit_recurrent(
+        self, state: RecurrentState, pending: PendingRecurrence, accepted: torch.Tensor, last: int
+    ) -> None:
+        """The delta-rule state after the path, by what the pass kept."""
         if pending.node_states is not None:  # by selection
             state.recurrent.copy_(pending.node_states.index_select(0, accepted[-1:])[0])
             return

@@ -234,6 +234,11 @@ class Qwen3Model(nn.Module):
         the target interface's, see engine/models/qwen3_5.py)."""
         cache.commit(accepted)
 
+    def commit_batch(self, commits: list[tuple[KVCache, torch.Tensor]]) -> None:
+        """`commit` of each (cache, accepted) after one `forward_batch`."""
+        for cache, accepted in commits:
+            cache.commit(accepted)
+
 
 def qwen3_checkpoint(model_dir: str | Path) -> tuple[Qwen3Model, Callable[[str], str | None]]:
     """The model of an HF directory built on meta, and its checkpoint names' parameter names."""

@@ -549,23 +549,38 @@ class Qwen3_5Model(nn.Module):
         if pending:
             states = zip(pending, cache.recurrent, strict=True)
             cache.pending = [pending_from(cache.keep, kept, state) for kept, state in states]
-            tree = parents
-        else:
-            tree = cache.pending[0].parents.tolist() if cache.pending else None
-        if len(cache.pending) != len(cache.recurrent):
-            raise ValueError("commit without a forward pass to commit from")
-        path = accepted.tolist()
-        if tree is not None:
-            check_root_to_node_path(tree, path)
-        accepted = on_device(accepted, self.embed_tokens.weight.device)
-        gdn_layers = self._layers_of(LINEAR)
-        for layer, state, kept in zip(gdn_layers, cache.recurrent, cache.pending, strict=True):
-            layer.linear_attn.commit(state, kept, accepted, path[-1])
-        if path == list(range(len(path))):  # the first pending slots (an ar step): kept in place
-            cache.kv.advance(len(path))
-        else:
-            cache.kv.commit(accepted)
-        cache.pending = []
+            if parents is not None:
+                check_root_to_node_path(parents, accepted.tolist())
+        self._commit_paths([(cache, accepted)], checked=bool(pending))
+
+    @torch.no_grad()
+    def commit_batch(self, commits: list[tuple[HybridCache, torch.Tensor]]) -> None:
+        """`commit` of each (cache, accepted) after one `forward_batch`: the GDN states of the
+        trees it solved together built together (gated_deltanet `commit_many`)."""
+        self._commit_paths(commits, checked=False)
+
+    def _commit_paths(self, commits: list[tuple[HybridCache, torch.Tensor]], checked: bool) -> None:
+        device = self.embed_tokens.weight.device
+        paths, on_devices = [], []
+        for cache, accepted in commits:
+            if len(cache.pending) != len(cache.recurrent):
+                raise ValueError("commit without a forward pass to commit from")
+            path = accepted.tolist()
+            if not checked and cache.pending:
+                check_root_to_node_path(cache.pending[0].parents.tolist(), path)
+            paths.append(path)
+            on_devices.append(on_device(accepted, device))
+        lasts = [path[-1] for path in paths]
+        for slot, layer in enumerate(self._layers_of(LINEAR)):
+            states = [cache.recurrent[slot] for cache, _ in commits]
+            kept = [cache.pending[slot] for cache, _ in commits]
+            layer.linear_attn.commit_many(states, kept, on_devices, lasts)
+        for (cache, _), path, accepted in zip(commits, paths, on_devices, strict=True):
+            if path == list(range(len(path))):  # the first pending slots (an ar step): in place
+                cache.kv.advance(len(path))
+            else:
+                cache.kv.commit(accepted)
+            cache.pending = []
 
 
 def check_root_to_node_path(parents: list[int], accepted: list[int]) -> None:

@@ -225,3 +225,34 @@ def test_trees_of_one_size_are_solved_together_each_against_its_own_state(
         for node in range(len(tree)):
             torch.testing.assert_close(piece.state_after(node), expected_states[node], **exact)
         rows += len(tree)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_states_of_trees_solved_together_are_built_together(dtype: torch.dtype) -> None:
+    """A batched pass's commit (engine/models/gated_deltanet.py `commit_many`): the states
+    after chosen nodes of trees solved stacked, built in one set of calls, are each tree's
+    own: the reference's, and its own `state_after`'s."""
+    from engine.kernels.batched import ancestor_matrix
+    from engine.models.gated_deltanet import solve_trees
+
+    trees = MIXED
+    cases = [_inputs(len(tree), 2, 16, 8, dtype, seed=i) for i, tree in enumerate(trees)]
+    q, k, v, g, beta = (torch.cat([case[n] for case in cases]) for n in range(5))
+    masks = [ancestor_matrix(torch.tensor(tree)) for tree in trees]
+    sizes = [len(tree) for tree in trees]
+    _, pieces = solve_trees((q, k, v), g, beta, sizes, masks, [c[5] for c in cases], 0.25)
+    stacks: dict[int, list[int]] = {}
+    for i, piece in enumerate(pieces):
+        stacks.setdefault(id(piece.stacked[0]), []).append(i)
+    assert any(len(members) > 1 for members in stacks.values())
+    for members in stacks.values():
+        stack = pieces[members[0]].stacked[0]
+        for chosen in (members, members[::-1][:2]):  # all in order; some, out of order
+            nodes = [(3 * i) % sizes[i] for i in chosen]
+            at = [pieces[i].stacked[1] for i in chosen]
+            built = stack.write_states_after(at, nodes)
+            for i, node, state in zip(chosen, nodes, built, strict=True):
+                args = (*cases[i][:5], torch.tensor(trees[i]), cases[i][5], 0.25)
+                _, expected = reference.tree_gated_delta_rule(*args, return_states=True)
+                torch.testing.assert_close(state, expected[node], **TOLERANCE[dtype])
+                torch.testing.assert_close(state, pieces[i].state_after(node), **TOLERANCE[dtype])

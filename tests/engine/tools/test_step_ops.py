@@ -28,10 +28,13 @@ def test_counts_every_part_of_batched_ddtree_steps(pair):
         "context_write",
         "tree",
         "commit",
+        "cache_commit",
     }
     passes = {name: ops for name, ops in report["ops"].items() if name != "tree"}
     assert all(ops > 0 for ops in passes.values()) and all(report["calls"].values())
     assert report["ops"]["step"] > report["ops"]["target_pass"]  # a step holds its pass
+    # the caches' commit is the step's, not each sequence's walk
+    assert report["ops"]["cache_commit"] > report["ops"]["commit"]
     # a tree beside others reads its draft's top-k read back for the whole batch: no ops
     assert report["ops"]["tree"] < 1
     assert report["tokens"] == 3 * 12
