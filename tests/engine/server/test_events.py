@@ -1,0 +1,45 @@
+"""engine/server/generation.py hands a job's events from the engine's thread to its request's
+event loop: a streamed answer's each at once, a whole answer's with its last event (one wake of
+the loop, not one every engine step)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from engine.server.generation import _thread_safe_put
+from engine.server.worker import Delta, Done, Failed
+
+
+def _deliveries(whole: bool, last: Done | Failed) -> tuple[int, list]:
+    """How many events the loop held after two Deltas from another thread, then every event
+    once `last` came too."""
+
+    async def run() -> tuple[int, list]:
+        events: asyncio.Queue = asyncio.Queue()
+        put = _thread_safe_put(events, whole)
+        engine = threading.Thread(target=lambda: [put(Delta("a")), put(Delta("b"))])
+        engine.start()
+        engine.join()
+        await asyncio.sleep(0.05)  # the loop runs what was handed to it
+        early = events.qsize()
+        threading.Thread(target=put, args=(last,)).start()
+        return early, [await asyncio.wait_for(events.get(), 5) for _ in range(3)]
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("last", [Done(None), Failed("boom")])
+def test_a_streamed_answer_gets_each_delta_as_it_comes(last):
+    early, events = _deliveries(whole=False, last=last)
+    assert early == 2
+    assert events == [Delta("a"), Delta("b"), last]
+
+
+@pytest.mark.parametrize("last", [Done(None), Failed("boom")])
+def test_a_whole_answer_gets_its_deltas_with_its_last_event_in_order(last):
+    early, events = _deliveries(whole=True, last=last)
+    assert early == 0
+    assert events == [Delta("a"), Delta("b"), last]
