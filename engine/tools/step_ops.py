@@ -8,10 +8,9 @@ through an N-slot scheduler in this process: one run to warm up, then a counted 
 aten op dispatched (views and casts included, engine/tools/ddtree_reference.py's `OpCount`) is
 counted per call of each part below, and the means over the run's calls reported: a step (the
 tail, where the batch thins, included), the target's batched pass, the drafter's, its context
-write, a tree made from a draft, a sequence's commit (its walk), the caches' commit of a
-step's rounds. On a machine whose speed wanders, these
-counts move only with the code; the seconds they cost are measured elsewhere
-(engine/tools/batching.py against a server).
+write, a tree made from a draft, a sequence's commit (its walk), the caches' commit of a step's
+rounds. On a machine whose speed wanders, these counts move only with the code; the seconds
+they cost are measured elsewhere (engine/tools/batching.py against a server).
 """
 
 from __future__ import annotations
