@@ -379,10 +379,9 @@ class GatedDeltaNet(nn.Module):
             else:
                 self._commit_recurrent(state, pending, path, lasts[i])
         for members in stacks.values():
-            pieces = [pendings[i].tree_states.pieces[0].stacked for i in members]
-            built = pieces[0][0].write_states_after(
-                [at for _, at in pieces], [lasts[i] for i in members]
-            )
+            places = [pendings[i].tree_states.pieces[0].stacked for i in members]
+            stack = places[0][0]  # (the stack's piece, each tree's index in it)
+            built = stack.write_states_after([at for _, at in places], [lasts[i] for i in members])
             for i, after in zip(members, built, strict=True):
                 states[i].recurrent.copy_(after)
 
