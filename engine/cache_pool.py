@@ -153,6 +153,9 @@ class CachePool:
             for blocks in (self.target_blocks, self.draft_blocks):
                 if blocks is not None:
                     blocks.limit(-(-kv_tokens // self.block_tokens) + blocks.cache_blocks)
+        if more and hasattr(self.target, "share_states"):  # a hybrid target's GDN states
+            self.target.share_states([pool.cache for pool in (self, *more)])
+            self.passes.clear()  # (captured over this slot's states before they moved)
         return [self, *more]
 
     @property

@@ -70,6 +70,7 @@ from engine.tree import (
     TopK,
     build_tree,
     chain_tree,
+    on_device,
     pack_pass,
     packed_size,
     padded_parents,
@@ -598,16 +599,17 @@ class _Sequence:
             kept = accepted[: taking(new_tokens)]
             self.committed += [self.bonus, *new_tokens[: len(kept) - 1]]
             host_path = torch.tensor(kept, dtype=torch.long)
+            path = host_path if pending is not None else on_device(host_path, self.device)
             if pending is not None:
                 parents = padded_parents(tree.verify_parents(), self.width).tolist()
                 self.target.commit(self.cache, host_path, pending, parents=parents)
             elif commits is not None:
-                commits.append((self.cache, host_path.to(self.device)))
+                commits.append((self.cache, path))
             else:
-                self.target.commit(self.cache, host_path.to(self.device))
+                self.target.commit(self.cache, path)
             if self.speculative:
-                path = to_device(host_path.numpy(), self.device)
-                self._kept.append(hidden[path])  # [K, n*H] the newly committed tokens'
+                kept_rows = hidden.index_select(0, on_device(path, self.device))
+                self._kept.append(kept_rows)  # [K, n*H] the newly committed tokens
                 self.context_rows += len(kept)
             self._advance(accepted, next_bonus, drafted)
         self.bonus = next_bonus

@@ -88,10 +88,71 @@ class GDNShape:
 
 @dataclass
 class RecurrentState:
-    """The committed state of one GDN layer."""
+    """The committed state of one GDN layer: slot `index` of `slots` (a sequence's own)."""
 
     conv: torch.Tensor  # [C, K-1] the last K-1 conv inputs, oldest first (model dtype)
     recurrent: torch.Tensor  # [Hv, Dk, Dv] (float32, float64 for float64 models)
+    slots: StateSlots | None = None
+    index: int = 0
+
+
+class StateSlots:
+    """One GDN layer's committed states of `count` sequences as the rows of two tensors (a
+    scheduler's slots, `Qwen3_5Model.share_states`): the states of a batched pass's one-token
+    steps are read with one gather a layer and committed with one scatter, where each was a
+    copy of its own (on CUDA, launches a layer and row)."""
+
+    def __init__(
+        self, count: int, shape: GDNShape, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        s = shape
+        self.conv = torch.zeros(count, s.conv_dim, s.conv_kernel - 1, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(
+            count, s.value_heads, s.key_dim, s.value_dim, dtype=compute_dtype(dtype), device=device
+        )
+        self.states = [
+            RecurrentState(self.conv[i], self.recurrent[i], self, i) for i in range(count)
+        ]
+
+
+def shared_slots(states: list[RecurrentState]) -> StateSlots | None:
+    """The `StateSlots` every one of `states` is a slot of, if they share one."""
+    slots = states[0].slots
+    return slots if all(state.slots is slots for state in states) else None
+
+
+@dataclass
+class SteppedRows:
+    """What a batched pass's one-token steps (`single_steps`) leave for commit: each row's
+    conv window and delta-rule state after its token, and the slots they go to."""
+
+    conv: torch.Tensor  # [B, C, K-1]
+    recurrent: torch.Tensor  # [B, Hv, Dk, Dv]
+    slots: StateSlots | None  # the states' shared slots (None: states of their own)
+    indices: torch.Tensor | None  # [B] the rows' slots in `slots`, on the device
+
+    def commit(self, rows: list[int], states: list[RecurrentState]) -> None:
+        """Install row rows[i]'s state in states[i]: every row in its slot at once when
+        they are all there, else one by one."""
+        if self.slots is not None and rows == list(range(len(self.conv))):
+            self.slots.conv.index_copy_(0, self.indices, self.conv)
+            self.slots.recurrent.index_copy_(0, self.indices, self.recurrent)
+            return
+        for row, state in zip(rows, states, strict=True):
+            state.conv.copy_(self.conv[row])
+            state.recurrent.copy_(self.recurrent[row])
+
+
+_STEP_PARENTS = torch.tensor([-1])  # a one-token step's tree: its token, a root
+
+
+@dataclass(frozen=True)
+class SteppedRow:
+    """A one-token step's pending state: row `row` of `rows`; its path can only be [0]."""
+
+    rows: SteppedRows
+    row: int
+    parents: torch.Tensor = _STEP_PARENTS
 
 
 @dataclass
@@ -154,13 +215,13 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(v_dim, s.hidden_size, bias=False)
 
     def new_state(self, dtype: torch.dtype, device: torch.device | str) -> RecurrentState:
-        s = self.shape
-        return RecurrentState(
-            conv=torch.zeros(s.conv_dim, s.conv_kernel - 1, dtype=dtype, device=device),
-            recurrent=torch.zeros(
-                s.value_heads, s.key_dim, s.value_dim, dtype=compute_dtype(dtype), device=device
-            ),
-        )
+        return self.new_states(1, dtype, device)[0]
+
+    def new_states(
+        self, count: int, dtype: torch.dtype, device: torch.device | str
+    ) -> list[RecurrentState]:
+        """`count` zero states, the slots of one `StateSlots`."""
+        return StateSlots(count, self.shape, dtype, device).states
 
     def forward(
         self,
@@ -279,29 +340,33 @@ class GatedDeltaNet(nn.Module):
         self,
         inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # `_inputs` of B rows
         states: list[RecurrentState],  # each row's own sequence's
-    ) -> tuple[torch.Tensor, list[PendingRecurrence]]:
+    ) -> tuple[torch.Tensor, list[SteppedRow]]:
         """`tree_mix` of B one-token segments at once (a batched pass's ar steps): each row's
         conv window and delta-rule step against its own state, as one stacked computation.
-        Returns the outputs [B, Hv, Dv] and, per row, what commit needs (its state after the
-        token, committed by selection)."""
+        Returns the outputs [B, Hv, Dv] and, per row, what commit installs (its state after
+        the token)."""
         conv_inputs, beta, g = inputs
         dt = compute_dtype(conv_inputs.dtype)
+        slots = shared_slots(states)
+        indices = None
+        if slots is not None:  # one gather each
+            indices = torch.tensor([state.index for state in states], device=conv_inputs.device)
+            committed = slots.conv.index_select(0, indices)
+            after = slots.recurrent.index_select(0, indices)
+        else:
+            committed = torch.stack([state.conv for state in states])
+            after = torch.stack([state.recurrent for state in states])
+        windows = torch.cat([committed, conv_inputs[:, :, None]], dim=2)  # [B, C, K] oldest first
         weight = self.conv1d.weight[:, 0].to(dt)  # [C, K]
-        windows = torch.stack(
-            [
-                torch.cat([state.conv, row[:, None]], dim=1)
-                for state, row in zip(states, conv_inputs, strict=True)
-            ]
-        )  # [B, C, K] oldest first
         conv_outputs = F.silu((windows.to(dt) * weight).sum(dim=-1)).to(conv_inputs.dtype)
         q, k, v = self._heads(conv_outputs)  # [B, Hv, Dk] x2, [B, Hv, Dv]
         scale = self.shape.key_dim**-0.5
         qf, vf = q.to(dt) * scale, v.to(dt)
-        # The states' stacked copy [B, Hv, Dk, Dv] is updated in place: decayed, then the
+        # The states' gathered copy [B, Hv, Dk, Dv] is updated in place: decayed, then the
         # rank-1 write as one baddbmm (on the CPU the values of a product, then a sum). At
         # Qwen3.6-27B's widths, six rows: under a third of the time on the CPU, and no
         # state-sized temporaries.
-        after = torch.stack([state.recurrent.to(dt) for state in states])
+        after = after.to(dt)
         B, Hv, Dk, Dv = after.shape
         after.mul_(g.to(dt).exp()[:, :, None, None])
         # Row-vector products (einsum costs ~6x as much host time on the CPU at these sizes).
@@ -309,14 +374,8 @@ class GatedDeltaNet(nn.Module):
         delta = (vf - recalled) * beta.to(dt)[:, :, None]
         after.view(B * Hv, Dk, Dv).baddbmm_(k.reshape(B * Hv, Dk, 1), delta.reshape(B * Hv, 1, Dv))
         out = (qf[:, :, None, :] @ after)[:, :, 0].to(v.dtype)
-        root = torch.full((1,), -1, dtype=torch.long, device=conv_inputs.device)
-        pending = [
-            PendingRecurrence(
-                parents=root, conv_inputs=conv_inputs[i : i + 1], node_states=after[i : i + 1]
-            )
-            for i in range(len(states))
-        ]
-        return out, pending
+        rows = SteppedRows(windows[:, :, 1:], after, slots, indices)
+        return out, [SteppedRow(rows, i) for i in range(B)]
 
     def extend(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
         """Mix a chain x [T, hidden] (a prefill chunk) and commit all of it into `state` at
@@ -361,23 +420,33 @@ class GatedDeltaNet(nn.Module):
     def commit_many(
         self,
         states: list[RecurrentState],
-        pendings: list[PendingRecurrence],
+        pendings: list[PendingRecurrence | SteppedRow],
         paths: list[torch.Tensor],
         lasts: list[int],
     ) -> None:
         """Install in each state the one after the last node of its path (`paths`: root-to-node
         paths on the device; `lasts`: their last nodes, known on the host). In place: a
-        captured graph reads the committed state at its address. The states of trees solved
-        stacked (a batched pass's `factored_mix`, the CPU's) are built together, one set of
-        calls a stack instead of one a sequence; the rest one by one."""
+        captured graph reads the committed state at its address. Built together, one set of
+        calls a group instead of one a sequence: the one-token steps of one `single_steps`
+        (`SteppedRows.commit`) and the states of trees solved stacked (a batched pass's
+        `factored_mix`, the CPU's); the rest one by one."""
         stacks: dict[int, list[int]] = {}
+        stepped: dict[int, list[int]] = {}
         for i, (state, pending, path) in enumerate(zip(states, pendings, paths, strict=True)):
+            if isinstance(pending, SteppedRow):
+                if lasts[i] != 0:
+                    raise ValueError(f"a one-token step's path ends at node {lasts[i]}, not 0")
+                stepped.setdefault(id(pending.rows), []).append(i)
+                continue
             self._commit_conv(state, pending, path)
             piece = pending.tree_states.pieces[0] if pending.tree_states is not None else None
             if piece is not None and piece.stacked is not None:
                 stacks.setdefault(id(piece.stacked[0]), []).append(i)
             else:
                 self._commit_recurrent(state, pending, path, lasts[i])
+        for members in stepped.values():
+            rows = pendings[members[0]].rows
+            rows.commit([pendings[i].row for i in members], [states[i] for i in members])
         for members in stacks.values():
             places = [pendings[i].tree_states.pieces[0].stacked for i in members]
             stack = places[0][0]  # (the stack's piece, each tree's index in it)

@@ -389,6 +389,18 @@ class Qwen3_5Model(nn.Module):
         keep = choose_keep(c.gdn_shape(), len(gdn), weight)
         return HybridCache(kv=kv, recurrent=recurrent, keep=keep)
 
+    def share_states(self, caches: list[HybridCache]) -> None:
+        """Move the GDN states of `caches` (a scheduler's slots) into one `StateSlots` a
+        layer, their values kept: a batched pass's one-token steps then read and commit all of
+        them at once. The old states are dropped: a pass captured over them is stale."""
+        weight = self.embed_tokens.weight
+        for slot, layer in enumerate(self._layers_of(LINEAR)):
+            shared = layer.linear_attn.new_states(len(caches), weight.dtype, weight.device)
+            for cache, state in zip(caches, shared, strict=True):
+                state.conv.copy_(cache.recurrent[slot].conv)
+                state.recurrent.copy_(cache.recurrent[slot].recurrent)
+                cache.recurrent[slot] = state
+
     @torch.no_grad()
     def forward(
         self,

@@ -1,0 +1,118 @@
+"""GDN states as slots of one tensor a layer (engine/models/gated_deltanet.py `StateSlots`).
+
+    python -m pytest -q tests/engine/test_gdn_state_slots.py
+
+A batched pass's one-token steps read the states of sequences whose states are slots of one
+`StateSlots` with one gather, and commit them with one scatter a layer: the states and outputs
+equal those of states of their own, bit for bit (float64); a scheduler's slots share them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine.cache_pool import CachePool
+from engine.models.gated_deltanet import GatedDeltaNet, GDNShape, RecurrentState
+from tests.helpers.tiny_pairs import load_tiny_pair
+
+SHAPE = GDNShape(
+    hidden_size=32, key_heads=2, value_heads=4, key_dim=8, value_dim=8, conv_kernel=4, eps=1e-6
+)
+ROWS = 3
+
+
+class Ops(TorchDispatchMode):
+    """The aten ops run inside it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket).split(".")[-1])
+        return func(*args, **(kwargs or {}))
+
+
+def _layer() -> GatedDeltaNet:
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(SHAPE).double()
+    for parameter in layer.parameters():
+        parameter.data.normal_(0.0, 0.3)
+    return layer
+
+
+def _randomised(states: list[RecurrentState], seed: int = 1) -> list[RecurrentState]:
+    generator = torch.Generator().manual_seed(seed)
+    for state in states:
+        state.conv.copy_(torch.randn(state.conv.shape, generator=generator, dtype=torch.float64))
+        noise = torch.randn(state.recurrent.shape, generator=generator, dtype=torch.float64)
+        state.recurrent.copy_(noise)
+    return states
+
+
+@torch.no_grad()
+def _steps(layer: GatedDeltaNet, states: list[RecurrentState], commit_rows: list[int]):
+    """One-token steps of ROWS rows against `states`; the rows of `commit_rows` committed."""
+    x = torch.randn(ROWS, SHAPE.hidden_size, generator=torch.Generator().manual_seed(2)).double()
+    out, pending = layer.single_steps(layer._inputs(x), states)
+    path = torch.zeros(1, dtype=torch.long)
+    with Ops() as ops:
+        layer.commit_many(
+            [states[i] for i in commit_rows],
+            [pending[i] for i in commit_rows],
+            [path] * len(commit_rows),
+            [0] * len(commit_rows),
+        )
+    return out, ops.names
+
+
+@pytest.mark.parametrize("commit_rows", [[0, 1, 2], [2, 0]], ids=["every row", "some rows"])
+def test_steps_of_shared_slots_equal_those_of_states_of_their_own(commit_rows: list[int]) -> None:
+    layer = _layer()
+    own = _randomised([layer.new_state(torch.float64, "cpu") for _ in range(ROWS)])
+    shared = layer.new_states(ROWS, torch.float64, "cpu")
+    assert all(state.slots is shared[0].slots for state in shared)
+    for mine, theirs in zip(shared, own, strict=True):
+        mine.conv.copy_(theirs.conv)
+        mine.recurrent.copy_(theirs.recurrent)
+    before = [state.recurrent.clone() for state in shared]
+
+    out_own, _ = _steps(layer, own, commit_rows)
+    out_shared, ops = _steps(layer, shared, commit_rows)
+
+    assert torch.equal(out_shared, out_own)
+    for i, (mine, theirs) in enumerate(zip(shared, own, strict=True)):
+        assert torch.equal(mine.conv, theirs.conv)
+        assert torch.equal(mine.recurrent, theirs.recurrent)
+        assert torch.equal(mine.recurrent, before[i]) == (i not in commit_rows)
+    if len(commit_rows) == ROWS:  # every row at once: one scatter a tensor
+        assert ops == ["index_copy_", "index_copy_"]
+
+
+@torch.no_grad()
+def test_a_one_token_steps_path_can_only_be_its_token() -> None:
+    layer = _layer()
+    states = _randomised(layer.new_states(ROWS, torch.float64, "cpu"))
+    x = torch.randn(ROWS, SHAPE.hidden_size, dtype=torch.float64)
+    _, pending = layer.single_steps(layer._inputs(x), states)
+    with pytest.raises(ValueError, match="ends at node 1"):
+        layer.commit_many(states, pending, [torch.tensor([0, 1])] * ROWS, [1] * ROWS)
+
+
+def test_a_schedulers_slots_share_their_gdn_states_and_keep_their_values(tmp_path) -> None:
+    target, drafter = load_tiny_pair(tmp_path, "hybrid", dtype=torch.float64)
+    pool = CachePool(target, drafter, 64)
+    first = _randomised(pool.cache.recurrent)
+    kept = [(state.conv.clone(), state.recurrent.clone()) for state in first]
+
+    slots = pool.slots(3)
+
+    for layer, (conv, recurrent) in enumerate(kept):
+        states = [slot.cache.recurrent[layer] for slot in slots]
+        assert [state.index for state in states] == [0, 1, 2]
+        assert all(state.slots is states[0].slots for state in states)
+        assert torch.equal(states[0].conv, conv)
+        assert torch.equal(states[0].recurrent, recurrent)
+        assert not states[1].recurrent.any()
