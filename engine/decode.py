@@ -591,7 +591,7 @@ class _Sequence:
         """Walk the tree and commit the accepted path, cut where `taking` says the output ends
         (so the cache holds the output but its last token, what a next turn extends); returns
         (accepted verify indices, new tokens). `commits`: the cache's part is left to the
-        caller, (cache, path) appended there (a batched pass's, all committed at once)."""
+        caller, (cache, path on the host) appended there (a batched pass's, committed at once)."""
         with self.clock.stage("commit"):
             accepted, next_bonus = walk(tree, choices)
             drafted = [int(tree.tokens[i - 1]) for i in accepted[1:]]
@@ -599,16 +599,15 @@ class _Sequence:
             kept = accepted[: taking(new_tokens)]
             self.committed += [self.bonus, *new_tokens[: len(kept) - 1]]
             host_path = torch.tensor(kept, dtype=torch.long)
-            path = host_path if pending is not None else on_device(host_path, self.device)
             if pending is not None:
                 parents = padded_parents(tree.verify_parents(), self.width).tolist()
                 self.target.commit(self.cache, host_path, pending, parents=parents)
             elif commits is not None:
-                commits.append((self.cache, path))
+                commits.append((self.cache, host_path))
             else:
-                self.target.commit(self.cache, path)
+                self.target.commit(self.cache, on_device(host_path, self.device))
             if self.speculative:
-                kept_rows = hidden.index_select(0, on_device(path, self.device))
+                kept_rows = hidden.index_select(0, on_device(host_path, self.device))
                 self._kept.append(kept_rows)  # [K, n*H] the newly committed tokens
                 self.context_rows += len(kept)
             self._advance(accepted, next_bonus, drafted)

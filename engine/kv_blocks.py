@@ -40,12 +40,13 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engine.kernels import paged_tree_attention, sequence_slots, tree_attention
 from engine.memory_plan import BLOCK_TOKENS
-from engine.tree import on_device
+from engine.tree import on_device, to_device
 
 
 class PoolExhausted(MemoryError):
@@ -177,6 +178,13 @@ class KVBlockPool:
         keys, values = self.flat(layer)
         keys.index_copy_(0, slots, k)
         values.index_copy_(0, slots, v)
+
+    def move(self, sources: list[int], targets: list[int]) -> None:
+        """Every layer's K and V at pool slots `sources` copied to `targets` (any sequences'),
+        one gather and one scatter each."""
+        index = to_device(np.array([sources, targets], dtype=np.int64), self.device)
+        for whole in (self.k.flatten(1, 2), self.v.flatten(1, 2)):
+            whole[:, index[1]] = whole[:, index[0]]  # advanced indexing gathers a copy first
 
     def share(self, block: int) -> int:
         """One more reference to `block` (which must be in use); returns it."""
@@ -368,6 +376,20 @@ class PagedKVCache:
             flat[:, target] = flat[:, source]  # advanced indexing gathers a copy first
         self._length = start + count
 
+    def moves(self, path: list[int]) -> tuple[list[int], list[int]]:
+        """Commit the pending path `path` (root first) in the table, and return the pool slots
+        its K/V must move from and to (`KVBlockPool.move`): pending slot length + path[i]
+        becomes committed slot length + i; slots already in place are left out."""
+        self.check_room(len(path))
+        start, B = self._length, self.pool.block_tokens
+        sources, targets = [], []
+        for i, node in enumerate(path):
+            if node != i:
+                for slots, slot in ((sources, start + node), (targets, start + i)):
+                    slots.append(self.blocks[slot // B] * B + slot % B)
+        self._length = start + len(path)
+        return sources, targets
+
     def reset(self) -> None:
         """Empty: every block given back (those the prefix cache shares stay with it)."""
         for block in self.blocks:
@@ -396,6 +418,25 @@ class PagedKVCache:
         slots = self.physical(start, end)
         for flat, part in zip(self._all_layers(), saved, strict=True):
             flat[:, slots] = part
+
+
+def commit_paths(caches: list, paths: list[list[int]]) -> None:
+    """Each cache's pending path (host lists, root first) committed after a batched pass: one
+    whose path is its first pending slots in order (an ar step) in place, the rest of one block
+    pool's caches with one gather and one scatter of its K and V (a contiguous cache alone)."""
+    moves: dict[int, tuple[KVBlockPool, list[int], list[int]]] = {}
+    for cache, path in zip(caches, paths, strict=True):
+        if path == list(range(len(path))):
+            cache.advance(len(path))
+        elif isinstance(cache, PagedKVCache):
+            pool, sources, targets = moves.setdefault(id(cache.pool), (cache.pool, [], []))
+            more_sources, more_targets = cache.moves(path)
+            sources += more_sources
+            targets += more_targets
+        else:
+            cache.commit(torch.tensor(path))
+    for pool, sources, targets in moves.values():
+        pool.move(sources, targets)
 
 
 def reads_blocks_in_place(q: torch.Tensor) -> bool:

@@ -121,26 +121,34 @@ def shared_slots(states: list[RecurrentState]) -> StateSlots | None:
     return slots if all(state.slots is slots for state in states) else None
 
 
+def install(states: list[RecurrentState], values: torch.Tensor, part: str) -> None:
+    """values[i] [C, K-1] or [Hv, Dk, Dv] in place as states[i]'s `part` ("conv" or
+    "recurrent"): one scatter when the states are slots of one `StateSlots`."""
+    slots = shared_slots(states)
+    if slots is not None:
+        indices = torch.tensor([state.index for state in states], device=values.device)
+        getattr(slots, part).index_copy_(0, indices, values)
+        return
+    for state, value in zip(states, values, strict=True):
+        getattr(state, part).copy_(value)
+
+
 @dataclass
 class SteppedRows:
     """What a batched pass's one-token steps (`single_steps`) leave for commit: each row's
-    conv window and delta-rule state after its token, and the slots they go to."""
+    conv window and delta-rule state after its token."""
 
     conv: torch.Tensor  # [B, C, K-1]
     recurrent: torch.Tensor  # [B, Hv, Dk, Dv]
-    slots: StateSlots | None  # the states' shared slots (None: states of their own)
-    indices: torch.Tensor | None  # [B] the rows' slots in `slots`, on the device
 
     def commit(self, rows: list[int], states: list[RecurrentState]) -> None:
-        """Install row rows[i]'s state in states[i]: every row in its slot at once when
-        they are all there, else one by one."""
-        if self.slots is not None and rows == list(range(len(self.conv))):
-            self.slots.conv.index_copy_(0, self.indices, self.conv)
-            self.slots.recurrent.index_copy_(0, self.indices, self.recurrent)
-            return
-        for row, state in zip(rows, states, strict=True):
-            state.conv.copy_(self.conv[row])
-            state.recurrent.copy_(self.recurrent[row])
+        """Install row rows[i]'s state in states[i]."""
+        conv, recurrent = self.conv, self.recurrent
+        if rows != list(range(len(conv))):
+            index = torch.tensor(rows, device=conv.device)
+            conv, recurrent = conv.index_select(0, index), recurrent.index_select(0, index)
+        install(states, conv, "conv")
+        install(states, recurrent, "recurrent")
 
 
 _STEP_PARENTS = torch.tensor([-1])  # a one-token step's tree: its token, a root
@@ -156,6 +164,25 @@ class SteppedRow:
 
 
 @dataclass
+class TreeWindows:
+    """The conv inputs a batched pass's trees read (`factored_mix`): each tree's window rows
+    one after another, and every node's window in them, from which commit takes each tree's
+    conv state after its last accepted node (that node's window but its oldest input)."""
+
+    rows: torch.Tensor  # [N, C] (model dtype)
+    taps: torch.Tensor  # [sum T_i, K] each node's window, rows of `rows`, oldest first
+
+    def commit(self, nodes: list[int], states: list[RecurrentState]) -> None:
+        """Install in states[i] the conv state after node nodes[i] (a row of `taps`), all at
+        once."""
+        device = self.taps.device
+        ends = self.taps.index_select(0, torch.tensor(nodes, device=device))[:, 1:]
+        picked = self.rows.index_select(0, ends.reshape(-1))  # [n * (K-1), C]
+        windows = picked.view(len(nodes), -1, self.rows.shape[1]).transpose(1, 2)
+        install(states, windows, "conv")
+
+
+@dataclass
 class PendingRecurrence:
     """What a verify pass leaves behind in one GDN layer for `commit` to choose from."""
 
@@ -166,6 +193,7 @@ class PendingRecurrence:
     beta: torch.Tensor | None = None  # [T, Hv]
     node_states: torch.Tensor | None = None  # [T, Hv, Dk, Dv]  snapshot: the state after each node
     tree_states: TreeStates | None = None  # factored: any node's state on demand
+    windows: tuple[TreeWindows, int] | None = None  # a batched pass's trees': (theirs, my first)
 
     def nbytes(self) -> int:
         tensors = (self.conv_inputs, self.conv_outputs, self.g, self.beta, self.node_states)
@@ -329,9 +357,12 @@ class GatedDeltaNet(nn.Module):
         scale = self.shape.key_dim**-0.5
         initials = [state.recurrent for state in states]
         out, solved = solve_trees(heads, g, beta, sizes, visible, initials, scale)
+        windows, firsts = TreeWindows(rows, taps), [0, *itertools.accumulate(sizes)][:-1]
         pending = []
-        for tree, inputs_of, piece, size in zip(parents, pieces, solved, sizes, strict=True):
-            kept = PendingRecurrence(parents=tree, conv_inputs=inputs_of)
+        for tree, inputs_of, piece, size, first in zip(
+            parents, pieces, solved, sizes, firsts, strict=True
+        ):
+            kept = PendingRecurrence(parents=tree, conv_inputs=inputs_of, windows=(windows, first))
             kept.tree_states = TreeStates([piece], size)
             pending.append(kept)
         return out, pending
@@ -348,7 +379,6 @@ class GatedDeltaNet(nn.Module):
         conv_inputs, beta, g = inputs
         dt = compute_dtype(conv_inputs.dtype)
         slots = shared_slots(states)
-        indices = None
         if slots is not None:  # one gather each
             indices = torch.tensor([state.index for state in states], device=conv_inputs.device)
             committed = slots.conv.index_select(0, indices)
@@ -374,7 +404,7 @@ class GatedDeltaNet(nn.Module):
         delta = (vf - recalled) * beta.to(dt)[:, :, None]
         after.view(B * Hv, Dk, Dv).baddbmm_(k.reshape(B * Hv, Dk, 1), delta.reshape(B * Hv, 1, Dv))
         out = (qf[:, :, None, :] @ after)[:, :, 0].to(v.dtype)
-        rows = SteppedRows(windows[:, :, 1:], after, slots, indices)
+        rows = SteppedRows(windows[:, :, 1:], after)
         return out, [SteppedRow(rows, i) for i in range(B)]
 
     def extend(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
@@ -428,17 +458,22 @@ class GatedDeltaNet(nn.Module):
         paths on the device; `lasts`: their last nodes, known on the host). In place: a
         captured graph reads the committed state at its address. Built together, one set of
         calls a group instead of one a sequence: the one-token steps of one `single_steps`
-        (`SteppedRows.commit`) and the states of trees solved stacked (a batched pass's
-        `factored_mix`, the CPU's); the rest one by one."""
+        (`SteppedRows.commit`), the conv windows of one `factored_mix`'s trees
+        (`TreeWindows.commit`) and the states of its trees solved stacked (the CPU's); the
+        rest one by one."""
         stacks: dict[int, list[int]] = {}
         stepped: dict[int, list[int]] = {}
+        windowed: dict[int, list[int]] = {}
         for i, (state, pending, path) in enumerate(zip(states, pendings, paths, strict=True)):
             if isinstance(pending, SteppedRow):
                 if lasts[i] != 0:
                     raise ValueError(f"a one-token step's path ends at node {lasts[i]}, not 0")
                 stepped.setdefault(id(pending.rows), []).append(i)
                 continue
-            self._commit_conv(state, pending, path)
+            if pending.windows is not None:
+                windowed.setdefault(id(pending.windows[0]), []).append(i)
+            else:
+                self._commit_conv(state, pending, path)
             piece = pending.tree_states.pieces[0] if pending.tree_states is not None else None
             if piece is not None and piece.stacked is not None:
                 stacks.setdefault(id(piece.stacked[0]), []).append(i)
@@ -447,12 +482,15 @@ class GatedDeltaNet(nn.Module):
         for members in stepped.values():
             rows = pendings[members[0]].rows
             rows.commit([pendings[i].row for i in members], [states[i] for i in members])
+        for members in windowed.values():
+            windows = pendings[members[0]].windows[0]
+            nodes = [pendings[i].windows[1] + lasts[i] for i in members]
+            windows.commit(nodes, [states[i] for i in members])
         for members in stacks.values():
             places = [pendings[i].tree_states.pieces[0].stacked for i in members]
             stack = places[0][0]  # (the stack's piece, each tree's index in it)
             built = stack.write_states_after([at for _, at in places], [lasts[i] for i in members])
-            for i, after in zip(members, built, strict=True):
-                states[i].recurrent.copy_(after)
+            install([states[i] for i in members], built, "recurrent")
 
     def _commit_conv(
         self, state: RecurrentState, pending: PendingRecurrence, accepted: torch.Tensor

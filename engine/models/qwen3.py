@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from engine.kernels.reference import cast, compute_dtype
-from engine.kv_blocks import KVBlockPool, KVLayout
+from engine.kv_blocks import KVBlockPool, KVLayout, commit_paths
 from engine.models.common import (
     GrowingPass,
     KVCache,
@@ -236,8 +236,7 @@ class Qwen3Model(nn.Module):
 
     def commit_batch(self, commits: list[tuple[KVCache, torch.Tensor]]) -> None:
         """`commit` of each (cache, accepted) after one `forward_batch`."""
-        for cache, accepted in commits:
-            cache.commit(accepted)
+        commit_paths([cache for cache, _ in commits], [path.tolist() for _, path in commits])
 
 
 def qwen3_checkpoint(model_dir: str | Path) -> tuple[Qwen3Model, Callable[[str], str | None]]:

@@ -38,7 +38,7 @@ from engine import kernels
 from engine.kernels import backend_for
 from engine.kernels.batched import ancestor_matrix
 from engine.kernels.reference import cast, compute_dtype
-from engine.kv_blocks import KVBlockPool, KVLayout
+from engine.kv_blocks import KVBlockPool, KVLayout, commit_paths
 from engine.memory_plan import FULL, LINEAR, hybrid_layer_types
 from engine.models.common import (
     GrowingPass,
@@ -587,11 +587,8 @@ class Qwen3_5Model(nn.Module):
             states = [cache.recurrent[slot] for cache, _ in commits]
             kept = [cache.pending[slot] for cache, _ in commits]
             layer.linear_attn.commit_many(states, kept, on_devices, lasts)
-        for (cache, _), path, accepted in zip(commits, paths, on_devices, strict=True):
-            if path == list(range(len(path))):  # the first pending slots (an ar step): in place
-                cache.kv.advance(len(path))
-            else:
-                cache.kv.commit(accepted)
+        commit_paths([cache.kv for cache, _ in commits], paths)
+        for cache, _ in commits:
             cache.pending = []
 
 

@@ -14,7 +14,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.cache_pool import CachePool
-from engine.models.gated_deltanet import GatedDeltaNet, GDNShape, RecurrentState
+from engine.kernels.batched import ancestor_matrix
+from engine.models.gated_deltanet import (
+    GatedDeltaNet,
+    GDNShape,
+    RecurrentState,
+    conv_taps,
+)
 from tests.helpers.tiny_pairs import load_tiny_pair
 
 SHAPE = GDNShape(
@@ -87,8 +93,8 @@ def test_steps_of_shared_slots_equal_those_of_states_of_their_own(commit_rows: l
         assert torch.equal(mine.conv, theirs.conv)
         assert torch.equal(mine.recurrent, theirs.recurrent)
         assert torch.equal(mine.recurrent, before[i]) == (i not in commit_rows)
-    if len(commit_rows) == ROWS:  # every row at once: one scatter a tensor
-        assert ops == ["index_copy_", "index_copy_"]
+    assert ops.count("index_copy_") == 2  # one scatter a tensor, of every committed row
+    assert "copy_" not in ops
 
 
 @torch.no_grad()
@@ -116,3 +122,35 @@ def test_a_schedulers_slots_share_their_gdn_states_and_keep_their_values(tmp_pat
         assert torch.equal(states[0].conv, conv)
         assert torch.equal(states[0].recurrent, recurrent)
         assert not states[1].recurrent.any()
+
+
+@torch.no_grad()
+def test_the_conv_windows_of_trees_mixed_together_are_committed_together() -> None:
+    """A batched pass's trees (`factored_mix`) commit their conv windows in one gather and
+    one scatter: each the window its own path leaves (`_commit_conv`, one tree alone)."""
+    layer = _layer()
+    trees = [torch.tensor([-1, 0, 0, 1, 3]), torch.tensor([-1, 0, 0, 2, 2])]
+    paths = [[0, 1, 3, 4], [0, 2, 4]]
+    states = _randomised(layer.new_states(len(trees), torch.float64, "cpu"))
+    alone = _randomised([layer.new_state(torch.float64, "cpu") for _ in trees])
+    x = torch.randn(10, SHAPE.hidden_size, generator=torch.Generator().manual_seed(3)).double()
+    visible = [ancestor_matrix(tree) for tree in trees]
+    taps = [conv_taps(tree, SHAPE.conv_kernel) for tree in trees]
+    _, pending = layer.factored_mix(layer._inputs(x), states, trees, visible, taps)
+    for state, kept, path in zip(alone, pending, paths, strict=True):
+        layer._commit_conv(state, kept, torch.tensor(path))
+    afters = [
+        kept.tree_states.state_after(path[-1]) for kept, path in zip(pending, paths, strict=True)
+    ]
+
+    with Ops() as ops:
+        layer.commit_many(
+            states, pending, [torch.tensor(path) for path in paths], [p[-1] for p in paths]
+        )
+
+    for state, expected, after in zip(states, alone, afters, strict=True):
+        assert torch.equal(state.conv, expected.conv)
+        torch.testing.assert_close(state.recurrent, after, rtol=1e-12, atol=1e-12)
+    # One scatter for the windows, one for the states (trees of one size are solved stacked).
+    assert ops.names.count("index_copy_") == 2
+    assert "copy_" not in ops.names

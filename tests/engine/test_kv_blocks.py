@@ -16,7 +16,7 @@ import torch
 from engine.cache_pool import CachePool
 from engine.decode import GenerationConfig, generate
 from engine.kernels.batched import ancestor_matrix
-from engine.kv_blocks import KVBlockPool, KVLayout, PagedKVCache, PoolExhausted
+from engine.kv_blocks import KVBlockPool, KVLayout, PagedKVCache, PoolExhausted, commit_paths
 from engine.memory_plan import is_out_of_memory
 from tests.helpers.tiny_pairs import KINDS, load_tiny_pair
 
@@ -126,6 +126,39 @@ def test_commit_gathers_the_accepted_pending_slots_across_blocks() -> None:
     other.check_room(5)
     other.place(2, saved)
     torch.testing.assert_close(other.read(2, 5), saved)
+
+
+def test_paths_of_one_pools_sequences_commit_in_one_move_as_each_alone() -> None:
+    """`commit_paths` (a batched pass's): an ar step's path stays in place, the trees' move
+    in one gather and one scatter; every sequence's K/V as its own `commit` leaves it."""
+    paths = [[0], [0, 2, 5], [0, 1, 3], [0, 1]]
+    together, alone = KVBlockPool(layout(), 16, BLOCK), KVBlockPool(layout(), 16, BLOCK)
+    caches = [[PagedKVCache(pool, 16) for _ in paths] for pool in (together, alone)]
+    for index in range(len(paths)):  # the pools' blocks interleaved, alike in both
+        for pool_caches in caches:
+            cache = pool_caches[index]
+            _filled(cache, 3 + index)
+            pending = torch.arange(6, dtype=torch.float64).view(6, 1, 1).expand(6, 1, 2)
+            cache.check_room(6)
+            for layer in range(2):
+                cache.store(layer, cache.length, pending + 10 * index, pending - index)
+    moved = []
+    together.move = lambda sources, targets: (
+        moved.append(len(sources)) or KVBlockPool.move(together, sources, targets)
+    )
+
+    commit_paths(caches[0], paths)
+    for cache, path in zip(caches[1], paths, strict=True):
+        cache.commit(torch.tensor(path))
+
+    assert moved == [3]  # 2 + 1 slots moved: nodes already in place are left
+    for mine, theirs in zip(*caches, strict=True):
+        assert mine.length == theirs.length
+        for layer in range(2):
+            for got, expected in zip(
+                mine.keys(layer, mine.length), theirs.keys(layer, mine.length), strict=True
+            ):
+                assert torch.equal(got, expected)
 
 
 @pytest.fixture(scope="module", params=KINDS)
