@@ -28,7 +28,6 @@ import dataclasses
 import hashlib
 import json
 import statistics
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -42,6 +41,7 @@ from engine.decode import GenerationConfig
 from engine.grammar import Constraint
 from engine.methods import TREE_METHODS
 from engine.sampling import Sampling
+from engine.server.handoff import thread_safe_put
 from engine.server.schemas import ApiError
 from engine.server.state import LoadedEngine, ServerState
 from engine.server.text import TextAssembler
@@ -253,9 +253,9 @@ def _recording_emitter(
 ) -> tuple[Callable[[Delta | Done | Failed], None], asyncio.Queue]:
     """The job's `emit`: records a finished generation's metrics (even when its client has
     gone; `queried`: it asked the prefix cache), then hands the event to the request's handler
-    (the queue returned beside it; `whole`: an answer not streamed, see `_thread_safe_put`)."""
+    (the queue returned beside it; `whole`: an answer not streamed, engine/server/handoff.py)."""
     events: asyncio.Queue = asyncio.Queue()
-    put = _thread_safe_put(events, whole)
+    put = thread_safe_put(events, whole)
 
     def emit(event: Delta | Done | Failed) -> None:
         if isinstance(event, Done) and event.result is not None:
@@ -268,33 +268,6 @@ def _recording_emitter(
         put(event)
 
     return emit, events
-
-
-def _thread_safe_put(events: asyncio.Queue, whole: bool) -> Callable[[Any], None]:
-    """An `emit` for the worker thread that puts into `events` on this event loop. `whole` (an
-    answer not streamed): its Deltas are kept and handed over with its last event, in one call,
-    instead of waking the event loop at every step of the engine (on a busy core each wake
-    takes a core from the engine's thread; six requests at once woke it six times a step)."""
-    loop = asyncio.get_running_loop()
-    held: list[Any] = []
-    lock = threading.Lock()  # the last event may come from another thread (a shutdown's cut)
-
-    def put(event: Any) -> None:
-        with lock:
-            if whole and isinstance(event, Delta):
-                held.append(event)
-                return
-            batch = [*held, event]
-            held.clear()
-        if not loop.is_closed():
-            loop.call_soon_threadsafe(_put_all, events, batch)
-
-    return put
-
-
-def _put_all(events: asyncio.Queue, batch: list[Any]) -> None:
-    for event in batch:
-        events.put_nowait(event)
 
 
 # -- reading a generation ---------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""engine/server/generation.py hands a job's events from the engine's thread to its request's
+"""engine/server/handoff.py hands a job's events from the engine's thread to its request's
 event loop: a streamed answer's each at once, a whole answer's with its last event (one wake of
-the loop, not one every engine step)."""
+the loop, not one every engine step), and the events of many requests posted before the loop
+runs in one wake."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import threading
 
 import pytest
 
-from engine.server.generation import _thread_safe_put
+from engine.server.handoff import Mailbox, thread_safe_put
 from engine.server.worker import Delta, Done, Failed
 
 
@@ -19,7 +20,7 @@ def _deliveries(whole: bool, last: Done | Failed) -> tuple[int, list]:
 
     async def run() -> tuple[int, list]:
         events: asyncio.Queue = asyncio.Queue()
-        put = _thread_safe_put(events, whole)
+        put = thread_safe_put(events, whole)
         engine = threading.Thread(target=lambda: [put(Delta("a")), put(Delta("b"))])
         engine.start()
         engine.join()
@@ -43,3 +44,30 @@ def test_a_whole_answer_gets_its_deltas_with_its_last_event_in_order(last):
     early, events = _deliveries(whole=True, last=last)
     assert early == 0
     assert events == [Delta("a"), Delta("b"), last]
+
+
+def test_the_events_of_many_requests_posted_before_the_loop_runs_take_one_wake():
+    """Six streamed requests' Deltas of one engine step (posted while the loop is busy) wake it
+    once; each queue gets its own, in order."""
+
+    async def run() -> tuple[int, list[list]]:
+        queues = [asyncio.Queue() for _ in range(6)]
+        puts = [thread_safe_put(events, whole=False) for events in queues]
+        mailbox = Mailbox.of(asyncio.get_running_loop())
+        before = mailbox.wakes
+
+        def step(number: int) -> None:
+            for index, put in enumerate(puts):
+                put(Delta(f"{number}:{index}"))
+
+        for number in range(2):  # two steps, the loop busy here all the while
+            engine = threading.Thread(target=step, args=(number,))
+            engine.start()
+            engine.join()
+        woken = mailbox.wakes - before
+        got = [[await asyncio.wait_for(q.get(), 5) for _ in range(2)] for q in queues]
+        return woken, got
+
+    woken, got = asyncio.run(run())
+    assert woken == 1
+    assert got == [[Delta(f"0:{i}"), Delta(f"1:{i}")] for i in range(6)]
