@@ -28,6 +28,11 @@ The static-shape verify (`forward_static`, for CUDA graphs) returns what it keep
 per-node states, which the Triton kernel writes anyway, and commit copies the accepted one) when
 `choose_keep` finds a round's states fit in free device memory, else "replay".
 
+A scheduler's sequences keep their committed states as slots of one `StateSlots` a layer
+(`Qwen3_5Model.share_states`): a batched pass's one-token steps read theirs with one gather,
+and `commit_many` installs what a pass leaves (the steps' states, its trees' conv windows and
+stacked states) with one scatter a layer instead of a copy a sequence.
+
 `pending_bytes` gives the extra memory per round of each strategy for any config; for
 Qwen3.6-27B (48 GDN layers, bf16, 16-token verify; `python -m engine.models.gated_deltanet`):
 replay 30.2 MiB, factored 53.4 MiB, snapshot 2319 MiB, and snapshot's per-node states are also
