@@ -28,7 +28,7 @@ class Mailbox:
     """Events for the queues of one event loop, delivered in as few wakes of it as possible."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        self._loop = weakref.ref(loop)  # (a strong one would keep the loop's entry forever)
         self._lock = threading.Lock()
         self._posted: list[tuple[asyncio.Queue, Any]] = []
         self.wakes = 0  # how many times the loop was woken (tests, diagnostics)
@@ -48,8 +48,9 @@ class Mailbox:
             self._posted.extend((events, event) for event in batch)
             if wake:
                 self.wakes += 1
-        if wake and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._deliver)
+        loop = self._loop()
+        if wake and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._deliver)
 
     def _deliver(self) -> None:
         with self._lock:

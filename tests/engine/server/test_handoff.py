@@ -6,10 +6,12 @@ runs in one wake."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 
 import pytest
 
+from engine.server import handoff
 from engine.server.handoff import Mailbox, thread_safe_put
 from engine.server.worker import Delta, Done, Failed
 
@@ -71,3 +73,14 @@ def test_the_events_of_many_requests_posted_before_the_loop_runs_take_one_wake()
     woken, got = asyncio.run(run())
     assert woken == 1
     assert got == [[Delta(f"0:{i}"), Delta(f"1:{i}")] for i in range(6)]
+
+
+def test_a_finished_event_loops_mailbox_goes_with_it():
+    async def serve_one() -> None:
+        thread_safe_put(asyncio.Queue(), whole=False)(Delta("a"))
+        await asyncio.sleep(0)
+
+    before = len(handoff._MAILBOXES)
+    asyncio.run(serve_one())
+    gc.collect()
+    assert len(handoff._MAILBOXES) == before
