@@ -97,8 +97,8 @@ class RecurrentState:
 
     conv: torch.Tensor  # [C, K-1] the last K-1 conv inputs, oldest first (model dtype)
     recurrent: torch.Tensor  # [Hv, Dk, Dv] (float32, float64 for float64 models)
-    slots: StateSlots | None = None
-    index: int = 0
+    slots: StateSlots
+    index: int
 
 
 class StateSlots:
@@ -126,16 +126,27 @@ def shared_slots(states: list[RecurrentState]) -> StateSlots | None:
     return slots if all(state.slots is slots for state in states) else None
 
 
-def install(states: list[RecurrentState], values: torch.Tensor, part: str) -> None:
-    """values[i] [C, K-1] or [Hv, Dk, Dv] in place as states[i]'s `part` ("conv" or
-    "recurrent"): one scatter when the states are slots of one `StateSlots`."""
+def install(
+    states: list[RecurrentState],
+    conv: torch.Tensor | None = None,
+    recurrent: torch.Tensor | None = None,
+) -> None:
+    """Row i of `conv` [n, C, K-1] and of `recurrent` [n, Hv, Dk, Dv] (those given) in place as
+    states[i]'s: one scatter each when the states are slots of one `StateSlots`."""
+    parts = [
+        (name, rows)
+        for name, rows in (("conv", conv), ("recurrent", recurrent))
+        if rows is not None
+    ]
     slots = shared_slots(states)
     if slots is not None:
-        indices = torch.tensor([state.index for state in states], device=values.device)
-        getattr(slots, part).index_copy_(0, indices, values)
+        index = torch.tensor([state.index for state in states], device=parts[0][1].device)
+        for name, rows in parts:
+            getattr(slots, name).index_copy_(0, index, rows)
         return
-    for state, value in zip(states, values, strict=True):
-        getattr(state, part).copy_(value)
+    for name, rows in parts:
+        for state, row in zip(states, rows, strict=True):
+            getattr(state, name).copy_(row)
 
 
 @dataclass
@@ -152,8 +163,7 @@ class SteppedRows:
         if rows != list(range(len(conv))):
             index = torch.tensor(rows, device=conv.device)
             conv, recurrent = conv.index_select(0, index), recurrent.index_select(0, index)
-        install(states, conv, "conv")
-        install(states, recurrent, "recurrent")
+        install(states, conv, recurrent)
 
 
 _STEP_PARENTS = torch.tensor([-1])  # a one-token step's tree: its token, a root
@@ -184,7 +194,7 @@ class TreeWindows:
         ends = self.taps.index_select(0, torch.tensor(nodes, device=device))[:, 1:]
         picked = self.rows.index_select(0, ends.reshape(-1))  # [n * (K-1), C]
         windows = picked.view(len(nodes), -1, self.rows.shape[1]).transpose(1, 2)
-        install(states, windows, "conv")
+        install(states, conv=windows)
 
 
 @dataclass
@@ -495,7 +505,7 @@ class GatedDeltaNet(nn.Module):
             places = [pendings[i].tree_states.pieces[0].stacked for i in members]
             stack = places[0][0]  # (the stack's piece, each tree's index in it)
             built = stack.write_states_after([at for _, at in places], [lasts[i] for i in members])
-            install([states[i] for i in members], built, "recurrent")
+            install([states[i] for i in members], recurrent=built)
 
     def _commit_conv(
         self, state: RecurrentState, pending: PendingRecurrence, accepted: torch.Tensor
