@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+# torch's compiler must load before any test imports ansible: ansible's import patches
+# sys.intern with an object that torch._dynamo's import (reached through transformers when the
+# tiny hub is made) then rejects. Run in the whole suite, something else loaded it earlier.
+import torch._dynamo  # noqa: F401  # isort: skip
+
 from tests.helpers.site import make_tiny_hub_root
 
 
