@@ -83,6 +83,11 @@ from engine.tree import (
 )
 
 STAGES = ("prefill", "draft", "tree", "verify", "commit")
+# A sequence's kept features are joined once it holds this many rounds' pieces (`keep`). A
+# piece may be a view of its step's gathered rows, every sequence's: at Qwen3.6-27B's five
+# 5120-wide taps in bf16 (50 KiB a row), 4 steps of 16 sequences accepting 16 tokens each keep
+# 50 MiB alive at most; 4 steps of 16 plain rounds, 3.1 MiB.
+KEEP_PIECES = 4
 
 
 @dataclass
@@ -290,6 +295,7 @@ class _Sequence:
         self._open(pool)
         self.committed: list[int] = []  # the token ids in the target's cache
         self._kept: list[torch.Tensor] = []  # the drafter's features not yet given to it
+        self._rounds_kept = 0  # rounds' pieces at the end of `_kept` not joined yet
         self.context_rows = 0  # how many tokens' features `_kept` holds (joined or not)
         self.bonus = -1  # the target's latest choice: output, not yet in the cache
         self.width = 1 + _draft_width(cfg, drafter)  # tokens of every static verify
@@ -308,13 +314,26 @@ class _Sequence:
         store): a sequence that skips drafting (`auto` on a busy batch) would otherwise copy
         all of them every round, its prompt's included (at 27B, 30 KiB a token)."""
         if len(self._kept) > 1:
-            self._kept = [torch.cat(self._kept)]
+            self._kept, self._rounds_kept = [torch.cat(self._kept)], 0
         return self._kept[0] if self._kept else None
 
     @context.setter
     def context(self, features: torch.Tensor | None) -> None:
-        self._kept = [] if features is None else [features]
+        self._kept, self._rounds_kept = [] if features is None else [features], 0
         self.context_rows = 0 if features is None else features.shape[0]
+
+    def keep(self, features: torch.Tensor) -> None:
+        """The features [K, n*H] of the tokens a round committed, for the drafter. They may be
+        a view of a batched step's gathered rows (every sequence's): the last KEEP_PIECES
+        rounds' are joined into a piece of their own, so a sequence that skips drafting holds
+        no more than that many steps' rows (the pieces before, its prompt's among them, are
+        not copied again)."""
+        self._kept.append(features)
+        self.context_rows += features.shape[0]
+        self._rounds_kept += 1
+        if self._rounds_kept == KEEP_PIECES:
+            self._kept[-KEEP_PIECES:] = [torch.cat(self._kept[-KEEP_PIECES:])]
+            self._rounds_kept = 0
 
     def _open(self, pool: CachePool) -> None:
         """Decode in `pool`'s caches (a server's slot) and static passes."""
@@ -586,33 +605,37 @@ class _Sequence:
         hidden,
         pending: tuple | None,
         taking: Callable[[list[int]], int],
-        commits: list[tuple[object, torch.Tensor]] | None = None,
+        commits: list[tuple[_Sequence, list[int]]] | None = None,
     ) -> tuple[list[int], list[int]]:
         """Walk the tree and commit the accepted path, cut where `taking` says the output ends
         (so the cache holds the output but its last token, what a next turn extends); returns
-        (accepted verify indices, new tokens). `commits`: the cache's part is left to the
-        caller, (cache, path on the host) appended there (a batched pass's, committed at once)."""
+        (accepted verify indices, new tokens). `commits`: the cache's part and the kept
+        features are left to the caller, (this sequence, kept path) appended there (a batched
+        pass's: its caches committed and its features gathered at once, `hidden` unused)."""
         with self.clock.stage("commit"):
             accepted, next_bonus = walk(tree, choices)
             drafted = [int(tree.tokens[i - 1]) for i in accepted[1:]]
             new_tokens = [*drafted, next_bonus]
             kept = accepted[: taking(new_tokens)]
             self.committed += [self.bonus, *new_tokens[: len(kept) - 1]]
-            host_path = torch.tensor(kept, dtype=torch.long)
-            if pending is not None:
-                parents = padded_parents(tree.verify_parents(), self.width).tolist()
-                self.target.commit(self.cache, host_path, pending, parents=parents)
-            elif commits is not None:
-                commits.append((self.cache, host_path))
+            if commits is not None:
+                commits.append((self, kept))
             else:
-                self.target.commit(self.cache, on_device(host_path, self.device))
-            if self.speculative:
-                kept_rows = hidden.index_select(0, on_device(host_path, self.device))
-                self._kept.append(kept_rows)  # [K, n*H] the newly committed tokens
-                self.context_rows += len(kept)
+                self._commit_alone(kept, hidden, pending, tree)
             self._advance(accepted, next_bonus, drafted)
         self.bonus = next_bonus
         return accepted, new_tokens
+
+    def _commit_alone(self, kept: list[int], hidden, pending: tuple | None, tree: DraftTree):
+        """The cache's commit of the path `kept` and its features, of a pass of its own."""
+        host_path = torch.tensor(kept, dtype=torch.long)
+        if pending is not None:
+            parents = padded_parents(tree.verify_parents(), self.width).tolist()
+            self.target.commit(self.cache, host_path, pending, parents=parents)
+        else:
+            self.target.commit(self.cache, on_device(host_path, self.device))
+        if self.speculative:
+            self.keep(hidden.index_select(0, on_device(host_path, self.device)))
 
     def finish(self) -> None:
         """Store what the sequence committed in the pool's prefix cache (if it uses one; not

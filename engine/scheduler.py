@@ -70,7 +70,7 @@ from engine.memory_plan import is_out_of_memory
 from engine.methods import TREE_METHODS
 from engine.models.common import Segment
 from engine.sampling import TokenLogprob
-from engine.tree import DraftTree, TopK, chain_tree, top_k_log_probs
+from engine.tree import DraftTree, TopK, chain_tree, to_device, top_k_log_probs
 
 log = logging.getLogger(__name__)
 
@@ -551,24 +551,28 @@ class Scheduler:
         tokens = sum(item.segment.ids.shape[0] for item in work)
         if self.on_pass is not None:
             self.on_pass(len(work), tokens)
-        commits: list = []  # every round's cache commit, at once after the walks
-        for item, (logits, hidden) in zip(work, outputs, strict=True):
-            seq, hidden = item.active.seq, hidden if item.active.seq.speculative else None
+        commits: list = []  # every round's (sequence, path), committed at once after the walks
+        starts = []  # and where its segment's rows start in the pass
+        for index, item in enumerate(work):
+            seq, logits = item.active.seq, outputs.logits[index]
             if item.tree is None:
+                hidden = outputs.features(index) if seq.speculative else None
                 seq.piece_done(item.segment.ids.shape[0], logits, hidden)
                 if seq.prefill_left == 0:
                     self._prefilled(item.active)
                 continue
             choices, seq.scores = seq._choose(logits, item.tree)
             accepted, new_tokens = seq.commit(
-                item.tree, choices, hidden, None, item.active.run.out.taking, commits
+                item.tree, choices, None, None, item.active.run.out.taking, commits
             )
+            starts.append(outputs.rows[index].start)
             item.active.run.committed(item.tree, accepted, new_tokens)
             if item.active.acceptance is not None and item.tree.size:
                 self.budgets.verified(
                     item.active.acceptance, item.tree.log_probs, len(accepted) - 1
                 )
-        self.target.commit_batch(commits)
+        self.target.commit_batch([(seq.cache, path) for seq, path in commits])
+        _keep_features(outputs.hidden, commits, starts)
         trees = sum(item.segment.ids.shape[0] > 1 for item in work)
         seconds = time.perf_counter() - started  # the choices were read: the device is done
         self.budgets.observe_pass(tokens, trees, seconds)
@@ -649,6 +653,25 @@ def _tops(drafting: list[_Active], drafts: torch.Tensor) -> dict[int, TopK]:
         for row, index in enumerate(members):
             tops[id(drafting[index])] = (log_probs[row], token_ids[row])
     return tops
+
+
+def _keep_features(
+    hidden: torch.Tensor | None, commits: list[tuple[_Sequence, list[int]]], starts: list[int]
+) -> None:
+    """Each speculative sequence's features of the tokens its round committed (its `commits`
+    path, its segment's rows from `starts`), gathered from the pass's `hidden` in one call
+    for all of them (each sequence gathered its own before)."""
+    kept = [
+        (seq, [start + node for node in path])
+        for (seq, path), start in zip(commits, starts, strict=True)
+        if seq.speculative
+    ]
+    if not kept:
+        return
+    rows = to_device(np.array([row for _, rows in kept for row in rows]), hidden.device)
+    pieces = hidden.index_select(0, rows).split([len(rows) for _, rows in kept])
+    for (seq, _), piece in zip(kept, pieces, strict=True):
+        seq.keep(piece)
 
 
 def _round_tokens(active: _Active, rooms: tuple[int, int]) -> int:

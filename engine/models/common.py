@@ -458,21 +458,34 @@ def logit_rows(segments: list[Segment], rows: list[slice]) -> tuple[list[int], l
     return picked, shares
 
 
+@dataclass(frozen=True)
+class BatchOutputs:
+    """A batched pass's outputs: each segment's logits (its last token's for a prefill piece,
+    every token's for a verify), and the requested layers' outputs of every row of the pass
+    (None: none requested) with each segment's rows of them. The rows stay together so a
+    step's kept ones are gathered in one call (engine/scheduler.py)."""
+
+    logits: list[torch.Tensor]
+    hidden: torch.Tensor | None
+    rows: list[slice]
+
+    def features(self, index: int) -> torch.Tensor | None:
+        """Segment `index`'s rows of `hidden` (a view)."""
+        return None if self.hidden is None else self.hidden[self.rows[index]]
+
+
 def split_batch(
     logits_of: Callable[[torch.Tensor], torch.Tensor],
     x: torch.Tensor,
     hidden: torch.Tensor | None,
     segments: list[Segment],
     rows: list[slice],
-) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """A batched pass's outputs per segment: the logits of the rows that want them (one lm_head
-    call over all of them) and the segment's hidden rows."""
+) -> BatchOutputs:
+    """A batched pass's outputs: the logits of the rows that want them (one lm_head call over
+    all of them), split per segment, and the hidden rows as they are."""
     picked, shares = logit_rows(segments, rows)
     logits = logits_of(x[torch.tensor(picked, device=x.device)])
-    return [
-        (logits[share], hidden[r] if hidden is not None else None)
-        for share, r in zip(shares, rows, strict=True)
-    ]
+    return BatchOutputs([logits[share] for share in shares], hidden, rows)
 
 
 def materialize(module: nn.Module, dtype: torch.dtype, device) -> nn.Module:

@@ -31,6 +31,7 @@ from torch import nn
 from engine.kernels.reference import cast, compute_dtype
 from engine.kv_blocks import KVBlockPool, KVLayout, commit_paths
 from engine.models.common import (
+    BatchOutputs,
     GrowingPass,
     KVCache,
     QKNormProjections,
@@ -185,11 +186,11 @@ class Qwen3Model(nn.Module):
     @torch.no_grad()
     def forward_batch(
         self, segments: list[Segment], hidden_layers: Sequence[int] = ()
-    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    ) -> BatchOutputs:
         """Several sequences' `forward` (or `extend`, a prefill piece) in one pass: their tokens
         flattened through the embeddings, projections, MLPs and lm_head, each segment's
         attention against its own cache. Per segment: logits (its last token's for a prefill
-        piece, committed; every token's for a verify, left pending) and its hidden rows."""
+        piece, committed; every token's for a verify, left pending); the pass's hidden rows."""
         for segment in segments:
             segment.cache.check_room(segment.ids.shape[0])
         lengths = [segment.cache.length for segment in segments]
@@ -234,9 +235,9 @@ class Qwen3Model(nn.Module):
         the target interface's, see engine/models/qwen3_5.py)."""
         cache.commit(accepted)
 
-    def commit_batch(self, commits: list[tuple[KVCache, torch.Tensor]]) -> None:
-        """`commit` of each (cache, accepted) after one `forward_batch`."""
-        commit_paths([cache for cache, _ in commits], [path.tolist() for _, path in commits])
+    def commit_batch(self, commits: list[tuple[KVCache, list[int]]]) -> None:
+        """`commit` of each (cache, accepted path) after one `forward_batch`."""
+        commit_paths([cache for cache, _ in commits], [path for _, path in commits])
 
 
 def qwen3_checkpoint(model_dir: str | Path) -> tuple[Qwen3Model, Callable[[str], str | None]]:

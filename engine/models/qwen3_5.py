@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -41,6 +42,7 @@ from engine.kernels.reference import cast, compute_dtype
 from engine.kv_blocks import KVBlockPool, KVLayout, commit_paths
 from engine.memory_plan import FULL, LINEAR, hybrid_layer_types
 from engine.models.common import (
+    BatchOutputs,
     GrowingPass,
     KVCache,
     Rotary,
@@ -70,7 +72,7 @@ from engine.models.gated_deltanet import (
     conv_taps,
     pending_from,
 )
-from engine.tree import TreeInputs, on_device, tree_layout
+from engine.tree import TreeInputs, on_device, to_device, tree_layout
 
 MULTIMODAL_TEXT_PREFIX = "model.language_model."  # `qwen3_5` checkpoints (vision + text)
 TEXT_PREFIX = "model."  # `qwen3_5_text` checkpoints
@@ -459,12 +461,12 @@ class Qwen3_5Model(nn.Module):
     @torch.no_grad()
     def forward_batch(
         self, segments: list[Segment], hidden_layers: Sequence[int] = ()
-    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    ) -> BatchOutputs:
         """Several sequences' `forward` (or `extend`, a prefill piece) in one pass: their tokens
         flattened through the embeddings, projections, MLPs and lm_head; each segment's
         attention against its own K/V and its GDN layers on its own states. Per segment:
         logits (its last token's for a prefill piece, committed; every token's for a verify,
-        left pending for `commit`) and its hidden rows."""
+        left pending for `commit`); the pass's hidden rows."""
         device = self.embed_tokens.weight.device
         for segment in segments:
             segment.cache.kv.check_room(segment.ids.shape[0])
@@ -558,37 +560,40 @@ class Qwen3_5Model(nn.Module):
         tree, read back from the device). After `forward_static`, pass its `pending` and the
         tree's host-side `parents` and `accepted` as a host tensor: nothing is read back.
         """
+        path = accepted.tolist()
         if pending:
             states = zip(pending, cache.recurrent, strict=True)
             cache.pending = [pending_from(cache.keep, kept, state) for kept, state in states]
             if parents is not None:
-                check_root_to_node_path(parents, accepted.tolist())
-        self._commit_paths([(cache, accepted)], checked=bool(pending))
+                check_root_to_node_path(parents, path)
+        device = self.embed_tokens.weight.device
+        self._commit_paths([(cache, path, on_device(accepted, device))], checked=bool(pending))
 
     @torch.no_grad()
-    def commit_batch(self, commits: list[tuple[HybridCache, torch.Tensor]]) -> None:
-        """`commit` of each (cache, accepted) after one `forward_batch`: the GDN states of the
-        trees it solved together built together (gated_deltanet `commit_many`)."""
-        self._commit_paths(commits, checked=False)
-
-    def _commit_paths(self, commits: list[tuple[HybridCache, torch.Tensor]], checked: bool) -> None:
+    def commit_batch(self, commits: list[tuple[HybridCache, list[int]]]) -> None:
+        """`commit` of each (cache, accepted path) after one `forward_batch`: the GDN states of
+        the trees it solved together built together (gated_deltanet `commit_many`)."""
         device = self.embed_tokens.weight.device
-        paths, on_devices = [], []
-        for cache, accepted in commits:
+        placed = [(cache, path, to_device(np.array(path), device)) for cache, path in commits]
+        self._commit_paths(placed, checked=False)
+
+    def _commit_paths(
+        self, commits: list[tuple[HybridCache, list[int], torch.Tensor]], checked: bool
+    ) -> None:
+        """Each (cache, path, the path on the device) committed: GDN states, then K/V."""
+        for cache, path, _ in commits:
             if len(cache.pending) != len(cache.recurrent):
                 raise ValueError("commit without a forward pass to commit from")
-            path = accepted.tolist()
             if not checked and cache.pending:
                 check_root_to_node_path(cache.pending[0].parents.tolist(), path)
-            paths.append(path)
-            on_devices.append(on_device(accepted, device))
-        lasts = [path[-1] for path in paths]
+        lasts = [path[-1] for _, path, _ in commits]
+        on_devices = [path for _, _, path in commits]
         for slot, layer in enumerate(self._layers_of(LINEAR)):
-            states = [cache.recurrent[slot] for cache, _ in commits]
-            kept = [cache.pending[slot] for cache, _ in commits]
+            states = [cache.recurrent[slot] for cache, _, _ in commits]
+            kept = [cache.pending[slot] for cache, _, _ in commits]
             layer.linear_attn.commit_many(states, kept, on_devices, lasts)
-        commit_paths([cache.kv for cache, _ in commits], paths)
-        for cache, _ in commits:
+        commit_paths([cache.kv for cache, _, _ in commits], [path for _, path, _ in commits])
+        for cache, _, _ in commits:
             cache.pending = []
 
 

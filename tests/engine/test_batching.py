@@ -18,7 +18,7 @@ import torch
 
 from engine import budgets
 from engine.cache_pool import CachePool
-from engine.decode import GenerationConfig, generate
+from engine.decode import KEEP_PIECES, GenerationConfig, generate
 from engine.grammar import Constraint
 from engine.kv_blocks import KVBlockPool, attend_sequences
 from engine.memory_plan import BLOCK_TOKENS, is_out_of_memory
@@ -452,8 +452,10 @@ def test_a_sequence_skipping_drafts_keeps_its_features_in_pieces_joined_when_rea
 ):
     """An `auto` sequence that does not draft (a busy batch) keeps each round's drafter
     features as a piece of their own: its prompt's are not copied round after round (at 27B a
-    3,300-token prompt's are ~100 MiB). Read, they join into the target's features of every
-    token committed since its last draft, in order; and its output is plain decoding's."""
+    3,300-token prompt's are ~100 MiB). A round's piece is a view of its step's rows gathered
+    for every sequence; every KEEP_PIECES rounds' are joined into a piece holding only theirs.
+    Read, they join into the target's features of every token committed since its last draft,
+    in order; and its output is plain decoding's."""
     target, drafter = pair
     cfg = GenerationConfig("auto", 15, max_new_tokens=NEW, prefill_chunk=16)
     cases = prompts(pair, [20, 33], seed=5)
@@ -467,13 +469,19 @@ def test_a_sequence_skipping_drafts_keeps_its_features_in_pieces_joined_when_rea
         sched.add(got.request(index, prompt, cfg))
     while sched.waiting or any(active.prefilling for active in sched.running):
         sched.step()
-    before = [(active.seq._kept[0], len(active.seq._kept)) for active in sched.running]
-    for _ in range(4):
+    before = [active.seq._kept[0] for active in sched.running]
+    for _ in range(KEEP_PIECES + 1):
         sched.step()
-    for active, prompt, (kept, pieces) in zip(sched.running, cases, before, strict=True):
+    for active, prompt, kept in zip(sched.running, cases, before, strict=True):
         seq = active.seq
-        assert seq._kept[0] is kept and len(seq._kept) == pieces + 4  # the prompt's, uncopied
-        assert seq.context_rows == len(seq.committed) >= len(prompt) + 4
+        assert seq._kept[0] is kept  # the prompt's, uncopied
+        own = [piece.untyped_storage().nbytes() == piece.nbytes for piece in seq._kept[1:]]
+        # the rounds' pieces: each KEEP_PIECES joined into one holding only their rows, then
+        # the views of the steps' gathered rows since
+        assert own == [True] * own.count(True) + [False] * own.count(False), own
+        assert own.count(True) >= 1 and 0 < own.count(False) < KEEP_PIECES
+        assert seq._kept[1].shape[0] == KEEP_PIECES  # a plain round commits one token
+        assert seq.context_rows == len(seq.committed) >= len(prompt) + KEEP_PIECES + 1
         layers = tuple(drafter.target_layer_ids)
         ids = torch.tensor(seq.committed)
         _, features = target.forward(ids, target.new_cache(SLOT), None, layers)
