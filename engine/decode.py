@@ -505,9 +505,13 @@ class _Sequence:
         return self.shape(logits, depth_room, node_room)
 
     def start_round(self, depth_room: int, node_room: int) -> bool:
-        """Begin a round (the grammar's); whether it drafts (not ar, and something fits)."""
+        """Begin a round (the grammar's); whether it drafts (`may_draft`)."""
         if self.guide is not None:
             self.guide.start_round()
+        return self.may_draft(depth_room, node_room)
+
+    def may_draft(self, depth_room: int, node_room: int) -> bool:
+        """Whether a round with these rooms drafts: not ar, and something fits."""
         return self.speculative and min(depth_room, node_room) > 0
 
     def shape(

@@ -10,8 +10,9 @@ each a block table of the server's context over the `CachePool`'s KV block pools
 share with one prefix cache, engine/kv_blocks.py). Each `step`:
   admit   waiting requests into free slots; each resumes from the prefix cache (engine/decode.py
           `_Sequence.begin_prefill`);
-  plan    for every decoding sequence its round's draft (the drafter, per sequence) and verify
-          tokens (its tree, a chain, or one token for `ar`); the rest of `max_num_batched_tokens`
+  plan    for every decoding sequence whether it drafts (`auto`: engine/budgets.py), its round's
+          draft (one drafter pass for all) and verify tokens (its tree, a chain, or one token
+          for `ar` or a round without a draft); the rest of `max_num_batched_tokens`
           is shared among the prefilling sequences in arrival order (each a piece of its next
           chunk: a long prompt never stalls the others, and a short one arriving behind it gets
           its share of the next pass at once);
@@ -25,8 +26,8 @@ A sequence's tokens are the target's own choices along its own path, so they equ
 
 Preemption (vLLM's rule): the slots share one KV block pool that may hold fewer blocks than
 `max_num_seqs` full sequences (`CachePool.slots(count, kv_tokens)`). Before a step runs anything,
-every running sequence's work takes its blocks, oldest first (a round's verify tokens, its draft's
-context and block; a prefill piece); while the pool has none left (the prefix cache gives back its
+every running sequence's work takes its blocks, oldest first (a round's verify tokens, and its
+draft's context and block if it drafts; a prefill piece); while the pool has none left (the prefix cache gives back its
 least recently used first), the most recently admitted running sequence is preempted: its blocks,
 its slot (GDN states) and its drafter features are given back, what it committed is stored in the
 prefix cache, and it goes back to the head of the queue with its tokens, output and sampling state
@@ -294,9 +295,12 @@ class Scheduler:
                 rooms = active.run.next_rooms(active.request.should_stop)
                 if rooms is not None:
                     rounds.append((active, rooms))
-        budget = self.max_num_batched_tokens - sum(_round_tokens(a, rooms) for a, rooms in rounds)
-        pieces = self._pieces(budget)
-        holds = {id(a): partial(self._hold_round, a, rooms) for a, rooms in rounds}
+        draft_ids = self._drafting(rounds)
+        tokens = sum(_round_tokens(a, rooms, id(a) in draft_ids) for a, rooms in rounds)
+        pieces = self._pieces(self.max_num_batched_tokens - tokens)
+        holds = {
+            id(a): partial(self._hold_round, a, rooms, id(a) in draft_ids) for a, rooms in rounds
+        }
         holds.update((id(a), partial(a.seq.cache.check_room, p.shape[0])) for a, p in pieces)
         for active in list(self.running):
             if id(active) in holds and active in self.running:
@@ -304,7 +308,7 @@ class Scheduler:
                     self._hold(active, holds[id(active)])
                 except Exception as error:
                     self._fail([active], error)
-        work = self._rounds([(a, rooms) for a, rooms in rounds if a in self.running])
+        work = self._rounds([(a, rooms) for a, rooms in rounds if a in self.running], draft_ids)
         for active, piece in pieces:
             if active in self.running and (item := self._piece_work(active, piece)) is not None:
                 work.append(item)
@@ -328,11 +332,12 @@ class Scheduler:
                 if victim is active:
                     return False
 
-    def _hold_round(self, active: _Active, rooms: tuple[int, int]) -> None:
-        """The blocks of a round: its verify tokens, and its draft's context and block."""
+    def _hold_round(self, active: _Active, rooms: tuple[int, int], drafts: bool) -> None:
+        """The blocks of a round: its verify tokens, and if it `drafts`, its draft's context
+        and block."""
         seq = active.seq
-        seq.cache.check_room(_round_tokens(active, rooms))
-        if seq.speculative and min(rooms) > 0:
+        seq.cache.check_room(_round_tokens(active, rooms, drafts))
+        if drafts:
             cache, rows = seq.draft_cache, seq.context_rows
             cache.check_room(min(rows + self.drafter.block_size, cache.max_len - cache.length))
 
@@ -421,12 +426,20 @@ class Scheduler:
         if (pays := self.budgets.drafting_alone(acceptance)) or probed:
             self.budgets.solo_paid(acceptance, pays)
 
-    def _rounds(self, rounds: list[tuple[_Active, tuple[int, int]]]) -> list[_Work]:
+    def _drafting(self, rounds: list[tuple[_Active, tuple[int, int]]]) -> set[int]:
+        """The ids of the rounds' sequences that draft this step: those not `ar` with room for
+        a node, less the `auto` ones whose draft would not pay (decided before the step takes
+        its blocks: such a round holds its bonus alone)."""
+        drafting = [active for active, rooms in rounds if active.seq.may_draft(*rooms)]
+        return {id(active) for active in self._auto_drafting(rounds, drafting)}
+
+    def _rounds(
+        self, rounds: list[tuple[_Active, tuple[int, int]]], draft_ids: set[int]
+    ) -> list[_Work]:
         """Each decoding sequence's round (with its rooms) as its verify segment: the drafts
-        of all that draft in one drafter pass (engine/models/dflash.py `draft_batch`); a
+        of those in `draft_ids` in one drafter pass (engine/models/dflash.py `draft_batch`); a
         failed draft fails the sequences it drafted for."""
-        drafting = [active for active, rooms in rounds if active.seq.start_round(*rooms)]
-        drafting = self._auto_drafting(rounds, drafting)
+        drafting = [a for a, rooms in rounds if a.seq.start_round(*rooms) and id(a) in draft_ids]
         trees = {}
         if drafting:
             started = time.perf_counter()
@@ -674,10 +687,9 @@ def _keep_features(
         seq.keep(piece)
 
 
-def _round_tokens(active: _Active, rooms: tuple[int, int]) -> int:
-    """The most tokens a round with `rooms` verifies: the bonus and its draft."""
-    seq = active.seq
-    return 1 + (min(seq.width - 1, rooms[1]) if seq.speculative and min(rooms) > 0 else 0)
+def _round_tokens(active: _Active, rooms: tuple[int, int], drafts: bool) -> int:
+    """The most tokens a round with `rooms` verifies: the bonus, and if it `drafts`, its tree."""
+    return 1 + (min(active.seq.width - 1, rooms[1]) if drafts else 0)
 
 
 class GenerateFn(Protocol):

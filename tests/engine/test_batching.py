@@ -493,6 +493,34 @@ def test_a_sequence_skipping_drafts_keeps_its_features_in_pieces_joined_when_rea
         assert got.output(index) == solo(pair, prompt, replace(cfg, method="ar"))
 
 
+def test_an_auto_round_without_a_draft_leaves_its_trees_tokens_to_a_prefill(pair, monkeypatch):
+    """Who drafts is decided before the step takes its blocks: an `auto` round without a draft
+    holds one token of the pass, not its widest tree. Beside two such rounds a prompt prefills
+    the rest of each 32-token pass (their trees counted, 2 x 16, it would wait for them)."""
+    target, _ = pair
+    cfg = GenerationConfig("auto", 15, max_new_tokens=NEW)
+    sched, got = scheduler(pair, slots=3, tokens=32), Collector()
+    monkeypatch.setattr(sched.budgets, "drafting", lambda asked, _base: [False] * len(asked))
+    cases = prompts(pair, [6, 7, 60], seed=3)
+    for index, prompt in enumerate(cases[:2]):
+        sched.add(got.request(index, prompt, cfg))
+    while sched.waiting or any(active.prefilling for active in sched.running):
+        sched.step()
+    passes, batched_pass = [], target.forward_batch
+
+    def forward_batch(segments, hidden_layers=()):
+        passes.append([(segment.extend, segment.ids.shape[0]) for segment in segments])
+        return batched_pass(segments, hidden_layers)
+
+    monkeypatch.setattr(target, "forward_batch", forward_batch)
+    sched.add(got.request(2, cases[2], cfg))
+    sched.step()
+    assert passes == [[(False, 1), (False, 1), (True, 30)]]
+    drain(sched)
+    for index, prompt in enumerate(cases):
+        assert got.output(index) == solo(pair, prompt, replace(cfg, method="ar"))
+
+
 def test_a_seeded_sampled_auto_request_verifies_its_cap_and_repeats(pair, monkeypatch):
     """Sampled, a round's node count changes how the sequence's generator is drawn: a seeded
     `auto` request keeps its cap every round, so its tokens are ddtree's with that seed while
