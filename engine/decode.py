@@ -312,7 +312,7 @@ class _Sequence:
         """[N, n*H] the drafter's features of the tokens not yet given to it (None: none).
         Kept as the rounds' pieces and joined once, when read (a draft, or the prefix cache's
         store): a sequence that skips drafting (`auto` on a busy batch) would otherwise copy
-        all of them every round, its prompt's included (at 27B, 30 KiB a token)."""
+        all of them every round, its prompt's included (at 27B, 50 KiB a token)."""
         if len(self._kept) > 1:
             self._kept, self._rounds_kept = [torch.cat(self._kept)], 0
         return self._kept[0] if self._kept else None

@@ -452,7 +452,7 @@ def test_a_sequence_skipping_drafts_keeps_its_features_in_pieces_joined_when_rea
 ):
     """An `auto` sequence that does not draft (a busy batch) keeps each round's drafter
     features as a piece of their own: its prompt's are not copied round after round (at 27B a
-    3,300-token prompt's are ~100 MiB). A round's piece is a view of its step's rows gathered
+    3,300-token prompt's are ~160 MiB). A round's piece is a view of its step's rows gathered
     for every sequence; every KEEP_PIECES rounds' are joined into a piece holding only theirs.
     Read, they join into the target's features of every token committed since its last draft,
     in order; and its output is plain decoding's."""
