@@ -27,15 +27,15 @@ A sequence's tokens are the target's own choices along its own path, so they equ
 Preemption (vLLM's rule): the slots share one KV block pool that may hold fewer blocks than
 `max_num_seqs` full sequences (`CachePool.slots(count, kv_tokens)`). Before a step runs anything,
 every running sequence's work takes its blocks, oldest first (a round's verify tokens, and its
-draft's context and block if it drafts; a prefill piece); while the pool has none left (the
-prefix cache gives back its least recently used first), the most recently admitted running
-sequence is preempted: its blocks, its slot (GDN states) and its drafter features are given back,
-what it committed is stored in the prefix cache, and it goes back to the head of the queue with
-its tokens, output and sampling state (generator, penalties, grammar). Readmitted, it re-prefills what it had committed (from the
-longest prefix the prefix cache still holds) and its next round continues where it stopped: no
-token is streamed twice or lost. A waiting request is admitted only once the blocks of its first
-prefill piece are free, so an oversubscribed pool queues rather than thrashes. `preemptions`
-counts them (`on_preempt`: the server's /metrics).
+draft's context and block if it drafts; a prefill piece); while the pool has none left (the prefix
+cache gives back its least recently used first), the most recently admitted running sequence is
+preempted: its blocks, its slot (GDN states) and its drafter features are given back, what it
+committed is stored in the prefix cache, and it goes back to the head of the queue with its tokens,
+output and sampling state (generator, penalties, grammar). Readmitted, it re-prefills what it had
+committed (from the longest prefix the prefix cache still holds) and its next round continues where
+it stopped: no token is streamed twice or lost. A waiting request is admitted only once the blocks
+of its first prefill piece are free, so an oversubscribed pool queues rather than thrashes.
+`preemptions` counts them (`on_preempt`: the server's /metrics).
 
 A step that raises fails the sequences it ran (`Finished.error`), the others keep going; one that
 ran out of memory empties the prefix cache first and puts those that had emitted nothing back at
