@@ -84,9 +84,9 @@ from engine.tree import (
 
 STAGES = ("prefill", "draft", "tree", "verify", "commit")
 # A sequence's kept features are joined once it holds this many rounds' pieces (`keep`). A
-# piece may be a view of its step's gathered rows, every sequence's: at Qwen3.6-27B's five
-# 5120-wide taps in bf16 (50 KiB a row), 4 steps of 16 sequences accepting 16 tokens each keep
-# 50 MiB alive at most; 4 steps of 16 plain rounds, 3.1 MiB.
+# piece may be a view of its step's gathered rows, every sequence's, so the last 4 steps'
+# gathers stay alive at most: at Qwen3.6-27B's five 5120-wide taps in bf16 (50 KiB a row), 16
+# sequences accepting 16 tokens each make that 50 MiB, 16 plain rounds 3.1 MiB (computed).
 KEEP_PIECES = 4
 
 
@@ -633,13 +633,14 @@ class _Sequence:
     def _commit_alone(self, kept: list[int], hidden, pending: tuple | None, tree: DraftTree):
         """The cache's commit of the path `kept` and its features, of a pass of its own."""
         host_path = torch.tensor(kept, dtype=torch.long)
+        path = on_device(host_path, self.device)
         if pending is not None:
             parents = padded_parents(tree.verify_parents(), self.width).tolist()
             self.target.commit(self.cache, host_path, pending, parents=parents)
         else:
-            self.target.commit(self.cache, on_device(host_path, self.device))
+            self.target.commit(self.cache, path)
         if self.speculative:
-            self.keep(hidden.index_select(0, on_device(host_path, self.device)))
+            self.keep(hidden.index_select(0, path))
 
     def finish(self) -> None:
         """Store what the sequence committed in the pool's prefix cache (if it uses one; not
