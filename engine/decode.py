@@ -609,21 +609,21 @@ class _Sequence:
         hidden,
         pending: tuple | None,
         taking: Callable[[list[int]], int],
-        commits: list[tuple[_Sequence, list[int]]] | None = None,
+        defer: Callable[[list[int]], None] | None = None,
     ) -> tuple[list[int], list[int]]:
         """Walk the tree and commit the accepted path, cut where `taking` says the output ends
         (so the cache holds the output but its last token, what a next turn extends); returns
-        (accepted verify indices, new tokens). `commits`: the cache's part and the kept
-        features are left to the caller, (this sequence, kept path) appended there (a batched
-        pass's: its caches committed and its features gathered at once, `hidden` unused)."""
+        (accepted verify indices, new tokens). `defer`: the cache's part and the kept features
+        are left to the caller, `defer` called with the kept path (a batched pass's: its
+        caches committed and its features gathered at once, `hidden` unused)."""
         with self.clock.stage("commit"):
             accepted, next_bonus = walk(tree, choices)
             drafted = [int(tree.tokens[i - 1]) for i in accepted[1:]]
             new_tokens = [*drafted, next_bonus]
             kept = accepted[: taking(new_tokens)]
             self.committed += [self.bonus, *new_tokens[: len(kept) - 1]]
-            if commits is not None:
-                commits.append((self, kept))
+            if defer is not None:
+                defer(kept)
             else:
                 self._commit_alone(kept, hidden, pending, tree)
             self._advance(accepted, next_bonus, drafted)

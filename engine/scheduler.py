@@ -439,7 +439,14 @@ class Scheduler:
         """Each decoding sequence's round (with its rooms) as its verify segment: the drafts
         of those in `draft_ids` in one drafter pass (engine/models/dflash.py `draft_batch`); a
         failed draft fails the sequences it drafted for."""
-        drafting = [a for a, rooms in rounds if a.seq.start_round(*rooms) and id(a) in draft_ids]
+        drafting = []
+        for active, rooms in rounds:
+            if not active.seq.start_round(*rooms):
+                continue
+            if id(active) in draft_ids:
+                drafting.append(active)
+            elif active.acceptance is not None:  # an auto round that chose its bonus alone
+                active.acceptance.skipped += 1
         trees = {}
         if drafting:
             started = time.perf_counter()
@@ -472,8 +479,6 @@ class Scheduler:
         if not auto:
             return drafting
         drafts = dict(zip(map(id, auto), self._auto_drafts(rounds, auto), strict=True))
-        for active in auto:
-            active.acceptance.skipped += not drafts[id(active)]
         return [active for active in drafting if drafts.get(id(active), True)]
 
     def _auto_drafts(self, rounds: list, auto: list[_Active] | None = None) -> list[bool]:
@@ -564,8 +569,8 @@ class Scheduler:
         tokens = sum(item.segment.ids.shape[0] for item in work)
         if self.on_pass is not None:
             self.on_pass(len(work), tokens)
-        commits: list = []  # every round's (sequence, path), committed at once after the walks
-        starts = []  # and where its segment's rows start in the pass
+        kept: list[tuple[_Sequence, list[int], int]] = []  # every round's sequence, kept path
+        # and its segment's first row in the pass: committed at once after the walks
         for index, item in enumerate(work):
             seq, logits = item.active.seq, outputs.logits[index]
             if item.tree is None:
@@ -575,17 +580,22 @@ class Scheduler:
                     self._prefilled(item.active)
                 continue
             choices, seq.scores = seq._choose(logits, item.tree)
+            start = outputs.rows[index].start
             accepted, new_tokens = seq.commit(
-                item.tree, choices, None, None, item.active.run.out.taking, commits
+                item.tree,
+                choices,
+                None,
+                None,
+                item.active.run.out.taking,
+                lambda path, seq=seq, start=start: kept.append((seq, path, start)),
             )
-            starts.append(outputs.rows[index].start)
             item.active.run.committed(item.tree, accepted, new_tokens)
             if item.active.acceptance is not None and item.tree.size:
                 self.budgets.verified(
                     item.active.acceptance, item.tree.log_probs, len(accepted) - 1
                 )
-        self.target.commit_batch([(seq.cache, path) for seq, path in commits])
-        _keep_features(outputs.hidden, commits, starts)
+        self.target.commit_batch([(seq.cache, path) for seq, path, _ in kept])
+        _keep_features(outputs.hidden, kept)
         trees = sum(item.segment.ids.shape[0] > 1 for item in work)
         seconds = time.perf_counter() - started  # the choices were read: the device is done
         self.budgets.observe_pass(tokens, trees, seconds)
@@ -669,15 +679,13 @@ def _tops(drafting: list[_Active], drafts: torch.Tensor) -> dict[int, TopK]:
 
 
 def _keep_features(
-    hidden: torch.Tensor | None, commits: list[tuple[_Sequence, list[int]]], starts: list[int]
+    hidden: torch.Tensor | None, committed: list[tuple[_Sequence, list[int], int]]
 ) -> None:
-    """Each speculative sequence's features of the tokens its round committed (its `commits`
-    path, its segment's rows from `starts`), gathered from the pass's `hidden` in one call
-    for all of them (each sequence gathered its own before)."""
+    """Each speculative sequence's features of the tokens its round committed (its kept path
+    in its segment, whose rows start at its start), gathered from the pass's `hidden` in one
+    call for all of them (each sequence gathered its own before)."""
     kept = [
-        (seq, [start + node for node in path])
-        for (seq, path), start in zip(commits, starts, strict=True)
-        if seq.speculative
+        (seq, [start + node for node in path]) for seq, path, start in committed if seq.speculative
     ]
     if not kept:
         return

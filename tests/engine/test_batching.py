@@ -10,6 +10,7 @@ each one's output is compared with the same request run alone through `generate`
 
 from __future__ import annotations
 
+import collections
 import itertools
 from dataclasses import replace
 
@@ -576,6 +577,36 @@ def test_an_oversubscribed_pool_preempts_and_every_output_equals_its_solo_run(pa
         assert not any(sched.free[0].target_blocks.refs)
     if not cached:
         assert sched.resumed["cached"] == 0
+
+
+def test_an_auto_sequence_counts_the_rounds_it_ran_without_a_draft_not_its_preempted_ones(
+    pair, monkeypatch
+):
+    """An `auto` round that keeps its bonus alone brings its sequence's probe one round
+    nearer; a round planned for a sequence that the step then preempts never ran, and does
+    not (else a preempted sequence probes early, its wait counted in rounds it never ran)."""
+    sched, got = scheduler(pair, slots=6, kv_tokens=POOL, tokens=24), Collector()
+    monkeypatch.setattr(sched.budgets, "drafting", lambda asked, _base: [False] * len(asked))
+    monkeypatch.setattr(sched.budgets, "drafting_alone", lambda _acc: False)
+    ran, acceptances = collections.Counter(), {}  # by request: rounds that ran and could draft
+    plan_rounds = sched._rounds
+
+    def counting(rounds, draft_ids):
+        for active, rooms in rounds:
+            acceptances[id(active.request)] = active.acceptance
+            ran[id(active.request)] += active.seq.may_draft(*rooms)
+        return plan_rounds(rounds, draft_ids)
+
+    monkeypatch.setattr(sched, "_rounds", counting)
+    cfg = GenerationConfig("auto", 15, max_new_tokens=NEW)
+    requests = [got.request(i, p, cfg) for i, p in enumerate(prompts(pair, [5, 40, 9, 30], 9))]
+    for request in requests:
+        sched.add(request)
+    drain(sched, limit=3000)
+    assert sched.preemptions >= 1
+    skipped = [acceptances[id(request)].skipped for request in requests]
+    assert skipped == [ran[id(request)] for request in requests]
+    assert min(skipped) > 0
 
 
 def test_preempted_sequences_keep_their_grammar_and_logprobs(pair):
