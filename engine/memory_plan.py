@@ -262,11 +262,15 @@ class TargetShape:
         return residual + max(mlp, attention, gdn if self.count(LINEAR) else 0)
 
     def verify_pending_bytes(self, tokens: int, width: int, compute: int, tp: int = 1) -> int:
-        """What the GDN layers keep for commit over a verify round (replaying the accepted path:
-        conv inputs and outputs, beta, g per node)."""
+        """What the GDN layers keep for commit over a verify round, the more of a lone round's
+        (replaying the accepted path: conv inputs and outputs, beta, g per node) and a
+        batched pass's (its trees solved factored: conv inputs, and per head a node's key,
+        write, start decay and row of path decays; engine/models/gated_deltanet.py)."""
         n = self.local(tp)
-        per_node = 2 * self.conv_dim(tp) * width + n["value_heads"] * (width + compute)
-        return self.count(LINEAR) * per_node * tokens
+        replay = 2 * self.conv_dim(tp) * width + n["value_heads"] * (width + compute)
+        factors = self.gdn_key_dim + self.gdn_value_dim + 1 + tokens
+        factored = self.conv_dim(tp) * width + n["value_heads"] * factors * compute
+        return self.count(LINEAR) * max(replay, factored) * tokens
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,9 @@ the last accepted node. Three strategies, selectable per model, and "auto":
 - "auto": with the batched torch kernels (CPU) factored while its factors fit in
   SNAPSHOT_LIMIT_BYTES per layer (verify rounds, short prefills); otherwise (Triton on CUDA, a
   long prefill) snapshot when the pass's states fit there, else replay (`choose_strategy`).
+  A batched pass's trees are factored on every device while they fit (`factored_fits`): all
+  its sequences' trees in one set of calls a layer (`factored_mix`), where Triton would run a
+  kernel (and its conv, heads and commit) per sequence per layer.
 
 The static-shape verify (`forward_static`, for CUDA graphs) returns what it keeps instead:
 "factored" with the CPU's batched kernels, else "snapshot" (commit by selection: the pass's
@@ -710,10 +713,17 @@ def choose_strategy(
     verify round; a short prefill); otherwise "snapshot" when `tokens` per-node states fit
     there, else "replay".
     """
-    if backend == "batched" and factored_bytes(shape, tokens, state_dtype) <= SNAPSHOT_LIMIT_BYTES:
+    if backend == "batched" and factored_fits(shape, tokens, state_dtype):
         return "factored"
     state_bytes = shape.value_heads * shape.key_dim * shape.value_dim * state_dtype.itemsize
     return "snapshot" if tokens * state_bytes <= SNAPSHOT_LIMIT_BYTES else "replay"
+
+
+def factored_fits(shape: GDNShape, tokens: int, state_dtype: torch.dtype) -> bool:
+    """Whether a `tokens`-token pass's factors fit in SNAPSHOT_LIMIT_BYTES a layer: on the CPU
+    any pass's "auto", on every device a batched pass's trees (solved together, one set of
+    calls a layer, where a kernel a tree would run per sequence: engine/models/qwen3_5.py)."""
+    return factored_bytes(shape, tokens, state_dtype) <= SNAPSHOT_LIMIT_BYTES
 
 
 def factored_bytes(shape: GDNShape, tokens: int, state_dtype: torch.dtype) -> int:

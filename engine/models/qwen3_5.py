@@ -36,7 +36,6 @@ import torch
 from torch import nn
 
 from engine import kernels
-from engine.kernels import backend_for
 from engine.kernels.batched import ancestor_matrix
 from engine.kernels.reference import cast, compute_dtype
 from engine.kv_blocks import KVBlockPool, KVLayout, commit_paths
@@ -68,8 +67,8 @@ from engine.models.gated_deltanet import (
     RecurrentState,
     StateStrategy,
     choose_keep,
-    choose_strategy,
     conv_taps,
+    factored_fits,
     pending_from,
 )
 from engine.tree import TreeInputs, on_device, to_device, tree_layout
@@ -511,12 +510,13 @@ class Qwen3_5Model(nn.Module):
 
     def _factored_on(self, cache: HybridCache, tokens: int) -> bool:
         """Whether a `tokens`-token tree on `cache` mixes "factored" (so its GDN layers can
-        share their conv and heads with the other segments' of a batched pass)."""
+        share their conv, heads and solve with the other segments' of a batched pass): under
+        "auto" while its factors fit, on every device (a lone round keeps its own strategy,
+        on CUDA the Triton kernels its graphs replay)."""
         strategy = self.state_strategy
         if strategy == "auto" and cache.recurrent:
             state = cache.recurrent[0].recurrent
-            shape = self.config.gdn_shape()
-            strategy = choose_strategy(shape, tokens, state.dtype, backend_for(state))
+            return factored_fits(self.config.gdn_shape(), tokens, state.dtype)
         return strategy == "factored"
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

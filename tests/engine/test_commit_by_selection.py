@@ -9,12 +9,23 @@ Run: python -m pytest -q tests/engine/test_commit_by_selection.py
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from engine.decode import GenerationConfig, generate
+from engine.memory_plan import TargetShape
 from engine.models import gated_deltanet, qwen3_5
-from engine.models.gated_deltanet import choose_keep, keep_for, pending_bytes, qwen36_27b_shape
+from engine.models.gated_deltanet import (
+    choose_keep,
+    choose_strategy,
+    factored_fits,
+    keep_for,
+    pending_bytes,
+    qwen36_27b_shape,
+)
+from tests.helpers import DATA
 from tests.helpers.tiny_pairs import load_tiny_pair
 
 MIB = 1 << 20
@@ -63,3 +74,19 @@ def test_a_verify_wider_than_the_snapshot_was_sized_for_replays():
     assert keep_for("snapshot", 16) == "snapshot"
     assert keep_for("snapshot", 17) == "replay"
     assert keep_for("factored", 65) == "factored"
+
+
+def test_a_batched_pass_solves_its_trees_factored_on_every_device_and_the_plan_counts_it():
+    """At Qwen3.6-27B's widths a lone 16-token tree on CUDA (Triton) replays, but a batched
+    pass's trees are solved together, factored, on every device: one set of calls a layer
+    for all its sequences, not a kernel, conv, heads and commit per sequence per layer. The
+    memory plan's verify share counts the larger pending of the two, the factored one."""
+    shape = qwen36_27b_shape()
+    assert choose_strategy(shape, 16, torch.float32, "triton") == "replay"
+    assert factored_fits(shape, 16, torch.float32)
+    target = TargetShape.from_config(
+        json.loads((DATA / "qwen36_27b/target/config.json").read_text())
+    )
+    factored = pending_bytes(shape, 48, 16, "factored", torch.bfloat16)
+    assert target.verify_pending_bytes(16, width=2, compute=4) == factored
+    assert factored > pending_bytes(shape, 48, 16, "replay", torch.bfloat16)

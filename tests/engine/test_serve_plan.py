@@ -280,7 +280,7 @@ def test_a_kv_pool_too_large_or_too_small_for_one_sequence_refuses(monkeypatch):
     large = qwen_serve_args(monkeypatch, *flags, "--kv-cache-tokens", "400000")
     limit, problem = serve.served_context(serve.memory_plan(large), large)
     assert limit == 0 and problem.startswith(
-        "--kv-cache-tokens does not fit: kv_cache_tokens 400000 needs 108.79 GiB"
+        "--kv-cache-tokens does not fit: kv_cache_tokens 400000 needs 109.16 GiB"
     )
     small = qwen_serve_args(monkeypatch, *flags, "--kv-cache-tokens", "20000")
     limit, problem = serve.served_context(serve.memory_plan(small), small)
