@@ -54,15 +54,38 @@ def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class SolvedPiece:
-    """The factors of one solved tree (or chain piece), heads first; see the module docstring."""
+    """The factors of one solved tree (or chain piece), heads first; see the module docstring:
+    W [H, T, T], the keys [H, T, Dk], the writes u [H, T, Dv] and exp(G) [H, T] (how much of the
+    initial state each node keeps). One of trees solved stacked reads its own from their
+    stack when first asked (a batched pass's commit builds the states from the stack: most
+    never are)."""
 
-    weights: torch.Tensor  # [H, T, T] W
-    keys: torch.Tensor  # [H, T, Dk]
-    writes: torch.Tensor  # [H, T, Dv] u
-    start_decay: torch.Tensor  # [H, T] exp(G): how much of the initial state each node keeps
+    factors: tuple[torch.Tensor, ...] | None  # (W, keys, writes, exp(G)); None: from `stacked`
     initial: torch.Tensor  # [H, Dk, Dv] the state before the piece
     stacked: tuple[SolvedPiece, int] | None = None  # one of trees solved stacked: their
     # piece (leading dimension; its `initial` a copy of their states) and this one's index
+
+    @property
+    def weights(self) -> torch.Tensor:  # [H, T, T]
+        return self._factors()[0]
+
+    @property
+    def keys(self) -> torch.Tensor:  # [H, T, Dk]
+        return self._factors()[1]
+
+    @property
+    def writes(self) -> torch.Tensor:  # [H, T, Dv]
+        return self._factors()[2]
+
+    @property
+    def start_decay(self) -> torch.Tensor:  # [H, T]
+        return self._factors()[3]
+
+    def _factors(self) -> tuple[torch.Tensor, ...]:
+        if self.factors is None:
+            stack, index = self.stacked
+            self.factors = tuple(t[index] for t in stack._factors())
+        return self.factors
 
     def state_after(self, node: int) -> torch.Tensor:  # [H, Dk, Dv]
         return self.write_state_after(node, torch.empty_like(self.initial))
@@ -86,11 +109,7 @@ class SolvedPiece:
     def unstack(self, initials: list[torch.Tensor]) -> list[SolvedPiece]:
         """The pieces of trees solved stacked (leading dimension), each keeping its own
         `initials` entry (its state before the pass, not a stacked copy of it)."""
-        factors = (self.weights, self.keys, self.writes, self.start_decay)
-        return [
-            SolvedPiece(*(t[i] for t in factors), initial, (self, i))
-            for i, initial in enumerate(initials)
-        ]
+        return [SolvedPiece(None, initial, (self, i)) for i, initial in enumerate(initials)]
 
     def write_states_after(self, members: list[int], nodes: list[int]) -> torch.Tensor:
         """Of trees solved stacked (this the stack's piece): the state after `nodes[j]` of tree
@@ -112,8 +131,7 @@ class SolvedPiece:
         return out
 
     def nbytes(self) -> int:
-        tensors = (self.weights, self.keys, self.writes, self.start_decay)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self._factors())
 
 
 @dataclass
@@ -161,7 +179,7 @@ def _solve_piece(
     rhs = beta[..., None] * (v - start_decay[..., None] * (k @ state))
     writes = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     out = start_decay[..., None] * (q @ state) + (weights * (q @ k.mT)) @ writes
-    return out, SolvedPiece(weights, k, writes, start_decay, state)
+    return out, SolvedPiece((weights, k, writes, start_decay), state)
 
 
 def solve_tree(

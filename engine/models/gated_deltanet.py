@@ -129,6 +129,16 @@ def shared_slots(states: list[RecurrentState]) -> StateSlots | None:
     return slots if all(state.slots is slots for state in states) else None
 
 
+def _gathered(states: list[RecurrentState], *names: str) -> tuple[torch.Tensor, ...]:
+    """Each named part of `states` stacked, a copy [n, ...]: one gather each when the states
+    are slots of one `StateSlots`."""
+    slots = shared_slots(states)
+    if slots is None:
+        return tuple(torch.stack([getattr(state, name) for state in states]) for name in names)
+    index = torch.tensor([state.index for state in states], device=slots.conv.device)
+    return tuple(getattr(slots, name).index_select(0, index) for name in names)
+
+
 def install(
     states: list[RecurrentState],
     conv: torch.Tensor | None = None,
@@ -183,9 +193,10 @@ class SteppedRow:
 
 @dataclass
 class TreeWindows:
-    """The conv inputs a batched pass's trees read (`factored_mix`): each tree's window rows
-    one after another, and every node's window in them, from which commit takes each tree's
-    conv state after its last accepted node (that node's window but its oldest input)."""
+    """The conv inputs a batched pass's trees read (`factored_mix`): every tree's committed
+    inputs, then every tree's tokens (`TreesLayout`), and every node's window in them, from
+    which commit takes each tree's conv state after its last accepted node (that node's
+    window but its oldest input)."""
 
     rows: torch.Tensor  # [N, C] (model dtype)
     taps: torch.Tensor  # [sum T_i, K] each node's window, rows of `rows`, oldest first
@@ -350,35 +361,27 @@ class GatedDeltaNet(nn.Module):
 
     def factored_mix(
         self,
-        inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # `_inputs` of all segments' rows
-        states: list[RecurrentState],  # each segment's own
-        parents: list[torch.Tensor],  # each segment's tree [T_i] (on the device)
-        visible: list[torch.Tensor],  # each segment's ancestor mask [T_i, T_i] (ancestor_matrix)
-        taps: list[torch.Tensor],  # each segment's conv_taps [T_i, K]
+        inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # `_inputs` of the trees' rows
+        states: list[RecurrentState],  # each tree's own
+        layout: TreesLayout,  # the pass's trees, made once for all its GDN layers
     ) -> tuple[torch.Tensor, list[PendingRecurrence]]:
         """`tree_mix` under "factored" of several segments at once (a batched pass's verify
-        trees): one conv over every segment's window (each tap offset into its own committed
-        inputs and tokens), the heads of all rows at once, then the trees solved against their
-        own states, those of one size together (`solve_trees`). Returns the outputs
-        [sum T_i, Hv, Dv] and each one's pending."""
+        trees): one conv over every tree's window (the committed inputs of all, gathered at
+        once, then their tokens), the heads of all rows at once, then the trees solved
+        against their own states, those of one size together (`solve_trees`). Returns the
+        outputs [sum T_i, Hv, Dv] and each one's pending."""
         conv_inputs, beta, g = inputs
-        sizes = [tree.shape[0] for tree in parents]
-        pieces = conv_inputs.split(sizes)
-        window = self.shape.conv_kernel - 1
-        rows = torch.cat(
-            [part for st, x in zip(states, pieces, strict=True) for part in (st.conv.T, x)]
-        )  # window_rows of each tree, one after another
-        starts = [0, *itertools.accumulate(size + window for size in sizes)][:-1]
-        taps = torch.cat([tree_taps + start for tree_taps, start in zip(taps, starts, strict=True)])
-        conv_outputs = conv_at_taps(rows, self.conv1d.weight[:, 0], taps)
+        (committed,) = _gathered(states, "conv")  # [n, C, K-1]
+        rows = torch.cat([committed.transpose(1, 2).flatten(0, 1), conv_inputs])
+        conv_outputs = conv_at_taps(rows, self.conv1d.weight[:, 0], layout.taps)
         heads = self._heads(conv_outputs)
         scale = self.shape.key_dim**-0.5
         initials = [state.recurrent for state in states]
-        out, solved = solve_trees(heads, g, beta, sizes, visible, initials, scale)
-        windows, firsts = TreeWindows(rows, taps), [0, *itertools.accumulate(sizes)][:-1]
+        out, solved = solve_trees(heads, g, beta, layout.groups, initials, scale)
+        windows, sizes = TreeWindows(rows, layout.taps), layout.sizes
         pending = []
         for tree, inputs_of, piece, size, first in zip(
-            parents, pieces, solved, sizes, firsts, strict=True
+            layout.parents, conv_inputs.split(sizes), solved, sizes, layout.firsts, strict=True
         ):
             kept = PendingRecurrence(parents=tree, conv_inputs=inputs_of, windows=(windows, first))
             kept.tree_states = TreeStates([piece], size)
@@ -396,14 +399,7 @@ class GatedDeltaNet(nn.Module):
         the token)."""
         conv_inputs, beta, g = inputs
         dt = compute_dtype(conv_inputs.dtype)
-        slots = shared_slots(states)
-        if slots is not None:  # one gather each
-            indices = torch.tensor([state.index for state in states], device=conv_inputs.device)
-            committed = slots.conv.index_select(0, indices)
-            after = slots.recurrent.index_select(0, indices)
-        else:
-            committed = torch.stack([state.conv for state in states])
-            after = torch.stack([state.recurrent for state in states])
+        committed, after = _gathered(states, "conv", "recurrent")
         windows = torch.cat([committed, conv_inputs[:, :, None]], dim=2)  # [B, C, K] oldest first
         weight = self.conv1d.weight[:, 0].to(dt)  # [C, K]
         conv_outputs = F.silu((windows.to(dt) * weight).sum(dim=-1)).to(conv_inputs.dtype)
@@ -563,7 +559,8 @@ class GatedDeltaNet(nn.Module):
 
 def conv_taps(parents: torch.Tensor, kernel: int) -> torch.Tensor:  # [T, K]
     """Each node's conv window (oldest first) as columns of [committed K-1 inputs ; the T
-    pending], walking parents on the device: computed once a pass, shared by its GDN layers."""
+    pending], walking parents on the device: a static verify's tree, computed once a pass and
+    shared by its GDN layers (a batched pass's trees: `trees_layout`)."""
     window, T = kernel - 1, parents.shape[0]
     device = parents.device
     previous = torch.cat(
@@ -576,6 +573,43 @@ def conv_taps(parents: torch.Tensor, kernel: int) -> torch.Tensor:  # [T, K]
     for _ in range(window):
         taps.append(previous[taps[-1]])
     return torch.stack(taps[::-1], dim=1)
+
+
+@dataclass(frozen=True)
+class TreesLayout:
+    """A batched pass's trees solved together (`factored_mix`), as each of its GDN layers reads
+    them, made once a pass (`trees_layout`): the conv rows are every tree's committed K-1
+    inputs (tree by tree, oldest first), then every tree's tokens; `taps` is each node's
+    window in them; the trees by size, as `solve_trees` stacks them."""
+
+    parents: list[torch.Tensor]  # each tree's [T_i] (on the device)
+    sizes: list[int]
+    firsts: list[int]  # each tree's first row among the trees' rows
+    taps: torch.Tensor  # [sum T_i, K] each node's window, rows of the conv rows, oldest first
+    groups: list[SizeGroup]
+
+
+def trees_layout(
+    parents: list[torch.Tensor],  # each tree's [T_i] on the device
+    host_parents: list[np.ndarray],  # the same on the host
+    visible: list[torch.Tensor],  # each tree's [T_i, T_i] ancestor mask
+    kernel: int,
+) -> TreesLayout:
+    """The layout of a batched pass's trees: each node's conv window walked on the host, one
+    copy to the device for them all (`conv_taps` is one tree's, walked on the device)."""
+    window, n = kernel - 1, len(parents)
+    sizes = [len(tree) for tree in host_parents]
+    firsts = [0, *itertools.accumulate(sizes)][:-1]
+    previous = np.arange(-1, n * window + sum(sizes) - 1)  # each row's predecessor on its path
+    for i, (tree, first) in enumerate(zip(host_parents, firsts, strict=True)):
+        base = n * window + first  # its tokens' rows; a root follows its last committed input
+        previous[base : base + len(tree)] = np.where(tree >= 0, tree + base, (i + 1) * window - 1)
+    taps = [np.arange(n * window, len(previous))]
+    for _ in range(window):
+        taps.append(previous[taps[-1]])
+    device = visible[0].device
+    on_device = torch.from_numpy(np.stack(taps[::-1], axis=1)).to(device)
+    return TreesLayout(parents, sizes, firsts, on_device, size_groups(sizes, visible))
 
 
 def conv_at_taps(
@@ -621,49 +655,68 @@ def solve_visible(
     return out.transpose(-3, -2).to(v.dtype), piece
 
 
+@dataclass(frozen=True)
+class SizeGroup:
+    """Trees of one size that `solve_trees` stacks: their indices, their rows among the trees'
+    (None: every tree, in order) and their ancestor masks stacked [n, size, size]."""
+
+    size: int
+    members: list[int]
+    rows: torch.Tensor | None
+    visible: torch.Tensor
+
+
+def size_groups(sizes: list[int], visible: list[torch.Tensor]) -> list[SizeGroup]:
+    """The trees of sizes `sizes` (each its [T_i, T_i] ancestor mask) by size, as
+    `solve_trees` stacks them: made once a batched pass, read by each of its GDN layers."""
+    by_size: dict[int, list[int]] = {}
+    for i, size in enumerate(sizes):
+        by_size.setdefault(size, []).append(i)
+    if len(by_size) == 1:  # every tree one size, in order: the rows stack as they are
+        return [SizeGroup(sizes[0], list(range(len(sizes))), None, torch.stack(visible))]
+    starts, device = np.cumsum([0, *sizes]), visible[0].device
+    groups = []
+    for size, members in by_size.items():
+        index = np.concatenate([np.arange(starts[i], starts[i] + size) for i in members])
+        masks = torch.stack([visible[i] for i in members])
+        groups.append(SizeGroup(size, members, torch.from_numpy(index).to(device), masks))
+    return groups
+
+
 def solve_trees(
     heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # q, k, v of every tree's rows
     g: torch.Tensor,  # [sum T_i, H]
     beta: torch.Tensor,  # [sum T_i, H]
-    sizes: list[int],  # each tree's rows, in order
-    visible: list[torch.Tensor],  # each tree's [T_i, T_i] ancestor mask
+    groups: list[SizeGroup],  # the trees by size (`size_groups`)
     initials: list[torch.Tensor],  # each tree's state [H, Dk, Dv]
     scale: float,
 ) -> tuple[torch.Tensor, list[SolvedPiece]]:  # outputs [sum T_i, H, Dv], each tree's piece
     """`solve_visible` of several trees, those of one size stacked and solved together (a
     batched pass's verify trees: one set of calls per size, not per tree)."""
-    by_size: dict[int, list[int]] = {}
-    for i, size in enumerate(sizes):
-        by_size.setdefault(size, []).append(i)
-    if len(by_size) == 1:  # every tree one size, in order: the rows stack as they are
-        solved, pieces = _solve_stacked(heads, g, beta, sizes[0], visible, initials, scale)
+    if len(groups) == 1 and groups[0].rows is None:
+        solved, pieces = _solve_stacked(heads, g, beta, groups[0], initials, scale)
         return solved.flatten(0, 1), pieces
-    starts = np.cumsum([0, *sizes])
     out = torch.empty_like(heads[2])
-    found: list[SolvedPiece | None] = [None] * len(sizes)
-    for size, members in by_size.items():
-        index = np.concatenate([np.arange(starts[i], starts[i] + size) for i in members])
-        index = torch.from_numpy(index).to(out.device)
-        rows = [t.index_select(0, index) for t in (*heads, g, beta)]
-        masks, states = [visible[i] for i in members], [initials[i] for i in members]
-        solved, pieces = _solve_stacked(rows[:3], *rows[3:], size, masks, states, scale)
-        out.index_copy_(0, index, solved.flatten(0, 1))
-        for i, piece in zip(members, pieces, strict=True):
+    found: list[SolvedPiece | None] = [None] * len(initials)
+    for group in groups:
+        rows = [t.index_select(0, group.rows) for t in (*heads, g, beta)]
+        states = [initials[i] for i in group.members]
+        solved, pieces = _solve_stacked(rows[:3], *rows[3:], group, states, scale)
+        out.index_copy_(0, group.rows, solved.flatten(0, 1))
+        for i, piece in zip(group.members, pieces, strict=True):
             found[i] = piece
     return out, found
 
 
 def _solve_stacked(
-    heads, g, beta, size: int, visible: list, initials: list, scale: float
+    heads, g, beta, group: SizeGroup, initials: list, scale: float
 ) -> tuple[torch.Tensor, list[SolvedPiece]]:  # outputs [n, size, H, Dv], each tree's piece
-    """`solve_trees` of n trees of one size whose rows follow one another."""
-    n = len(initials)
-    q, k, v, g, beta = (t.unflatten(0, (n, size)) for t in (*heads, g, beta))
-    states = [state.to(compute_dtype(v.dtype)) for state in initials]
-    solved, stacked = solve_visible(
-        q, k, v, g, beta, torch.stack(visible), torch.stack(states), scale
-    )
-    return solved, stacked.unstack(states)
+    """`solve_trees` of the trees of one size, their rows following one another."""
+    n, dt = len(initials), compute_dtype(heads[2].dtype)
+    q, k, v, g, beta = (t.unflatten(0, (n, group.size)) for t in (*heads, g, beta))
+    states = torch.stack(initials).to(dt)
+    solved, stacked = solve_visible(q, k, v, g, beta, group.visible, states, scale)
+    return solved, stacked.unstack(initials)
 
 
 def pending_from(
@@ -674,7 +727,7 @@ def pending_from(
     keep = keep_for(keep, conv_inputs.shape[0])
     pending = PendingRecurrence(parents=None, conv_inputs=conv_inputs)
     if keep == "factored":
-        piece = SolvedPiece(*rest, initial=state.recurrent)
+        piece = SolvedPiece(tuple(rest), initial=state.recurrent)
         pending.tree_states = TreeStates([piece], conv_inputs.shape[0])
     elif keep == "snapshot":
         (pending.node_states,) = rest

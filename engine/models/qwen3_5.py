@@ -66,10 +66,12 @@ from engine.models.gated_deltanet import (
     PendingRecurrence,
     RecurrentState,
     StateStrategy,
+    TreesLayout,
     choose_keep,
     conv_taps,
     factored_fits,
     pending_from,
+    trees_layout,
 )
 from engine.tree import TreeInputs, on_device, to_device, tree_layout
 
@@ -194,6 +196,17 @@ class HybridCache:
         self.pending = []
 
 
+@dataclass(frozen=True)
+class MixGroup:
+    """Segments of a batched pass that its GDN layers mix together (its one-token steps, or its
+    trees solved factored), made once a pass: their indices, their rows of the pass (None:
+    every segment, in order) and, for trees, their layout."""
+
+    members: list[int]
+    rows: torch.Tensor | None
+    layout: TreesLayout | None = None
+
+
 @dataclass
 class TreePass:
     """Everything the layers of one forward share: the tree, RoPE tables and the cache; what
@@ -208,12 +221,14 @@ class TreePass:
     extend: bool = False  # a chain committed as it runs (a prefill chunk): nothing pending
     static: TreeInputs | None = None  # forward_static: the device-side tree
     taps: torch.Tensor | None = None  # each node's conv window (conv_taps): forward_static's,
-    # or a batched pass's tree segment solved "factored" (made once for all its GDN layers)
+    # made once for all its GDN layers (a batched pass's trees: `groups`)
     pending: list = field(default_factory=list)
     parts: list[tuple[slice, TreePass]] = field(default_factory=list)  # forward_batch: rows and
     # each segment's own pass (its cache, tree and pending), which its GDN layers run on
     ancestors: torch.Tensor | None = None  # a batched pass's tree segment solved "factored":
     # its ancestor mask [T, T], made once for all its GDN layers
+    groups: list[MixGroup] = field(default_factory=list)  # forward_batch: the segments its GDN
+    # layers mix together, made once for them all
 
 
 class GatedAttention(nn.Module):
@@ -270,40 +285,35 @@ class HybridDecoderLayer(nn.Module):
         if self.layer_type != LINEAR:
             mixed = self.self_attn(normed, tree, self.slot)
         elif tree.parts:  # a batched pass: each segment's GDN state on its own
-            mixed = self._mix_parts(normed, tree.parts, strategy)
+            mixed = self._mix_parts(normed, tree, strategy)
         else:
             mixed = self._mix(normed, tree, strategy)
         h = h + mixed
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def _mix_parts(
-        self, normed: torch.Tensor, parts: list[tuple[slice, TreePass]], strategy: StateStrategy
+        self, normed: torch.Tensor, tree: TreePass, strategy: StateStrategy
     ) -> torch.Tensor:
         """The GDN mixer over a batched pass: every row projected at once, each segment's rows
-        mixed against its own state (a chain committed, or a tree left pending)."""
-        gdn = self.linear_attn
+        mixed against its own state (a chain committed, or a tree left pending): its one-token
+        steps stacked, its factored trees solved together (`tree.groups`), the rest alone."""
+        gdn, parts = self.linear_attn, tree.parts
         inputs = gdn._inputs(normed)
         outs: list[torch.Tensor | None] = [None] * len(parts)
-        steps = [
-            i for i, (r, part) in enumerate(parts) if r.stop - r.start == 1 and not part.extend
-        ]
-        trees = [i for i, (_, part) in enumerate(parts) if part.ancestors is not None]
-        for group, mix in ((steps, self._single_steps), (trees, self._factored)):
-            if not group:
-                continue
-            whole = len(group) == len(parts)  # every segment, in order: the rows as they are
-            if whole:
-                mine = inputs
+        for group in tree.groups:
+            rows = group.rows
+            mine = inputs if rows is None else tuple(t.index_select(0, rows) for t in inputs)
+            states = [parts[i][1].cache.recurrent[self.slot] for i in group.members]
+            if group.layout is None:
+                out, pending = gdn.single_steps(mine, states)
             else:
-                rows = torch.cat([torch.arange(parts[i][0].start, parts[i][0].stop) for i in group])
-                mine = tuple(t[rows.to(normed.device)] for t in inputs)
-            out, pending = mix(mine, [parts[i][1] for i in group])
-            for i, kept in zip(group, pending, strict=True):
+                out, pending = gdn.factored_mix(mine, states, group.layout)
+            for i, kept in zip(group.members, pending, strict=True):
                 parts[i][1].pending.append(kept)
-            if whole:
+            if rows is None:
                 return gdn._output(out, normed)
-            sizes = [parts[i][0].stop - parts[i][0].start for i in group]
-            for i, mixed in zip(group, out.split(sizes), strict=True):
+            sizes = [parts[i][0].stop - parts[i][0].start for i in group.members]
+            for i, mixed in zip(group.members, out.split(sizes), strict=True):
                 outs[i] = mixed
         for i, (rows, part) in enumerate(parts):
             if outs[i] is not None:
@@ -316,18 +326,6 @@ class HybridDecoderLayer(nn.Module):
             outs[i], pending = gdn.tree_mix(mine, state, part.parents, strategy)
             part.pending.append(pending)
         return gdn._output(torch.cat(outs), normed)
-
-    def _single_steps(self, inputs, parts: list[TreePass]):
-        """One-token segments (ar steps) in one stacked step."""
-        states = [part.cache.recurrent[self.slot] for part in parts]
-        return self.linear_attn.single_steps(inputs, states)
-
-    def _factored(self, inputs, parts: list[TreePass]):
-        """Tree segments solved "factored", their conv and heads at once."""
-        states = [part.cache.recurrent[self.slot] for part in parts]
-        parents = [part.parents for part in parts]
-        visible, taps = [p.ancestors for p in parts], [p.taps for p in parts]
-        return self.linear_attn.factored_mix(inputs, states, parents, visible, taps)
 
     def _mix(self, normed: torch.Tensor, tree: TreePass, strategy: StateStrategy) -> torch.Tensor:
         """The GDN mixer over one sequence's tokens, against its own state."""
@@ -483,7 +481,7 @@ class Qwen3_5Model(nn.Module):
         tree = TreePass(
             segments[0].cache, positions[:0], SegmentsPass(rows, kv, passes), cos, sin, self.rotary
         )
-        tree.parts = parts
+        tree.parts, tree.groups = parts, self._mix_groups(segments, parts)
         h, hidden = self._layers(h, tree, hidden_layers)
         for segment, (_, part) in zip(segments, parts, strict=True):
             if segment.extend:
@@ -505,8 +503,34 @@ class Qwen3_5Model(nn.Module):
         )
         if not segment.extend and T > 1 and self._factored_on(segment.cache, T):
             part.ancestors = visible if visible is not None else ancestor_matrix(part.parents)
-            part.taps = conv_taps(part.parents, self.config.linear_conv_kernel_dim)
         return part
+
+    def _mix_groups(
+        self, segments: list[Segment], parts: list[tuple[slice, TreePass]]
+    ) -> list[MixGroup]:
+        """The segments a batched pass's GDN layers mix together (`_mix_parts`), made once for
+        them all: its one-token steps, then its trees solved factored."""
+        steps = [
+            i for i, (r, part) in enumerate(parts) if r.stop - r.start == 1 and not part.extend
+        ]
+        trees = [i for i, (_, part) in enumerate(parts) if part.ancestors is not None]
+        device, groups = self.embed_tokens.weight.device, []
+        for members in (steps, trees):
+            if not members:
+                continue
+            rows = None
+            if len(members) < len(parts):
+                every = [np.arange(parts[i][0].start, parts[i][0].stop) for i in members]
+                rows = to_device(np.concatenate(every), device)
+            layout = None
+            if members is trees:
+                host = [_host_parents(segments[i]) for i in members]
+                devices = [parts[i][1].parents for i in members]
+                visible = [parts[i][1].ancestors for i in members]
+                kernel = self.config.linear_conv_kernel_dim
+                layout = trees_layout(devices, host, visible, kernel)
+            groups.append(MixGroup(members, rows, layout))
+        return groups
 
     def _factored_on(self, cache: HybridCache, tokens: int) -> bool:
         """Whether a `tokens`-token tree on `cache` mixes "factored" (so its GDN layers can
@@ -595,6 +619,13 @@ class Qwen3_5Model(nn.Module):
         commit_paths([cache.kv for cache, _, _ in commits], [path for _, path, _ in commits])
         for cache, _, _ in commits:
             cache.pending = []
+
+
+def _host_parents(segment: Segment) -> np.ndarray:
+    """A segment's parents on the host (a chain's when it has none)."""
+    if segment.parents is None:
+        return np.arange(-1, segment.ids.shape[0] - 1)
+    return segment.parents.numpy()
 
 
 def check_root_to_node_path(parents: list[int], accepted: list[int]) -> None:

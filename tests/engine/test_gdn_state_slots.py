@@ -20,6 +20,8 @@ from engine.models.gated_deltanet import (
     GDNShape,
     RecurrentState,
     conv_taps,
+    trees_layout,
+    window_rows,
 )
 from tests.helpers.tiny_pairs import load_tiny_pair
 
@@ -135,8 +137,8 @@ def test_the_conv_windows_of_trees_mixed_together_are_committed_together() -> No
     alone = _randomised([layer.new_state(torch.float64, "cpu") for _ in trees])
     x = torch.randn(10, SHAPE.hidden_size, generator=torch.Generator().manual_seed(3)).double()
     visible = [ancestor_matrix(tree) for tree in trees]
-    taps = [conv_taps(tree, SHAPE.conv_kernel) for tree in trees]
-    _, pending = layer.factored_mix(layer._inputs(x), states, trees, visible, taps)
+    layout = trees_layout(trees, [tree.numpy() for tree in trees], visible, SHAPE.conv_kernel)
+    _, pending = layer.factored_mix(layer._inputs(x), states, layout)
     for state, kept, path in zip(alone, pending, paths, strict=True):
         layer._commit_conv(state, kept, torch.tensor(path))
     afters = [
@@ -154,3 +156,26 @@ def test_the_conv_windows_of_trees_mixed_together_are_committed_together() -> No
     # One scatter for the windows, one for the states (trees of one size are solved stacked).
     assert ops.names.count("index_copy_") == 2
     assert "copy_" not in ops.names
+
+
+def test_a_batched_pass_walks_the_conv_windows_of_all_its_trees_at_once() -> None:
+    """`trees_layout` reads each node's conv window from one set of rows, every tree's
+    committed inputs then every tree's tokens: the same rows, in the same order, that the
+    tree's own `conv_taps` reads from its own window rows. Trees of one size stack."""
+    trees = [torch.tensor([-1, 0, 0, 1, 3]), torch.tensor([-1, 0, 1]), torch.tensor([-1, 0, 0, 2])]
+    trees.append(torch.tensor([-1, 0, 1, 1, 0]))
+    kernel, channels = SHAPE.conv_kernel, 3
+    generator = torch.Generator().manual_seed(5)
+    committed = [torch.randn(channels, kernel - 1, generator=generator) for _ in trees]
+    tokens = [torch.randn(len(tree), channels, generator=generator) for tree in trees]
+    visible = [ancestor_matrix(tree) for tree in trees]
+    layout = trees_layout(trees, [tree.numpy() for tree in trees], visible, kernel)
+    rows = torch.cat([*(conv.T for conv in committed), *tokens])
+    for tree, conv, x, first in zip(trees, committed, tokens, layout.firsts, strict=True):
+        own = window_rows(conv, x)[conv_taps(tree, kernel)]
+        assert torch.equal(rows[layout.taps[first : first + len(tree)]], own)
+    assert [(group.size, group.members) for group in layout.groups] == [
+        (5, [0, 3]),
+        (3, [1]),
+        (4, [2]),
+    ]

@@ -203,7 +203,7 @@ def test_trees_of_one_size_are_solved_together_each_against_its_own_state(
     """A batched pass's verify trees (engine/models/gated_deltanet.py `solve_trees`): each
     tree's outputs and node states are its own solve's, with one solve per tree size."""
     from engine.kernels.batched import ancestor_matrix
-    from engine.models.gated_deltanet import solve_trees
+    from engine.models.gated_deltanet import size_groups, solve_trees
 
     cases = [_inputs(len(tree), 2, 16, 8, torch.float64, seed=i) for i, tree in enumerate(trees)]
     q, k, v, g, beta = (torch.cat([case[n] for case in cases]) for n in range(5))
@@ -214,7 +214,8 @@ def test_trees_of_one_size_are_solved_together_each_against_its_own_state(
         torch.linalg, "solve_triangular", lambda *a, **kw: calls.append(1) or solve(*a, **kw)
     )
     sizes = [len(tree) for tree in trees]
-    out, pieces = solve_trees((q, k, v), g, beta, sizes, masks, [c[5] for c in cases], 0.25)
+    groups = size_groups(sizes, masks)
+    out, pieces = solve_trees((q, k, v), g, beta, groups, [c[5] for c in cases], 0.25)
     assert len(calls) == solves
     rows, exact = 0, TOLERANCE[torch.float64]
     for tree, case, piece in zip(trees, cases, pieces, strict=True):
@@ -233,14 +234,15 @@ def test_the_states_of_trees_solved_together_are_built_together(dtype: torch.dty
     after chosen nodes of trees solved stacked, built in one set of calls, are each tree's
     own: the reference's, and its own `state_after`'s."""
     from engine.kernels.batched import ancestor_matrix
-    from engine.models.gated_deltanet import solve_trees
+    from engine.models.gated_deltanet import size_groups, solve_trees
 
     trees = MIXED
     cases = [_inputs(len(tree), 2, 16, 8, dtype, seed=i) for i, tree in enumerate(trees)]
     q, k, v, g, beta = (torch.cat([case[n] for case in cases]) for n in range(5))
     masks = [ancestor_matrix(torch.tensor(tree)) for tree in trees]
     sizes = [len(tree) for tree in trees]
-    _, pieces = solve_trees((q, k, v), g, beta, sizes, masks, [c[5] for c in cases], 0.25)
+    groups = size_groups(sizes, masks)
+    _, pieces = solve_trees((q, k, v), g, beta, groups, [c[5] for c in cases], 0.25)
     stacks: dict[int, list[int]] = {}
     for i, piece in enumerate(pieces):
         stacks.setdefault(id(piece.stacked[0]), []).append(i)
