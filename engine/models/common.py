@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from torch import nn
@@ -41,7 +42,7 @@ from engine.kv_blocks import (
     attend_sequences,
     shared_pool,
 )
-from engine.tree import on_device, tree_layout
+from engine.tree import depths_and_mask, on_device, to_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -435,16 +436,29 @@ def segment_layout(
     segments: list[Segment], lengths: list[int], device
 ) -> tuple[list[slice], torch.Tensor, list[GrowingPass]]:
     """Each segment's rows, every row's RoPE position (its cache's `lengths` entry + its depth
-    in its tree) and each segment's attention mask, for a batched pass."""
-    rows, positions, passes, start = [], [], [], 0
+    in its tree) and each segment's attention mask, for a batched pass: built on the host, the
+    positions and the masks each reach the device in one copy (views of it per segment)."""
+    rows, positions, masks, start = [], [], [], 0
     for segment, length in zip(segments, lengths, strict=True):
         T = segment.ids.shape[0]
-        depths, visible = tree_layout(segment.parents, T, device)
+        if segment.parents is None:  # a chain: causal
+            depths, mask = np.arange(T), None
+        else:
+            depths, mask = depths_and_mask(segment.parents.cpu().numpy())
         rows.append(slice(start, start + T))
         positions.append(length + depths)
-        passes.append(GrowingPass(visible))
+        masks.append(mask)
         start += T
-    return rows, torch.cat(positions), passes
+    trees = [mask.reshape(-1) for mask in masks if mask is not None]
+    flat = to_device(np.concatenate(trees), device) if trees else None
+    passes, at = [], 0
+    for mask in masks:
+        visible = None
+        if mask is not None:
+            visible = flat[at : at + mask.size].view(mask.shape)
+            at += mask.size
+        passes.append(GrowingPass(visible))
+    return rows, to_device(np.concatenate(positions), device), passes
 
 
 def logit_rows(segments: list[Segment], rows: list[slice]) -> tuple[list[int], list[slice]]:

@@ -625,7 +625,7 @@ def _host_parents(segment: Segment) -> np.ndarray:
     """A segment's parents on the host (a chain's when it has none)."""
     if segment.parents is None:
         return np.arange(-1, segment.ids.shape[0] - 1)
-    return segment.parents.numpy()
+    return segment.parents.cpu().numpy()
 
 
 def check_root_to_node_path(parents: list[int], accepted: list[int]) -> None:
