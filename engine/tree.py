@@ -27,7 +27,7 @@ and the walk never reaches.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -233,6 +233,23 @@ def staged(array: np.ndarray, device: torch.device) -> torch.Tensor:
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array on `device` in one copy that does not wait for the device."""
     return staged(array, device).to(device, non_blocking=True)
+
+
+class DevicePaths(Sequence[torch.Tensor]):
+    """Paths given on the host (lists of node indices), each copied to `device` when first read
+    (a batched commit builds most states from what its pass kept, without reading them)."""
+
+    def __init__(self, paths: list[list[int]], device: torch.device) -> None:
+        self.paths, self.device = paths, device
+        self._on_device: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index not in self._on_device:
+            self._on_device[index] = to_device(np.array(self.paths[index]), self.device)
+        return self._on_device[index]
 
 
 def on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

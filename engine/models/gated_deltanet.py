@@ -48,6 +48,7 @@ as they are.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -465,11 +466,12 @@ class GatedDeltaNet(nn.Module):
         self,
         states: list[RecurrentState],
         pendings: list[PendingRecurrence | SteppedRow],
-        paths: list[torch.Tensor],
+        paths: Sequence[torch.Tensor],
         lasts: list[int],
     ) -> None:
         """Install in each state the one after the last node of its path (`paths`: root-to-node
-        paths on the device; `lasts`: their last nodes, known on the host). In place: a
+        paths on the device, read only for a state committed on its own: a `DevicePaths`
+        copies each there when first read; `lasts`: their last nodes, on the host). In place: a
         captured graph reads the committed state at its address. Built together, one set of
         calls a group instead of one a sequence: the one-token steps of one `single_steps`
         (`SteppedRows.commit`), the conv windows of one `factored_mix`'s trees
@@ -478,7 +480,9 @@ class GatedDeltaNet(nn.Module):
         stacks: dict[int, list[int]] = {}
         stepped: dict[int, list[int]] = {}
         windowed: dict[int, list[int]] = {}
-        for i, (state, pending, path) in enumerate(zip(states, pendings, paths, strict=True)):
+        if len(paths) != len(states):
+            raise ValueError(f"{len(paths)} paths for {len(states)} states")
+        for i, (state, pending) in enumerate(zip(states, pendings, strict=True)):
             if isinstance(pending, SteppedRow):
                 if lasts[i] != 0:
                     raise ValueError(f"a one-token step's path ends at node {lasts[i]}, not 0")
@@ -487,12 +491,12 @@ class GatedDeltaNet(nn.Module):
             if pending.windows is not None:
                 windowed.setdefault(id(pending.windows[0]), []).append(i)
             else:
-                self._commit_conv(state, pending, path)
+                self._commit_conv(state, pending, paths[i])
             piece = pending.tree_states.pieces[0] if pending.tree_states is not None else None
             if piece is not None and piece.stacked is not None:
                 stacks.setdefault(id(piece.stacked[0]), []).append(i)
             else:
-                self._commit_recurrent(state, pending, path, lasts[i])
+                self._commit_recurrent(state, pending, paths[i], lasts[i])
         for members in stepped.values():
             rows = pendings[members[0]].rows
             rows.commit([pendings[i].row for i in members], [states[i] for i in members])

@@ -73,7 +73,7 @@ from engine.models.gated_deltanet import (
     pending_from,
     trees_layout,
 )
-from engine.tree import TreeInputs, on_device, to_device, tree_layout
+from engine.tree import DevicePaths, TreeInputs, on_device, to_device, tree_layout
 
 MULTIMODAL_TEXT_PREFIX = "model.language_model."  # `qwen3_5` checkpoints (vision + text)
 TEXT_PREFIX = "model."  # `qwen3_5_text` checkpoints
@@ -591,33 +591,35 @@ class Qwen3_5Model(nn.Module):
             if parents is not None:
                 check_root_to_node_path(parents, path)
         device = self.embed_tokens.weight.device
-        self._commit_paths([(cache, path, on_device(accepted, device))], checked=bool(pending))
+        self._commit_paths([(cache, path)], [on_device(accepted, device)], checked=bool(pending))
 
     @torch.no_grad()
     def commit_batch(self, commits: list[tuple[HybridCache, list[int]]]) -> None:
         """`commit` of each (cache, accepted path) after one `forward_batch`: the GDN states of
         the trees it solved together built together (gated_deltanet `commit_many`)."""
-        device = self.embed_tokens.weight.device
-        placed = [(cache, path, to_device(np.array(path), device)) for cache, path in commits]
-        self._commit_paths(placed, checked=False)
+        paths = DevicePaths([path for _, path in commits], self.embed_tokens.weight.device)
+        self._commit_paths(commits, paths, checked=False)
 
     def _commit_paths(
-        self, commits: list[tuple[HybridCache, list[int], torch.Tensor]], checked: bool
+        self,
+        commits: list[tuple[HybridCache, list[int]]],
+        on_devices: Sequence[torch.Tensor],
+        checked: bool,
     ) -> None:
-        """Each (cache, path, the path on the device) committed: GDN states, then K/V."""
-        for cache, path, _ in commits:
+        """Each (cache, path) committed, `on_devices` the paths on the device: GDN states, then
+        K/V."""
+        for cache, path in commits:
             if len(cache.pending) != len(cache.recurrent):
                 raise ValueError("commit without a forward pass to commit from")
             if not checked and cache.pending:
                 check_root_to_node_path(cache.pending[0].parents.tolist(), path)
-        lasts = [path[-1] for _, path, _ in commits]
-        on_devices = [path for _, _, path in commits]
+        lasts = [path[-1] for _, path in commits]
         for slot, layer in enumerate(self._layers_of(LINEAR)):
-            states = [cache.recurrent[slot] for cache, _, _ in commits]
-            kept = [cache.pending[slot] for cache, _, _ in commits]
+            states = [cache.recurrent[slot] for cache, _ in commits]
+            kept = [cache.pending[slot] for cache, _ in commits]
             layer.linear_attn.commit_many(states, kept, on_devices, lasts)
-        commit_paths([cache.kv for cache, _, _ in commits], [path for _, path, _ in commits])
-        for cache, _, _ in commits:
+        commit_paths([cache.kv for cache, _ in commits], [path for _, path in commits])
+        for cache, _ in commits:
             cache.pending = []
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine import tree as tree_module
 from engine.tree import (
     DraftTree,
     build_tree,
@@ -120,3 +121,17 @@ def test_walk_follows_the_targets_choices_and_returns_the_first_miss():
     assert accepted == [0, 1] and bonus == 55  # no child of node 1 carries 55
     accepted, bonus = walk(chain_tree(np.zeros(0, np.int64)), [42])
     assert accepted == [0] and bonus == 42
+
+
+def test_device_paths_are_copied_to_the_device_only_when_read(monkeypatch):
+    """A batched commit's paths (engine/models/qwen3_5.py `commit_batch`): most of its states
+    are built from what the pass kept, so a path is copied to the device only when read,
+    once."""
+    copies = []
+    real = tree_module.to_device
+    monkeypatch.setattr(tree_module, "to_device", lambda a, d: copies.append(a) or real(a, d))
+    paths = tree_module.DevicePaths([[0, 2, 5], [0], [0, 1]], torch.device("cpu"))
+    assert len(paths) == 3 and not copies
+    assert paths[2].tolist() == [0, 1] and paths[2] is paths[2]
+    assert paths[0].tolist() == [0, 2, 5]
+    assert [array.tolist() for array in copies] == [[0, 1], [0, 2, 5]]
