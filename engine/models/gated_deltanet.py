@@ -216,7 +216,8 @@ class TreeWindows:
 class PendingRecurrence:
     """What a verify pass leaves behind in one GDN layer for `commit` to choose from."""
 
-    parents: torch.Tensor | None  # [T] (None after forward_static: the tree is on the host)
+    parents: torch.Tensor | np.ndarray | None  # [T], what commit checks a path against (a
+    # batched pass's trees: on the host; None after forward_static: the tree is on the host)
     conv_inputs: torch.Tensor  # [T, C] the new conv state is built from the accepted ones
     conv_outputs: torch.Tensor | None = None  # [T, C]  replay: delta-rule inputs, with g and beta
     g: torch.Tensor | None = None  # [T, Hv]
@@ -586,7 +587,7 @@ class TreesLayout:
     inputs (tree by tree, oldest first), then every tree's tokens; `taps` is each node's
     window in them; the trees by size, as `solve_trees` stacks them."""
 
-    parents: list[torch.Tensor]  # each tree's [T_i] (on the device)
+    parents: list[np.ndarray]  # each tree's [T_i], on the host (its commit checks paths on it)
     sizes: list[int]
     firsts: list[int]  # each tree's first row among the trees' rows
     taps: torch.Tensor  # [sum T_i, K] each node's window, rows of the conv rows, oldest first
@@ -594,18 +595,17 @@ class TreesLayout:
 
 
 def trees_layout(
-    parents: list[torch.Tensor],  # each tree's [T_i] on the device
-    host_parents: list[np.ndarray],  # the same on the host
-    visible: list[torch.Tensor],  # each tree's [T_i, T_i] ancestor mask
+    parents: list[np.ndarray],  # each tree's [T_i], on the host
+    visible: list[torch.Tensor],  # each tree's [T_i, T_i] ancestor mask, on the device
     kernel: int,
 ) -> TreesLayout:
     """The layout of a batched pass's trees: each node's conv window walked on the host, one
     copy to the device for them all (`conv_taps` is one tree's, walked on the device)."""
     window, n = kernel - 1, len(parents)
-    sizes = [len(tree) for tree in host_parents]
+    sizes = [len(tree) for tree in parents]
     firsts = [0, *itertools.accumulate(sizes)][:-1]
     previous = np.arange(-1, n * window + sum(sizes) - 1)  # each row's predecessor on its path
-    for i, (tree, first) in enumerate(zip(host_parents, firsts, strict=True)):
+    for i, (tree, first) in enumerate(zip(parents, firsts, strict=True)):
         base = n * window + first  # its tokens' rows; a root follows its last committed input
         previous[base : base + len(tree)] = np.where(tree >= 0, tree + base, (i + 1) * window - 1)
     taps = [np.arange(n * window, len(previous))]

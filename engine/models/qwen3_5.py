@@ -525,10 +525,8 @@ class Qwen3_5Model(nn.Module):
             layout = None
             if members is trees:
                 host = [_host_parents(segments[i]) for i in members]
-                devices = [parts[i][1].parents for i in members]
                 visible = [parts[i][1].ancestors for i in members]
-                kernel = self.config.linear_conv_kernel_dim
-                layout = trees_layout(devices, host, visible, kernel)
+                layout = trees_layout(host, visible, self.config.linear_conv_kernel_dim)
             groups.append(MixGroup(members, rows, layout))
         return groups
 

@@ -137,7 +137,7 @@ def test_the_conv_windows_of_trees_mixed_together_are_committed_together() -> No
     alone = _randomised([layer.new_state(torch.float64, "cpu") for _ in trees])
     x = torch.randn(10, SHAPE.hidden_size, generator=torch.Generator().manual_seed(3)).double()
     visible = [ancestor_matrix(tree) for tree in trees]
-    layout = trees_layout(trees, [tree.numpy() for tree in trees], visible, SHAPE.conv_kernel)
+    layout = trees_layout([tree.numpy() for tree in trees], visible, SHAPE.conv_kernel)
     _, pending = layer.factored_mix(layer._inputs(x), states, layout)
     for state, kept, path in zip(alone, pending, paths, strict=True):
         layer._commit_conv(state, kept, torch.tensor(path))
@@ -169,7 +169,7 @@ def test_a_batched_pass_walks_the_conv_windows_of_all_its_trees_at_once() -> Non
     committed = [torch.randn(channels, kernel - 1, generator=generator) for _ in trees]
     tokens = [torch.randn(len(tree), channels, generator=generator) for tree in trees]
     visible = [ancestor_matrix(tree) for tree in trees]
-    layout = trees_layout(trees, [tree.numpy() for tree in trees], visible, kernel)
+    layout = trees_layout([tree.numpy() for tree in trees], visible, kernel)
     rows = torch.cat([*(conv.T for conv in committed), *tokens])
     for tree, conv, x, first in zip(trees, committed, tokens, layout.firsts, strict=True):
         own = window_rows(conv, x)[conv_taps(tree, kernel)]

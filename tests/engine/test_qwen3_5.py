@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine.models import gated_deltanet
+from engine.models.common import Segment
 from engine.models.gated_deltanet import pending_bytes
 from engine.models.qwen3_5 import Qwen3_5Model, load_qwen3_5
 from tests.helpers.tiny_hybrid import build_tiny_hybrid, save_tiny_hybrid
@@ -241,6 +242,10 @@ def test_forward_past_max_len_and_bad_commits_raise(hybrid_dir):
     model.forward(torch.tensor([4, 5]), cache, torch.tensor([-1, -1]))
     with pytest.raises(ValueError, match="not a root-to-node path"):
         model.commit(cache, torch.tensor([0, 1]))  # siblings, not parent and child
+    batched, _ = prefill(model, [1, 2, 3], max_len=8)  # a batched pass's trees: checked on the host
+    model.forward_batch([Segment(torch.tensor([4, 5, 6]), batched, torch.tensor([-1, 0, 0]))])
+    with pytest.raises(ValueError, match="not a root-to-node path"):
+        model.commit_batch([(batched, [0, 1, 2])])  # 2 hangs from the root, not from 1
 
 
 def test_auto_strategy_factors_on_cpu_and_sizes_snapshots_for_triton(hybrid_dir):
