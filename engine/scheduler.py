@@ -683,14 +683,19 @@ def _keep_features(
 ) -> None:
     """Each speculative sequence's features of the tokens its round committed (its kept path
     in its segment, whose rows start at its start), gathered from the pass's `hidden` in one
-    call for all of them (each sequence gathered its own before)."""
+    call for all of them (each sequence gathered its own before); when they are every row in
+    order (plain rounds alone), views of `hidden` as it is."""
     kept = [
         (seq, [start + node for node in path]) for seq, path, start in committed if seq.speculative
     ]
     if not kept:
         return
-    rows = to_device(np.array([row for _, rows in kept for row in rows]), hidden.device)
-    pieces = hidden.index_select(0, rows).split([len(rows) for _, rows in kept])
+    rows = [row for _, rows in kept for row in rows]
+    if rows == list(range(hidden.shape[0])):  # every row, in order (a step of plain rounds)
+        gathered = hidden
+    else:
+        gathered = hidden.index_select(0, to_device(np.array(rows), hidden.device))
+    pieces = gathered.split([len(rows) for _, rows in kept])
     for (seq, _), piece in zip(kept, pieces, strict=True):
         seq.keep(piece)
 
