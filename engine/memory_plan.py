@@ -60,7 +60,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}
 RESERVE_BYTES = GIB
 DEFAULT_PREFILL_CHUNK = 2048
 DEFAULT_VERIFY_TOKENS = 16  # a ddtree budget of 15, or a DFlash chain of 15, and the bonus
-SOLVE_PIECE = 64  # engine/kernels/batched.py CHAIN_PIECE: a chain's decay rows are this long
+CHAIN_PIECE = 64  # tokens a chain is solved in at once (engine/kernels/batched.py): its decay rows
 # The itemised activations leave out the allocator's slack and short-lived copies: a 2048-token
 # chunk measured 1.3x them on the CPU (engine/NOTES.md), so a chunk is planned at 1.5x.
 TRANSIENT_SLACK = 1.5
@@ -138,6 +138,17 @@ def _local(count: int, tp: int, what: str, replicate: bool = False) -> int:
     if count % tp:
         raise ValueError(f"{what}: {count} is not divisible by tp {tp}")
     return count // tp
+
+
+def factored_elements(value_heads: int, key_dim: int, value_dim: int, tokens: int) -> int:
+    """Elements one GDN layer's factors of a `tokens`-token pass hold (engine/kernels/batched.py,
+    a chain in CHAIN_PIECE pieces): per node its key, write and start decay; each piece's
+    [piece, piece] path decays; per piece after the first, the state it starts from."""
+    piece = max(1, min(tokens, CHAIN_PIECE))
+    pieces, rest = divmod(tokens, piece)
+    decay_rows = pieces * piece * piece + rest * rest
+    starts = key_dim * value_dim * max(0, pieces + (rest > 0) - 1)
+    return value_heads * (tokens * (key_dim + value_dim + 1) + decay_rows + starts)
 
 
 @dataclass(frozen=True)
@@ -257,7 +268,7 @@ class TargetShape:
             + 2 * n["value_heads"] * self.gdn_key_dim * compute  # q, k per value head
             + v_width * (2 * width + 2 * compute)  # v, z, the rule's output and its norm
             # the CPU's batched solve keeps, per token and head, its key, write and decay row
-            + n["value_heads"] * (self.gdn_key_dim + self.gdn_value_dim + SOLVE_PIECE) * compute
+            + n["value_heads"] * (self.gdn_key_dim + self.gdn_value_dim + CHAIN_PIECE) * compute
         )
         return residual + max(mlp, attention, gdn if self.count(LINEAR) else 0)
 
@@ -267,10 +278,10 @@ class TargetShape:
         batched pass's (its trees solved factored: conv inputs, and per head a node's key,
         write, start decay and row of path decays; engine/models/gated_deltanet.py)."""
         n = self.local(tp)
-        replay = 2 * self.conv_dim(tp) * width + n["value_heads"] * (width + compute)
-        factors = self.gdn_key_dim + self.gdn_value_dim + 1 + tokens
-        factored = self.conv_dim(tp) * width + n["value_heads"] * factors * compute
-        return self.count(LINEAR) * max(replay, factored) * tokens
+        replay = (2 * self.conv_dim(tp) * width + n["value_heads"] * (width + compute)) * tokens
+        factors = factored_elements(n["value_heads"], self.gdn_key_dim, self.gdn_value_dim, tokens)
+        factored = self.conv_dim(tp) * width * tokens + factors * compute
+        return self.count(LINEAR) * max(replay, factored)
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 from engine.kernels import reference
 from engine.kernels.reference import compute_dtype
+from engine.memory_plan import CHAIN_PIECE
 
-CHAIN_PIECE = 64
 QUERY_BLOCK = 256  # prefill queries per attention call on the CPU (see tree_attention)
 
 

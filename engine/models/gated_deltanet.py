@@ -63,9 +63,10 @@ from engine.kernels import (
     tree_causal_conv1d,
     tree_gated_delta_rule,
 )
-from engine.kernels.batched import CHAIN_PIECE, SolvedPiece, TreeStates, solve_tree
+from engine.kernels.batched import SolvedPiece, TreeStates, solve_tree
 from engine.kernels.batched import _solve_piece as solve_piece
 from engine.kernels.reference import compute_dtype
+from engine.memory_plan import factored_elements
 from engine.tree import TreeInputs
 
 StateStrategy = Literal["auto", "replay", "snapshot", "factored"]
@@ -784,17 +785,9 @@ def factored_fits(shape: GDNShape, tokens: int, state_dtype: torch.dtype) -> boo
 
 
 def factored_bytes(shape: GDNShape, tokens: int, state_dtype: torch.dtype) -> int:
-    """Bytes one layer's factors of a `tokens`-token pass hold (a chain in CHAIN_PIECE pieces).
-
-    Per node: its key, write, row of path decays and start decay; per piece after the first:
-    the state it starts from.
-    """
-    piece = max(1, min(tokens, CHAIN_PIECE))
-    pieces, rest = divmod(tokens, piece)
-    decay_rows = pieces * piece * piece + rest * rest  # each piece's [piece, piece] W
-    per_node = shape.key_dim + shape.value_dim + 1
-    starts = shape.key_dim * shape.value_dim * max(0, pieces + (rest > 0) - 1)
-    return shape.value_heads * (tokens * per_node + decay_rows + starts) * state_dtype.itemsize
+    """Bytes one layer's factors of a `tokens`-token pass hold (engine/memory_plan.py counts them)."""
+    factors = factored_elements(shape.value_heads, shape.key_dim, shape.value_dim, tokens)
+    return factors * state_dtype.itemsize
 
 
 def pending_bytes(
