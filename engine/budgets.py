@@ -293,7 +293,7 @@ def fairness(
 class Baseline:
     """The step's work beside the sequences choosing: the pass's tokens and segments of more
     than one token (each choosing sequence counted as its bonus alone: one token, one row),
-    and how many sequences decode in it (the choosing ones included)."""
+    and how many sequences wait on it (decoding, the choosing ones included, or prefilling)."""
 
     tokens: int
     trees: int

@@ -522,6 +522,37 @@ def test_an_auto_round_without_a_draft_leaves_its_trees_tokens_to_a_prefill(pair
         assert got.output(index) == solo(pair, prompt, replace(cfg, method="ar"))
 
 
+def test_auto_budgets_count_the_prefills_that_wait_on_the_step(pair, monkeypatch):
+    """A prompt prefilling beside `auto` rounds waits on the step as they do: the choice of
+    who drafts sees its piece's tokens and its sequence (a tree drafted there delays every
+    prefill beside it, not only its own sequence's neighbours)."""
+    cfg = GenerationConfig("auto", 15, max_new_tokens=NEW)
+    sched, got = scheduler(pair, slots=4, tokens=32), Collector()
+    seen = []
+
+    def drafting(asked, base):
+        seen.append(base)
+        return [False] * len(asked)
+
+    monkeypatch.setattr(sched.budgets, "drafting", drafting)
+    cases = prompts(pair, [6, 7, 60, 5], seed=4)
+    for index, prompt in enumerate(cases[:2]):
+        sched.add(got.request(index, prompt, cfg))
+    while sched.waiting or any(active.prefilling for active in sched.running):
+        sched.step()
+    seen.clear()
+    sched.step()
+    assert seen == [budgets.Baseline(tokens=2, trees=0, sequences=2)]  # nothing prefills
+    for index in (2, 3):
+        sched.add(got.request(index, cases[index], cfg))
+    seen.clear()
+    sched.step()  # two bonus tokens, the two prompts' 65 in the 30 left
+    assert seen == [budgets.Baseline(tokens=32, trees=0, sequences=4)]
+    drain(sched)
+    for index, prompt in enumerate(cases):
+        assert got.output(index) == solo(pair, prompt, replace(cfg, method="ar"))
+
+
 def test_a_seeded_sampled_auto_request_verifies_its_cap_and_repeats(pair, monkeypatch):
     """Sampled, a round's node count changes how the sequence's generator is drawn: a seeded
     `auto` request keeps its cap every round, so its tokens are ddtree's with that seed while
