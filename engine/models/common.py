@@ -39,7 +39,7 @@ from engine.kv_blocks import (
     KVLayout,
     PaddedSequences,
     PagedKVCache,
-    attend_sequences,
+    PagedSequences,
     shared_pool,
 )
 from engine.tree import depths_and_mask, on_device, to_device
@@ -373,7 +373,7 @@ class SegmentsPass:
     """Attention of a batched pass: the rows of each segment attend against that segment's own
     KV cache, with its own tree mask (a `GrowingPass` each); the `cache` a layer hands
     `attend` is ignored (each segment's is used). When every cache is a block table over one
-    pool: on CUDA all segments attend in one paged launch (kv_blocks.attend_sequences);
+    pool: on CUDA all segments attend in one paged launch (kv_blocks.PagedSequences);
     elsewhere the segments of one token count attend together in a padded batch
     (kv_blocks.PaddedSequences: ar steps, or trees of one budget) while it pads their keys at
     most twice over, the rest one after another."""
@@ -383,6 +383,7 @@ class SegmentsPass:
     passes: list[GrowingPass]
     groups: tuple[list[PaddedSequences], list[int]] | None = None  # made at the first layer:
     # the padded batches, and the segments that attend alone
+    launch: PagedSequences | None = None  # one launch's layout (CUDA), made at the first layer
 
     def attend(self, cache, layer: int, q, k, v, scale: float) -> torch.Tensor:
         if not self._shared_pool():
@@ -391,10 +392,10 @@ class SegmentsPass:
                 [grow.attend(kv, layer, q[r], k[r], v[r], scale) for r, kv, grow in parts]
             )
         if q.device.type in ONE_LAUNCH_DEVICES:
-            for r, kv in zip(self.rows, self.caches, strict=True):
-                kv.store(layer, kv.length, k[r], v[r])
-            visible = [grow.visible for grow in self.passes]
-            return attend_sequences(self.caches, layer, q, self.rows, visible, scale)
+            if self.launch is None:
+                visible = [grow.visible for grow in self.passes]
+                self.launch = PagedSequences.of(self.caches, self.rows, visible)
+            return self.launch.attend(self.caches[0].pool, layer, q, k, v, scale)
         if self.groups is None:
             self.groups = self._padded_groups(q.dtype)
         batches, alone = self.groups

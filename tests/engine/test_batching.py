@@ -17,11 +17,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine import budgets
+from engine import budgets, kv_blocks
 from engine.cache_pool import CachePool
 from engine.decode import KEEP_PIECES, GenerationConfig, generate
 from engine.grammar import Constraint
-from engine.kv_blocks import KVBlockPool, attend_sequences
+from engine.kv_blocks import KVBlockPool
 from engine.memory_plan import BLOCK_TOKENS, is_out_of_memory
 from engine.models import common
 from engine.prefix_cache import PrefixCache, has_states
@@ -380,16 +380,17 @@ def committed_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_attention_in_one_paged_launch_decodes_as_segment_by_segment(pair, monkeypatch):
-    """What CUDA runs (every segment's attention in one kv_blocks.attend_sequences call),
-    forced on the CPU: each sequence still equals its solo run."""
+    """What CUDA runs (every segment's attention in one paged launch a layer,
+    kv_blocks.PagedSequences), forced on the CPU: each sequence still equals its solo run."""
     launches = []
+    launch = kv_blocks.paged_tree_attention
 
-    def counted(*args, **kwargs):
-        launches.append(len(args[0]))
-        return attend_sequences(*args, **kwargs)
+    def counted(q, k, v, tables, *args):
+        launches.append(tables.shape[0])
+        return launch(q, k, v, tables, *args)
 
     monkeypatch.setattr(common, "ONE_LAUNCH_DEVICES", ("cpu",))
-    monkeypatch.setattr(common, "attend_sequences", counted)
+    monkeypatch.setattr(kv_blocks, "paged_tree_attention", counted)
     cases = list(zip(prompts(pair, [5, 40, 9, 30], seed=8), configs()[:4], strict=True))
     sched, got = scheduler(pair, slots=4, tokens=32), Collector()
     for index, case in enumerate(cases):

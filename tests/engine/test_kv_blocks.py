@@ -296,15 +296,23 @@ def _each_alone(caches, layer: int, q, rows, visible) -> torch.Tensor:
 
 
 def test_sequences_attended_together_equal_each_alone() -> None:
-    """A tree, a causal chunk and a single token: one attend_sequences call gives what each
-    cache's own attend gives."""
-    from engine.kv_blocks import attend_sequences
+    """A tree, a causal chunk and a single token in one paged launch (`PagedSequences`: made
+    once for every layer) store their pending K/V where each cache's own store puts them and
+    give what each cache's own attend gives."""
+    from engine.kv_blocks import PagedSequences
 
     trees = [torch.tensor([-1, 0, 0, 1]), None, torch.tensor([-1])]
-    caches, q, rows, visible, _, _ = _interleaved_sequences([4, 5, 1], trees)
+    caches, q, rows, visible, k, v = _interleaved_sequences([4, 5, 1], trees)
+    pool = caches[0].pool
+    stored = [flat.clone() for layer in range(2) for flat in pool.flat(layer)]
+    launch = PagedSequences.of(caches, rows, visible)
     for layer in range(2):
-        together = attend_sequences(caches, layer, q, rows, visible, 0.5)
+        together = launch.attend(pool, layer, q, k[layer], v[layer], 0.5)
         assert torch.equal(together, _each_alone(caches, layer, q, rows, visible))
+    after = [flat for layer in range(2) for flat in pool.flat(layer)]
+    assert all(torch.equal(a, b) for a, b in zip(stored, after, strict=True))
+    with pytest.raises(ValueError, match="in order"):
+        PagedSequences.of(caches, rows[::-1], visible[::-1])
 
 
 def test_padded_sequences_attend_as_each_alone() -> None:
