@@ -65,18 +65,16 @@ from engine.sampling import (
     make_generator,
     read_scored,
 )
+from engine.transfer import on_device, staged, to_device
 from engine.tree import (
     DraftTree,
     TopK,
     build_tree,
     chain_tree,
-    on_device,
     pack_pass,
     packed_size,
     padded_parents,
     path_tokens,
-    staged,
-    to_device,
     top_k_log_probs,
     unpack_pass,
     walk,

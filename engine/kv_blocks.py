@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from engine.kernels import paged_tree_attention, sequence_slots, tree_attention
 from engine.memory_plan import BLOCK_TOKENS
-from engine.tree import on_device, to_device
+from engine.transfer import on_device, to_device
 
 
 class PoolExhausted(MemoryError):
@@ -545,7 +545,7 @@ class PaddedSequences:
         slots = torch.arange(S, device=pool.device)
         block = (slots // pool.block_tokens).clamp(max=tables.shape[1] - 1)
         keys = tables[:, block] * pool.block_tokens + slots % pool.block_tokens  # [B, S]
-        committed = torch.tensor(lengths, device=pool.device)[:, None]  # [B, 1]
+        committed = to_device(np.array(lengths), pool.device)[:, None]  # [B, 1]
         ahead = committed + torch.arange(T, device=pool.device)  # [B, T] their pending slots
         seen = _keys_seen(slots - committed, visible, T)
         mask = torch.zeros(B, 1, T, S, dtype=dtype, device=pool.device)
@@ -587,7 +587,7 @@ def _rows_of(rows: list[slice], device: torch.device) -> torch.Tensor | slice:
     """The rows of the pass `rows` name, in order: one slice when they follow one another."""
     if all(a.stop == b.start for a, b in itertools.pairwise(rows)):
         return slice(rows[0].start, rows[-1].stop)
-    return torch.cat([torch.arange(r.start, r.stop) for r in rows]).to(device)
+    return to_device(np.concatenate([np.arange(r.start, r.stop) for r in rows]), device)
 
 
 def _keys_seen(

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.tree import to_device
+from engine.transfer import to_device
 
 _BIASES = "token ids >= 0 with biases in [-100, 100]"
 

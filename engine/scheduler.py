@@ -71,7 +71,8 @@ from engine.memory_plan import is_out_of_memory
 from engine.methods import TREE_METHODS
 from engine.models.common import Segment
 from engine.sampling import TokenLogprob
-from engine.tree import DraftTree, TopK, chain_tree, to_device, top_k_log_probs
+from engine.transfer import to_device
+from engine.tree import DraftTree, TopK, chain_tree, top_k_log_probs
 
 log = logging.getLogger(__name__)
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from engine.kernels.reference import cast
+from engine.transfer import to_device
 
 
 @dataclass
@@ -223,18 +224,6 @@ def unpack_pass(buffer: torch.Tensor, width: int) -> TreeInputs:
     )
 
 
-def staged(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array as a tensor ready to copy to `device` without waiting for it: pinned on
-    CUDA (a copy from pageable memory synchronises the stream)."""
-    host = torch.from_numpy(np.ascontiguousarray(array))
-    return host.pin_memory() if device.type == "cuda" else host
-
-
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on `device` in one copy that does not wait for the device."""
-    return staged(array, device).to(device, non_blocking=True)
-
-
 class DevicePaths(Sequence[torch.Tensor]):
     """Paths given on the host (lists of node indices), each copied to `device` when first read
     (a batched commit builds most states from what its pass kept, without reading them)."""
@@ -250,10 +239,3 @@ class DevicePaths(Sequence[torch.Tensor]):
         if index not in self._on_device:
             self._on_device[index] = to_device(np.array(self.paths[index]), self.device)
         return self._on_device[index]
-
-
-def on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` on `device`: a host tensor through `to_device`, a device one as it is."""
-    if tensor.device == device:
-        return tensor
-    return to_device(tensor.numpy(), device) if tensor.device.type == "cpu" else tensor.to(device)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from engine.kernels import reference
 from engine.kernels.reference import compute_dtype
 from engine.memory_plan import CHAIN_PIECE
+from engine.transfer import to_device
 
 QUERY_BLOCK = 256  # prefill queries per attention call on the CPU (see tree_attention)
 
@@ -116,8 +117,7 @@ class SolvedPiece:
         `members[j]`, [len(members), H, Dk, Dv], in one set of calls whatever their number:
         `write_state_after`'s maths, its product batched (so equal within rounding: BLAS may
         sum a batch's products in another order)."""
-        index = torch.tensor(members, device=self.weights.device)
-        at = torch.tensor(nodes, device=self.weights.device)
+        index, at = to_device(np.array([members, nodes]), self.weights.device)
         every = members == list(range(self.weights.shape[0]))
         keys, writes, initial = (
             (t if every else t.index_select(0, index))

@@ -42,7 +42,8 @@ from engine.kv_blocks import (
     PagedSequences,
     shared_pool,
 )
-from engine.tree import depths_and_mask, on_device, to_device
+from engine.transfer import on_device, to_device
+from engine.tree import depths_and_mask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -499,7 +500,7 @@ def split_batch(
     """A batched pass's outputs: the logits of the rows that want them (one lm_head call over
     all of them), split per segment, and the hidden rows as they are."""
     picked, shares = logit_rows(segments, rows)
-    logits = logits_of(x[torch.tensor(picked, device=x.device)])
+    logits = logits_of(x[to_device(np.array(picked), x.device)])
     return BatchOutputs([logits[share] for share in shares], hidden, rows)
 
 

@@ -25,9 +25,11 @@ convolutions, candidate selector) are refused.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -47,6 +49,7 @@ from engine.models.common import (
     read_config,
     rope_theta,
 )
+from engine.transfer import to_device
 
 CONTEXT_PIECE = 2048  # context tokens projected at once: bounds the first draft after a prefill
 
@@ -282,7 +285,7 @@ class DFlashDrafter(nn.Module):
         block_pos = torch.cat([torch.arange(c.length, c.length + B, device=device) for c in caches])
         rope = self._positions_rope(block_pos)
         ids = torch.full((len(items), B), self.mask_token_id, dtype=torch.long, device=device)
-        ids[:, 0] = torch.tensor([bonus for _, _, bonus in items], device=device)
+        ids[:, 0] = to_device(np.array([bonus for _, _, bonus in items]), device)
         x = self._embed(target, ids.flatten())  # [n*B, H]
         rows = [slice(row * B, (row + 1) * B) for row in range(len(items))]
         in_block = torch.ones(B, B, dtype=torch.bool, device=device)
@@ -314,7 +317,7 @@ class DFlashDrafter(nn.Module):
         contexts = torch.cat([context for _, context in short])
         ctx = self.hidden_norm(self.fc(contexts.to(self.fc.weight.dtype)))
         rope = self._positions_rope(positions)
-        bounds = torch.tensor([0, *[x.shape[0] for _, x in short]]).cumsum(0).tolist()
+        bounds = [0, *itertools.accumulate(x.shape[0] for _, x in short)]
         pool = shared_pool([cache for cache, _ in short])
         if pool is not None:
             slots = torch.cat([c.physical(c.length, c.length + x.shape[0]) for c, x in short])

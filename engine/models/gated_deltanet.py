@@ -67,6 +67,7 @@ from engine.kernels.batched import SolvedPiece, TreeStates, solve_tree
 from engine.kernels.batched import _solve_piece as solve_piece
 from engine.kernels.reference import compute_dtype
 from engine.memory_plan import factored_elements
+from engine.transfer import to_device
 from engine.tree import TreeInputs
 
 StateStrategy = Literal["auto", "replay", "snapshot", "factored"]
@@ -137,7 +138,7 @@ def _gathered(states: list[RecurrentState], *names: str) -> tuple[torch.Tensor, 
     slots = shared_slots(states)
     if slots is None:
         return tuple(torch.stack([getattr(state, name) for state in states]) for name in names)
-    index = torch.tensor([state.index for state in states], device=slots.conv.device)
+    index = to_device(np.array([state.index for state in states]), slots.conv.device)
     return tuple(getattr(slots, name).index_select(0, index) for name in names)
 
 
@@ -155,7 +156,7 @@ def install(
     ]
     slots = shared_slots(states)
     if slots is not None:
-        index = torch.tensor([state.index for state in states], device=parts[0][1].device)
+        index = to_device(np.array([state.index for state in states]), parts[0][1].device)
         for name, rows in parts:
             getattr(slots, name).index_copy_(0, index, rows)
         return
@@ -176,7 +177,7 @@ class SteppedRows:
         """Install row rows[i]'s state in states[i]."""
         conv, recurrent = self.conv, self.recurrent
         if rows != list(range(len(conv))):
-            index = torch.tensor(rows, device=conv.device)
+            index = to_device(np.array(rows), conv.device)
             conv, recurrent = conv.index_select(0, index), recurrent.index_select(0, index)
         install(states, conv, recurrent)
 
@@ -207,7 +208,7 @@ class TreeWindows:
         """Install in states[i] the conv state after node nodes[i] (a row of `taps`), all at
         once."""
         device = self.taps.device
-        ends = self.taps.index_select(0, torch.tensor(nodes, device=device))[:, 1:]
+        ends = self.taps.index_select(0, to_device(np.array(nodes), device))[:, 1:]
         picked = self.rows.index_select(0, ends.reshape(-1))  # [n * (K-1), C]
         windows = picked.view(len(nodes), -1, self.rows.shape[1]).transpose(1, 2)
         install(states, conv=windows)
@@ -613,8 +614,8 @@ def trees_layout(
     for _ in range(window):
         taps.append(previous[taps[-1]])
     device = visible[0].device
-    on_device = torch.from_numpy(np.stack(taps[::-1], axis=1)).to(device)
-    return TreesLayout(parents, sizes, firsts, on_device, size_groups(sizes, visible))
+    windows = to_device(np.stack(taps[::-1], axis=1), device)
+    return TreesLayout(parents, sizes, firsts, windows, size_groups(sizes, visible))
 
 
 def conv_at_taps(
@@ -684,7 +685,7 @@ def size_groups(sizes: list[int], visible: list[torch.Tensor]) -> list[SizeGroup
     for size, members in by_size.items():
         index = np.concatenate([np.arange(starts[i], starts[i] + size) for i in members])
         masks = torch.stack([visible[i] for i in members])
-        groups.append(SizeGroup(size, members, torch.from_numpy(index).to(device), masks))
+        groups.append(SizeGroup(size, members, to_device(index, device), masks))
     return groups
 
 

@@ -36,7 +36,6 @@ import torch
 from torch import nn
 
 from engine import kernels
-from engine.kernels.batched import ancestor_matrix
 from engine.kernels.reference import cast, compute_dtype
 from engine.kv_blocks import KVBlockPool, KVLayout, commit_paths
 from engine.memory_plan import FULL, LINEAR, hybrid_layer_types
@@ -73,7 +72,8 @@ from engine.models.gated_deltanet import (
     pending_from,
     trees_layout,
 )
-from engine.tree import DevicePaths, TreeInputs, on_device, to_device, tree_layout
+from engine.transfer import on_device, to_device
+from engine.tree import DevicePaths, TreeInputs, tree_layout
 
 MULTIMODAL_TEXT_PREFIX = "model.language_model."  # `qwen3_5` checkpoints (vision + text)
 TEXT_PREFIX = "model."  # `qwen3_5_text` checkpoints
@@ -499,10 +499,12 @@ class Qwen3_5Model(nn.Module):
             parents = torch.arange(-1, T - 1, device=device)
         none = torch.empty(0)
         part = TreePass(
-            segment.cache, parents.to(device), None, none, none, self.rotary, segment.extend
+            segment.cache, on_device(parents, device), None, none, none, self.rotary, segment.extend
         )
         if not segment.extend and T > 1 and self._factored_on(segment.cache, T):
-            part.ancestors = visible if visible is not None else ancestor_matrix(part.parents)
+            if visible is None:  # a chain
+                visible = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+            part.ancestors = visible
         return part
 
     def _mix_groups(
