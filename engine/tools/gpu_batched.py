@@ -16,6 +16,9 @@ engine/budgets.py); "solo", the verify of a sequence decoding alone, which the s
 by generate()'s static passes (CUDA graphs). CUDA events on the stream, so nothing waits for
 them; the CPU's clock elsewhere. Each figure is also given at Qwen3.6-27B's 64 layers,
 from the straight line through the two stacks (per layer; the drafter is in the intercept).
+And the host syncs of a step while max(concurrency) sequences decode, the most of any step
+(torch.cuda.set_sync_debug_mode, in a run of its own: the mode's checks cost time): each
+sequence's choices and each budget's drafts are read, so about one a sequence and none a layer.
 Random weights accept about one drafted token a round, so ddtree's tok/s here is its cost
 without its gain: the table and the ar figures are what carry over to trained weights.
 
@@ -43,12 +46,13 @@ from engine.cache_pool import CachePool
 from engine.decode import GenerationConfig, _Sequence
 from engine.methods import METHODS
 from engine.scheduler import Finished, Request, Scheduler
-from engine.tools.gpu_rounds import FULL_LAYERS, per_layer_fit, random_pair
+from engine.tools.gpu_rounds import FULL_LAYERS, counted_syncs, per_layer_fit, random_pair
 
 CONCURRENCY = (1, 4, 8, 16)
 NEW_TOKENS = 64
 PREFIX = 4096
 WARM_TOKENS = 4  # a warm-up request per method first: Triton compiles outside the figures
+SYNC_TOKENS = 8  # each request's tokens while a step's host syncs are counted
 
 
 def default_methods() -> tuple[str, ...]:
@@ -178,6 +182,25 @@ def run_batch(scheduler: Scheduler, cfg: GenerationConfig, prompts: list[list[in
     }
 
 
+def step_syncs(scheduler: Scheduler, cfg: GenerationConfig, prompts: list[list[int]]) -> int | None:
+    """The most host syncs (torch's sync debug mode) a step made while every one of `prompts`
+    decoded (None off CUDA). A step reads each sequence's choices and each budget's drafts:
+    about one a sequence, none a layer."""
+    if scheduler.target.embed_tokens.weight.device.type != "cuda":
+        return None
+    for prompt in prompts:
+        scheduler.add(Request(prompt, cfg))
+    most = 0
+    with torch.inference_mode():
+        while not scheduler.idle:
+            decoding = not scheduler.waiting and not any(a.prefilling for a in scheduler.running)
+            with counted_syncs() as caught:
+                scheduler.step()
+            if decoding and len(scheduler.running) == len(prompts):
+                most = max(most, len(caught))
+    return most
+
+
 def measure(target, drafter, methods, concurrency, prefix: int, new_tokens: int) -> dict:
     """Every (method, concurrency) run on one pool of max(concurrency) slots, and the passes'
     table; a warm-up request per method first."""
@@ -195,7 +218,9 @@ def measure(target, drafter, methods, concurrency, prefix: int, new_tokens: int)
             cfg = method_config(method, new_tokens)
             for level in concurrency:
                 runs[method, level] = run_batch(scheduler, cfg, prompts[:level])
-    return {"runs": runs, "passes": passes.table()}
+    most = prompts[: max(concurrency)]  # counted apart: the debug mode's checks cost time
+    syncs = {m: step_syncs(scheduler, method_config(m, SYNC_TOKENS), most) for m in methods}
+    return {"runs": runs, "passes": passes.table(), "syncs": syncs}
 
 
 def check_batched(
@@ -266,6 +291,7 @@ def check_batched(
         "tiny": tiny,
         "rows": rows,
         "verify_ms": verify,
+        "step_syncs": {"sequences": max(concurrency), "most": small["syncs"]},
         "seconds": round(time.monotonic() - started, 1),
     }
 
@@ -291,6 +317,10 @@ def print_batched(report: dict) -> None:
             f"{row[f'itl_ms_p50_{L}']:>11.2f} {row[f'itl_ms_max_{L}']:>9.2f} "
             f"{_figure(row['tokens_per_s_64'], 1)} {_figure(row['itl_ms_p50_64'], 2)}"
         )
+    syncs = report["step_syncs"]
+    if any(most is not None for most in syncs["most"].values()):
+        counts = ", ".join(f"{method} {most}" for method, most in syncs["most"].items())
+        print(f"  host syncs a step of {syncs['sequences']} decoding, most: {counts}")
     print("  verify pass by token count, median ms (batched: forward_batch; solo: a lone verify):")
     print(
         f"  {'path':<8} {'seqs':>6} {'tokens':>7} {f'{L} layers':>10} {f'{L2} layers':>10} "
