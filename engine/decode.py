@@ -472,14 +472,20 @@ class _Sequence:
         """The target's choice at verify indices 0..n of `tree` (None: the prefill's last token)
         under the grammar's state and the penalties along each index's own path, read back (one
         read), with their logprobs when cfg.logprobs asks."""
+        return read_scored(*self._scored(logits, tree))
+
+    def _scored(
+        self, logits: torch.Tensor, tree: DraftTree | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_choose` left on the device: the choices [n] and, when asked, their scores (a
+        batched step reads every sequence's at once: sampling.read_scored_together)."""
         if self.guide is not None:
             masks = self.guide.masks(logits.shape[0])  # host work while the device computes
             logits = mask_logits(logits, to_device(masks, self.device))
         if self.penalties is not None:
             logits = self.penalties.apply(logits, path_tokens(tree) if tree else None)
         cfg = self.cfg
-        scored = choose_scored(logits, cfg.temperature, self.generator, cfg.sampling, cfg.logprobs)
-        return read_scored(*scored)
+        return choose_scored(logits, cfg.temperature, self.generator, cfg.sampling, cfg.logprobs)
 
     def logprobs_of(self, accepted: list[int]) -> list[TokenLogprob] | None:
         """The logprobs of the tokens chosen at the `accepted` verify indices (a round's new

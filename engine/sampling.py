@@ -30,6 +30,7 @@ position, gathered chunk by chunk during the prefill, read back once at its end.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -164,6 +165,34 @@ def read_scored(
         return choices.tolist(), None
     rows = torch.cat([choices.unsqueeze(-1).to(scores.dtype), scores], dim=-1).tolist()
     return [int(row[0]) for row in rows], [_token_logprob(row[0], row[1:]) for row in rows]
+
+
+def read_scored_together(
+    scored: list[tuple[torch.Tensor, torch.Tensor | None]],
+) -> list[tuple[list[int], list[TokenLogprob] | None]]:
+    """`read_scored` of several sequences' (choices [T_i], scores [T_i, 1 + 2 top_i] or None) in
+    one read of the device for them all (a batched step's: not one a sequence). With scores,
+    every value travels as float64 (token ids exactly, float32 logprobs unchanged)."""
+    if not scored:
+        return []
+    if all(scores is None for _, scores in scored):
+        ids = torch.cat([choices for choices, _ in scored]).tolist()
+        bounds = [0, *itertools.accumulate(choices.shape[0] for choices, _ in scored)]
+        return [(ids[a:b], None) for a, b in itertools.pairwise(bounds)]
+    rows = [
+        torch.cat([choices.unsqueeze(-1).to(torch.float64), scores.to(torch.float64)], dim=-1)
+        if scores is not None
+        else choices.unsqueeze(-1).to(torch.float64)
+        for choices, scores in scored
+    ]
+    values, out, at = torch.cat([row.flatten() for row in rows]).tolist(), [], 0
+    for row in rows:
+        T, width = row.shape
+        mine = [values[at + i * width : at + (i + 1) * width] for i in range(T)]
+        logprobs = [_token_logprob(r[0], r[1:]) for r in mine] if width > 1 else None
+        out.append(([int(r[0]) for r in mine], logprobs))
+        at += T * width
+    return out
 
 
 def _token_logprob(token: float, scores: list[float]) -> TokenLogprob:

@@ -70,7 +70,7 @@ from engine.kv_blocks import PoolExhausted
 from engine.memory_plan import is_out_of_memory
 from engine.methods import TREE_METHODS
 from engine.models.common import Segment
-from engine.sampling import TokenLogprob
+from engine.sampling import TokenLogprob, read_scored_together
 from engine.transfer import to_device
 from engine.tree import DraftTree, TopK, chain_tree, top_k_log_probs
 
@@ -577,6 +577,10 @@ class Scheduler:
             self.on_pass(len(work), tokens)
         kept: list[tuple[_Sequence, list[int], int]] = []  # every round's sequence, kept path
         # and its segment's first row in the pass: committed at once after the walks
+        rounds = [(index, item) for index, item in enumerate(work) if item.tree is not None]
+        chosen = read_scored_together(
+            [item.active.seq._scored(outputs.logits[index], item.tree) for index, item in rounds]
+        )
         for index, item in enumerate(work):
             seq, logits = item.active.seq, outputs.logits[index]
             if item.tree is None:
@@ -584,8 +588,9 @@ class Scheduler:
                 seq.piece_done(item.segment.ids.shape[0], logits, hidden)
                 if seq.prefill_left == 0:
                     self._prefilled(item.active)
-                continue
-            choices, seq.scores = seq._choose(logits, item.tree)
+        for (index, item), (choices, scores) in zip(rounds, chosen, strict=True):
+            seq = item.active.seq
+            seq.scores = scores
             start = outputs.rows[index].start
             accepted, new_tokens = seq.commit(
                 item.tree,

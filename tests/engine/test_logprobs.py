@@ -16,7 +16,13 @@ import torch
 from engine.decode import GenerationConfig, generate
 from engine.grammar import Constraint
 from engine.models import common
-from engine.sampling import Sampling, choose_scored, read_scored, warped_probs
+from engine.sampling import (
+    Sampling,
+    choose_scored,
+    read_scored,
+    read_scored_together,
+    warped_probs,
+)
 from tests.helpers.tiny_grammar import STOP, char_tokenizer
 from tests.helpers.tiny_grammar import _char_words as char_words
 from tests.helpers.tiny_pairs import KINDS, load_tiny_pair
@@ -131,6 +137,21 @@ def test_top_p_zero_keeps_the_most_likely_token_alone():
     assert tokens == [1, 0]
     assert [entry.logprob for entry in logprobs] == [0.0, 0.0]
     assert [entry.top[1][1] for entry in logprobs] == [-math.inf, -math.inf]
+
+
+def test_a_batched_steps_choices_and_logprobs_are_each_sequences_own_in_one_read():
+    """Sequences of different lengths, some asking logprobs (at different tops) and some not,
+    read together give what each one's own read gives, float32 logprobs to the bit."""
+    generator = torch.Generator().manual_seed(4)
+    scored = [
+        choose_scored(torch.randn(T, 300, generator=generator), 0.0, None, Sampling(), top)
+        for T, top in ((3, 2), (1, None), (5, 0), (2, 7), (4, None))
+    ]
+    assert scored[1][1] is None and scored[2][1] is not None
+    assert read_scored_together(scored) == [read_scored(*one) for one in scored]
+    plain = [one for one in scored if one[1] is None]
+    assert read_scored_together(plain) == [read_scored(*one) for one in plain]
+    assert read_scored_together([]) == []
 
 
 @pytest.mark.parametrize("method", ["ar", "ddtree"])
