@@ -47,7 +47,8 @@ by POPULATION_DECAY): it drafts its first round when that profile says a tree pa
 has drafted none yet), not to learn what the others' trees already tell; its wait to its first
 probe is the server's last lesson at the size of the batch it joins (`probe_waits`, by batches
 of 1, 2, up to 4, up to 8...: doubled by each drafted step of that size that did not pay, reset
-by one that did; drafting may pay alone and not at six).
+by one that did; drafting may pay alone and not at six), and when its batch grows or thins to
+another size, that size's lesson (prefilling sequences counted: they wait on the step too).
 
 Lossless: a budget only says how many of the tree's first nodes are verified (a best-first tree
 of k nodes is the first k of a larger one), and every output token is still the target's own
@@ -158,6 +159,7 @@ class Acceptance:
     profile: np.ndarray | None = None  # [cap] expected gain by node rank, over past trees
     skipped: int = 0  # rounds in a row without a draft
     probe_after: int = PROBE_AFTER  # rounds without a draft before it drafts again
+    batch: int = 1  # the `batch_size` of the steps its `probe_after` was learned in
     version: int = 0  # changes whenever its predictions may (a draft, a verified round)
     serial: int = field(default_factory=lambda: next(_SERIALS))  # one of its own, ever
 
@@ -320,6 +322,7 @@ class Budgets:
         (over a one-token pass). Unmeasured, due a probe, or never drafted: it drafts. Its
         mean, not one tree's profile: a tree verified whole costs the same whatever its
         drafter's confidence, so only what its rounds accept on average decides."""
+        self._joined(acc, 1)
         if self.solo_round is None or not self.passes.known:
             return True
         if acc.profile is None or acc.probe_due:
@@ -334,14 +337,25 @@ class Budgets:
         be judged: on a busy batch, where drafting does not pay, it waits for its first
         probe), and the wait to that probe that drafted steps of `batch` sequences taught."""
         accepted, rounds = self.population
-        acc = Acceptance(cap, prior_mean=accepted / rounds if rounds else 1.0)
-        acc.probe_after = self.probe_waits.get(batch_size(batch), PROBE_AFTER)
+        acc = Acceptance(cap, prior_mean=accepted / rounds if rounds else 1.0, batch=0)
+        self._joined(acc, batch)
         trees, weight = self.trees
         if weight:
             acc.profile = np.zeros(cap)
             known = min(cap, len(trees))
             acc.profile[:known] = trees[:known] / weight
         return acc
+
+    def _joined(self, acc: Acceptance, sequences: int) -> None:
+        """`acc`'s sequence is in a step of `sequences`: in a batch of another size than the
+        one it learned its wait to the next probe in, it takes that size's (the last lesson
+        there). One that joined alone, before the others of a burst that arrived with it were
+        admitted, would otherwise probe among them after PROBE_AFTER rounds, where drafting
+        had stopped paying long ago (six chats sent at once through the server: one such
+        wasted draft pass a burst, every burst)."""
+        size = batch_size(sequences)
+        if acc.batch != size:
+            acc.batch, acc.probe_after = size, self.probe_waits.get(size, PROBE_AFTER)
 
     def drafted(self, acc: Acceptance, log_probs: np.ndarray) -> None:
         """`acc`'s sequence drafted a tree of path log-probs `log_probs` (the server's profile
@@ -371,6 +385,8 @@ class Budgets:
 
     def drafting(self, sequences: list[tuple[Acceptance, int]], base: Baseline) -> list[bool]:
         """Which `auto` sequences (each its acceptance and node room) draft this step."""
+        for acc, _ in sequences:
+            self._joined(acc, base.sequences)
         if not self.passes.known or not self.drafts.known:
             return [True] * len(sequences)
         counts = self._paying(sequences, base)

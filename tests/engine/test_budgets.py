@@ -280,6 +280,24 @@ def test_a_new_sequence_waits_for_its_first_probe_as_long_as_the_last_probes_tau
     assert cheap.new_sequence(15, batch=6).probe_after == PROBE_AFTER
 
 
+def test_a_sequence_takes_the_wait_of_the_batch_it_is_in_when_the_batch_changes_size():
+    """One that joined alone (the lone wait: drafting may pay alone) and then decodes among six
+    whose drafted steps stopped paying waits as long as the six's lesson says, not the lone
+    wait it joined with; alone again, it takes the lone lesson back."""
+    budgets = measured(Budgets(), per_token=0.002)  # dear tokens: no tree pays at six
+    budgets.probe_waits[8] = PROBE_MAX  # what drafted steps of six taught
+    first = budgets.new_sequence(15, batch=1)
+    assert first.probe_after == PROBE_AFTER
+    first.drafted(np.log(np.full(15, 0.3)))
+    six = Baseline(tokens=6, trees=0, sequences=6)  # five beside it, decoding or prefilling
+    for _ in range(2 * PROBE_AFTER):
+        assert budgets.drafting([(first, 15)], six) == [False]
+        first.skipped += 1
+    assert first.probe_after == PROBE_MAX
+    budgets.drafting_alone(first)
+    assert first.probe_after == PROBE_AFTER and first.probe_due
+
+
 def test_a_step_s_choice_is_kept_until_a_profile_or_the_fit_changes(monkeypatch):
     """Steps of a busy batch where nothing the choice reads changed reuse it; a sequence's
     fresh tree, another batch, or the cost fit solved CHOICE_SOLVES times since (a solve
