@@ -582,12 +582,13 @@ class Scheduler:
             [item.active.seq._scored(outputs.logits[index], item.tree) for index, item in rounds]
         )
         for index, item in enumerate(work):
-            seq, logits = item.active.seq, outputs.logits[index]
-            if item.tree is None:
-                hidden = outputs.features(index) if seq.speculative else None
-                seq.piece_done(item.segment.ids.shape[0], logits, hidden)
-                if seq.prefill_left == 0:
-                    self._prefilled(item.active)
+            if item.tree is not None:
+                continue
+            seq = item.active.seq  # a prefill piece
+            hidden = outputs.features(index) if seq.speculative else None
+            seq.piece_done(item.segment.ids.shape[0], outputs.logits[index], hidden)
+            if seq.prefill_left == 0:
+                self._prefilled(item.active)
         for (index, item), (choices, scores) in zip(rounds, chosen, strict=True):
             seq = item.active.seq
             seq.scores = scores
