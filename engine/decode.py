@@ -163,13 +163,20 @@ class _StageClock:
         return spent
 
 
-class _Pass:
+class StaticPass:
     """One static-shape pass over device buffers. `run()` reads only `buffers`; a call copies
     its values into them (non-blocking) and runs it: with `graphs`, as a CUDA graph captured
-    on the first call and replayed after (its outputs are then the same tensors every time)."""
+    on the first call and replayed after (its outputs are then the same tensors every time),
+    in `memory` (a graph memory pool, shared by passes of which one runs at a time) if given."""
 
-    def __init__(self, run: Callable[[], Any], buffers: dict[str, torch.Tensor], graphs: bool):
-        self.run, self.buffers, self.graphs = run, buffers, graphs
+    def __init__(
+        self,
+        run: Callable[[], Any],
+        buffers: dict[str, torch.Tensor],
+        graphs: bool,
+        memory: Any = None,
+    ) -> None:
+        self.run, self.buffers, self.graphs, self.memory = run, buffers, graphs, memory
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: Any = None
 
@@ -190,7 +197,7 @@ class _Pass:
             self.run()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=self.memory):
             self.outputs = self.run()
 
 
@@ -205,10 +212,10 @@ class _Passes:
 
     HELD_SHAPES = 3
 
-    def __init__(self, passes: dict[tuple, tuple[int, _Pass]], graphs: bool) -> None:
+    def __init__(self, passes: dict[tuple, tuple[int, StaticPass]], graphs: bool) -> None:
         self._passes, self._graphs = passes, graphs
 
-    def get(self, kind: tuple, keys: int, build: Callable[[int], _Pass]) -> _Pass:
+    def get(self, kind: tuple, keys: int, build: Callable[[int], StaticPass]) -> StaticPass:
         held = self._passes.pop(kind, None)  # put back last: the order is their last use
         if held is not None:
             self._passes[kind] = held
@@ -555,13 +562,13 @@ class _Sequence:
         context the window's 512 slots cost a CPU attention ~1.4x the 316 it needs)."""
         return key_window(needed, capacity) if self.graphs else needed
 
-    def _draft_pass(self, keys: int, rows: int) -> _Pass:
+    def _draft_pass(self, keys: int, rows: int) -> StaticPass:
         width = self.context.shape[1]
         context = torch.zeros(rows, width, dtype=self.context.dtype, device=self.device)
         scalars = torch.zeros(3, dtype=torch.long, device=self.device)
         inputs = DraftInputs(context, *scalars)
         run = partial(self.drafter.draft_static, self.target, self.draft_cache, inputs, keys)
-        return _Pass(run, {"context": context, "scalars": scalars}, self.graphs)
+        return StaticPass(run, {"context": context, "scalars": scalars}, self.graphs)
 
     def verify(self, tree: DraftTree) -> tuple[list[int], torch.Tensor | None, tuple | None]:
         """The target's choice at every verify index, the drafter's features of each, and what
@@ -586,11 +593,11 @@ class _Sequence:
         packed = staged(pack_pass(ids, parents, self.cache.length), self.device)
         return step(packed=packed)
 
-    def _verify_pass(self, keys: int) -> _Pass:
+    def _verify_pass(self, keys: int) -> StaticPass:
         packed = torch.zeros(packed_size(self.width), dtype=torch.long, device=self.device)
         inputs = unpack_pass(packed, self.width)
         run = partial(self.target.forward_static, inputs, self.cache, keys, self.layers)
-        return _Pass(run, {"packed": packed}, self.graphs)
+        return StaticPass(run, {"packed": packed}, self.graphs)
 
     def _verify_growing(self, tree: DraftTree):
         """[bonus, nodes...] through `forward` (a target without static passes, or the last

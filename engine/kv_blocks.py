@@ -85,6 +85,7 @@ class KVBlockPool:
         self._free = list(range(allocated))  # a heap: the lowest free block first
         self.reclaim: Callable[[], bool] | None = None
         self.cache_blocks = 0  # of the capacity, the prefix cache's share (hold_for_cache)
+        self._padding: int | None = None  # see `padding_block`
 
     @classmethod
     def for_tokens(
@@ -122,6 +123,16 @@ class KVBlockPool:
         """Capacity for a prefix cache holding up to `blocks` blocks (once per pool)."""
         self.grow_by(blocks - self.cache_blocks)
         self.cache_blocks = max(self.cache_blocks, blocks)
+
+    def padding_block(self) -> int:
+        """A block of its own that rows no sequence owns store their K/V in, never read (a
+        static step's padding rows: engine/step_passes.py): taken once, the capacity grown by
+        it (on CUDA, where the storage is made at the first block, when asked before that)."""
+        if self._padding is None:
+            if not (self.device.type == "cuda" and self.k.shape[1]):
+                self.grow_by(1)
+            self._padding = self.allocate()
+        return self._padding
 
     def _zeros(self, blocks: int) -> torch.Tensor:
         L, H, D = self.layout.layers, self.layout.kv_heads, self.layout.head_dim

@@ -434,6 +434,27 @@ class SegmentsPass:
         return batches, alone
 
 
+@dataclass
+class StepInputs:
+    """A static batched step (`forward_steps`): S rows, each one sequence's bonus token alone
+    at its cache's length, every value in device buffers a step fills with one copy
+    (engine/step_passes.py), so the same calls serve whoever's sequences fill them. It is the
+    pass's attention too: every row stores its K/V at its pool slot and attends over its own
+    blocks in one paged launch (kv_blocks.PagedSequences), `layout`'s `mask` None (a row sees
+    its committed keys and itself)."""
+
+    ids: torch.Tensor  # [S] each row's token
+    positions: torch.Tensor  # [S] its RoPE position: its cache's committed length
+    layout: PagedSequences  # pending [S], tables [S, W], starts [S + 1], prefixes [S]
+    pool: KVBlockPool  # the one the rows' block tables index
+    states: torch.Tensor  # [S] each row's GDN state slot (a hybrid target's `slots`)
+    slots: tuple = ()  # one gated_deltanet.StateSlots a GDN layer (none: a dense target)
+
+    def attend(self, cache, layer: int, q, k, v, scale: float) -> torch.Tensor:
+        """Every row's attention (`cache`, the layers' own, is not read)."""
+        return self.layout.attend(self.pool, layer, q, k, v, scale)
+
+
 def segment_layout(
     segments: list[Segment], lengths: list[int], device
 ) -> tuple[list[slice], torch.Tensor, list[GrowingPass]]:

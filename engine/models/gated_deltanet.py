@@ -34,7 +34,9 @@ per-node states, which the Triton kernel writes anyway, and commit copies the ac
 A scheduler's sequences keep their committed states as slots of one `StateSlots` a layer
 (`Qwen3_5Model.share_states`): a batched pass's one-token steps read theirs with one gather,
 and `commit_many` installs what a pass leaves (the steps' states, its trees' conv windows and
-stacked states) with one scatter a layer instead of a copy a sequence.
+stacked states) with one scatter a layer instead of a copy a sequence. A static step of
+one-token rows (`steps_at`, engine/step_passes.py: a CUDA graph a bucket) reads and writes
+them at device indices, committing as it runs.
 
 `pending_bytes` gives the extra memory per round of each strategy for any config; for
 Qwen3.6-27B (48 GDN layers, bf16, 16-token verify; `python -m engine.models.gated_deltanet`):
@@ -192,6 +194,17 @@ class SteppedRow:
     rows: SteppedRows
     row: int
     parents: torch.Tensor = _STEP_PARENTS
+
+
+@dataclass(frozen=True)
+class InstalledStep:
+    """A one-token step whose pass installed its state (`steps_at`): nothing left to commit;
+    its path can only be [0]."""
+
+    parents: torch.Tensor = _STEP_PARENTS
+
+
+INSTALLED = InstalledStep()
 
 
 @dataclass
@@ -401,9 +414,39 @@ class GatedDeltaNet(nn.Module):
         conv window and delta-rule step against its own state, as one stacked computation.
         Returns the outputs [B, Hv, Dv] and, per row, what commit installs (its state after
         the token)."""
+        committed, after = _gathered(states, "conv", "recurrent")
+        out, rows = self._steps(inputs, committed, after)
+        return out, [SteppedRow(rows, i) for i in range(len(states))]
+
+    def steps_at(
+        self,
+        inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # `_inputs` of B rows
+        slots: StateSlots,
+        index: torch.Tensor,  # [B] each row's slot of `slots`, on the device
+    ) -> torch.Tensor:
+        """`single_steps` committed as it runs (a one-token step's path can only be [0]), the
+        rows' states read and written at device `index`: a static pass's, the same calls
+        whoever's slots they are, which holds one layer's states at a time instead of every
+        layer's until commit (at Qwen3.6-27B, 3.06 MiB a row, not 146.8). Rows past the first
+        may share its slot (a bucket's padding rows): it is written last. Returns the outputs
+        [B, Hv, Dv]."""
+        committed, after = (part.index_select(0, index) for part in (slots.conv, slots.recurrent))
+        out, rows = self._steps(inputs, committed, after)
+        for part, new in ((slots.conv, rows.conv), (slots.recurrent, rows.recurrent)):
+            part.index_copy_(0, index, new)
+            part.index_copy_(0, index[:1], new[:1])
+        return out
+
+    def _steps(
+        self,
+        inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        committed: torch.Tensor,  # [B, C, K-1] each row's conv window, a copy
+        after: torch.Tensor,  # [B, Hv, Dk, Dv] each row's delta-rule state, a copy (updated)
+    ) -> tuple[torch.Tensor, SteppedRows]:
+        """One token a row against its own (gathered) states: outputs [B, Hv, Dv] and the
+        states after it."""
         conv_inputs, beta, g = inputs
         dt = compute_dtype(conv_inputs.dtype)
-        committed, after = _gathered(states, "conv", "recurrent")
         windows = torch.cat([committed, conv_inputs[:, :, None]], dim=2)  # [B, C, K] oldest first
         weight = self.conv1d.weight[:, 0].to(dt)  # [C, K]
         conv_outputs = F.silu((windows.to(dt) * weight).sum(dim=-1)).to(conv_inputs.dtype)
@@ -422,8 +465,7 @@ class GatedDeltaNet(nn.Module):
         delta = (vf - recalled) * beta.to(dt)[:, :, None]
         after.view(B * Hv, Dk, Dv).baddbmm_(k.reshape(B * Hv, Dk, 1), delta.reshape(B * Hv, 1, Dv))
         out = (qf[:, :, None, :] @ after)[:, :, 0].to(v.dtype)
-        rows = SteppedRows(windows[:, :, 1:], after)
-        return out, [SteppedRow(rows, i) for i in range(B)]
+        return out, SteppedRows(windows[:, :, 1:], after)
 
     def extend(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
         """Mix a chain x [T, hidden] (a prefill chunk) and commit all of it into `state` at
@@ -486,10 +528,11 @@ class GatedDeltaNet(nn.Module):
         if len(paths) != len(states):
             raise ValueError(f"{len(paths)} paths for {len(states)} states")
         for i, (state, pending) in enumerate(zip(states, pendings, strict=True)):
-            if isinstance(pending, SteppedRow):
+            if isinstance(pending, SteppedRow | InstalledStep):
                 if lasts[i] != 0:
                     raise ValueError(f"a one-token step's path ends at node {lasts[i]}, not 0")
-                stepped.setdefault(id(pending.rows), []).append(i)
+                if isinstance(pending, SteppedRow):
+                    stepped.setdefault(id(pending.rows), []).append(i)
                 continue
             if pending.windows is not None:
                 windowed.setdefault(id(pending.windows[0]), []).append(i)

@@ -40,6 +40,7 @@ from engine.models.common import (
     ScoreFn,
     Segment,
     SegmentsPass,
+    StepInputs,
     SwiGLU,
     WindowPass,
     finish_loading,
@@ -203,6 +204,16 @@ class Qwen3Model(nn.Module):
             if segment.extend:
                 segment.cache.advance(segment.ids.shape[0])
         return split_batch(self._logits, x, hidden, segments, rows)
+
+    @torch.no_grad()
+    def forward_steps(
+        self, inputs: StepInputs, hidden_layers: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [S, V], hidden
+        """A batched step of one token a sequence with static shapes (`StepInputs`): each row's
+        K/V stored in its own blocks (pending: commit advances past it) and its logits."""
+        rope = self.rotary.tables(inputs.positions, self.embed_tokens.weight.dtype)
+        x, hidden = self._layers(inputs.ids, rope, None, inputs, hidden_layers)
+        return self._logits(x), hidden
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:  # float32; float64 stays float64
         return cast(self.lm_head(x), compute_dtype(x.dtype))

@@ -47,6 +47,7 @@ from engine.models.common import (
     ScoreFn,
     Segment,
     SegmentsPass,
+    StepInputs,
     SwiGLU,
     WindowPass,
     finish_loading,
@@ -212,9 +213,9 @@ class TreePass:
     """Everything the layers of one forward share: the tree, RoPE tables and the cache; what
     the GDN layers leave for commit is collected in `pending`."""
 
-    cache: HybridCache
+    cache: HybridCache | None  # None: a static batched step (`steps`)
     parents: torch.Tensor  # [T] (a chain when the caller gave none)
-    attention: GrowingPass | WindowPass
+    attention: GrowingPass | WindowPass | SegmentsPass | StepInputs
     cos: torch.Tensor  # [T, rotary_dim]
     sin: torch.Tensor  # [T, rotary_dim]
     rotary: Rotary
@@ -229,6 +230,7 @@ class TreePass:
     # its ancestor mask [T, T], made once for all its GDN layers
     groups: list[MixGroup] = field(default_factory=list)  # forward_batch: the segments its GDN
     # layers mix together, made once for them all
+    steps: StepInputs | None = None  # forward_steps: every row one sequence's token
 
 
 class GatedAttention(nn.Module):
@@ -258,7 +260,8 @@ class GatedAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(T, self.kv_heads, self.head_dim))
         k = tree.rotary.apply(k, tree.cos, tree.sin)  # [T, Hkv, D]
         v = self.v_proj(x).view(T, self.kv_heads, self.head_dim)
-        out = tree.attention.attend(tree.cache.kv, slot, q, k, v, self.head_dim**-0.5)
+        kv = tree.cache.kv if tree.cache is not None else None
+        out = tree.attention.attend(kv, slot, q, k, v, self.head_dim**-0.5)
         out = out.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
         return self.o_proj(out)
 
@@ -284,12 +287,21 @@ class HybridDecoderLayer(nn.Module):
         normed = self.input_layernorm(h)
         if self.layer_type != LINEAR:
             mixed = self.self_attn(normed, tree, self.slot)
+        elif tree.steps is not None:
+            mixed = self._mix_steps(normed, tree.steps)
         elif tree.parts:  # a batched pass: each segment's GDN state on its own
             mixed = self._mix_parts(normed, tree, strategy)
         else:
             mixed = self._mix(normed, tree, strategy)
         h = h + mixed
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _mix_steps(self, normed: torch.Tensor, steps: StepInputs) -> torch.Tensor:
+        """The GDN mixer over a static batched step: every row against its own state slot,
+        committed as it runs (`steps_at`)."""
+        gdn = self.linear_attn
+        out = gdn.steps_at(gdn._inputs(normed), steps.slots[self.slot], steps.states)
+        return gdn._output(out, normed)
 
     def _mix_parts(
         self, normed: torch.Tensor, tree: TreePass, strategy: StateStrategy
@@ -489,6 +501,19 @@ class Qwen3_5Model(nn.Module):
             else:
                 segment.cache.pending = part.pending
         return split_batch(self._logits, h, hidden, segments, rows)
+
+    @torch.no_grad()
+    def forward_steps(
+        self, inputs: StepInputs, hidden_layers: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A batched step of one token a sequence with static shapes (`StepInputs`): logits
+        [S, V] and the requested layers' outputs. K/V are stored pending (commit advances past
+        them); the GDN states are committed as it runs (each cache's `pending`: `INSTALLED`)."""
+        h = self.embed_tokens(inputs.ids)
+        cos, sin = self.rotary.tables(inputs.positions, h.dtype)
+        tree = TreePass(None, inputs.positions[:0], inputs, cos, sin, self.rotary, steps=inputs)
+        h, hidden = self._layers(h, tree, hidden_layers)
+        return self._logits(h), hidden
 
     def _segment_pass(self, segment: Segment, visible: torch.Tensor | None) -> TreePass:
         """What one segment's GDN layers read of a batched pass: its cache, tree and mode

@@ -290,17 +290,17 @@ def counted_captures() -> Iterator[list]:
     from engine import decode as decoding
 
     captured: list = []
-    capture = decoding._Pass._capture
+    capture = decoding.StaticPass._capture
 
     def counting(self) -> None:
         captured.append(self)
         capture(self)
 
-    decoding._Pass._capture = counting
+    decoding.StaticPass._capture = counting
     try:
         yield captured
     finally:
-        decoding._Pass._capture = capture
+        decoding.StaticPass._capture = capture
 
 
 def pooled_conversation(

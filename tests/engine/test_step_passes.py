@@ -1,0 +1,184 @@
+"""A scheduler's plain steps by their bucket's static pass (engine/step_passes.py), on the CPU.
+
+What CUDA replays as one captured graph a bucket runs here eagerly, forced: each sequence still
+equals its solo run (float64, dense and hybrid, sequences joining so the buckets pad), padding
+rows write no sequence's keys, and the pass compiles whole (`fullgraph=True`, as the static
+passes of test_graph_safe.py) and serves other sequences at other lengths without recompiling.
+
+    python -m pytest -q tests/engine/test_step_passes.py
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import kv_blocks
+from engine.cache_pool import CachePool
+from engine.decode import GenerationConfig
+from engine.grammar import Constraint
+from engine.models.common import Segment
+from engine.step_passes import StepPasses
+from tests.engine.test_batching import SCHEMA, Collector, drain, prompts, scheduler, solo
+from tests.engine.test_graph_safe import assert_same
+from tests.helpers.tiny_grammar import STOP, char_tokenizer
+from tests.helpers.tiny_pairs import KINDS, load_tiny_pair
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NEW = 24
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def pair(request, tmp_path_factory):
+    return load_tiny_pair(
+        tmp_path_factory.mktemp(request.param), request.param, dtype=torch.float64
+    )
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def counted_steps(sched, monkeypatch) -> list[list[int]]:
+    """Forces the static passes on the scheduler; each step they run, as [its sequences, the
+    bucket's rows]."""
+    sched.steps = StepPasses(sched.target, graphs=False)
+    steps: list[list[int]] = []
+    filled, forward = sched.steps.filled, sched.target.forward_steps
+
+    def filling(bonuses, segments, layers):
+        steps.append([len(segments)])
+        return filled(bonuses, segments, layers)
+
+    def forwarding(inputs, layers=()):
+        steps[-1].append(inputs.ids.shape[0])
+        return forward(inputs, layers)
+
+    monkeypatch.setattr(sched.steps, "filled", filling)
+    monkeypatch.setattr(sched.target, "forward_steps", forwarding)
+    return steps
+
+
+def test_plain_steps_by_their_buckets_passes_equal_solo_runs(pair, monkeypatch):
+    """ar (greedy, sampled, under a grammar) and auto sequences, one, then two, then two more
+    joining: the plain steps of three run in a bucket of 4 (a padding row), five in 8."""
+    vocab = pair[0].lm_head.weight.shape[0]
+    grammar = Constraint.from_json_schema(char_tokenizer(vocab), SCHEMA)
+    plain = GenerationConfig("ar", max_new_tokens=NEW, prefill_chunk=16)
+    cfgs = [
+        plain,
+        replace(plain, temperature=0.8, seed=5),
+        replace(plain, constraint=grammar, stop_token_ids=(STOP,)),
+        replace(plain, method="auto", budget=6),
+        plain,
+    ]
+    cases = list(zip(prompts(pair, [5, 30, 9, 20, 12], seed=3), cfgs, strict=True))
+    sched, got = scheduler(pair, slots=5, tokens=64), Collector()
+    steps = counted_steps(sched, monkeypatch)
+    for index, case in enumerate(cases):
+        sched.add(got.request(index, *case))
+        if index in (0, 2):  # one alone, then three
+            for _ in range(6):
+                sched.step()
+    drain(sched)
+    for index, (prompt, cfg) in enumerate(cases):
+        assert got.output(index) == solo(pair, prompt, replace(cfg, method="ar")), index
+    buckets = {count: rows for count, rows in steps}
+    assert buckets.get(3) == 4 and buckets.get(5) == 8, buckets
+
+
+def prefilled(pair, lengths: list[int]) -> list:
+    """Slots of one scheduler's pools (their K/V blocks and GDN states shared), each cache
+    holding a random prompt of its length and the block of its next token; the pool's
+    storage made for all of them (on the CPU it grows by doubling: a pass over the storage
+    before would be made again)."""
+    target = pair[0]
+    caches = [slot.cache for slot in CachePool(target, None, 64).slots(len(lengths))]
+    for cache, ids in zip(caches, prompts(pair, lengths, seed=7), strict=True):
+        target.extend(torch.tensor(ids), cache)
+        kv_of(cache).check_room(1)
+    kv_of(caches[0]).pool.padding_block()
+    return caches
+
+
+def kv_of(cache):
+    return getattr(cache, "kv", cache)
+
+
+def segments_of(caches: list, bonuses: list[int]) -> list[Segment]:
+    return [Segment(torch.tensor([b]), cache) for b, cache in zip(bonuses, caches, strict=True)]
+
+
+def test_padding_rows_store_keys_in_the_padding_block_alone(pair):
+    """A step of three in a bucket of four: the pool changes only at the three sequences'
+    pending slots and in the padding block."""
+    caches = prefilled(pair, [9, 14, 5])
+    kv = [kv_of(cache) for cache in caches]
+    pool = kv[0].pool
+    padding = pool.padding_block()
+    before = pool.k.clone()
+    StepPasses(pair[0], graphs=False).run([5, 6, 7], segments_of(caches, [5, 6, 7]), ())
+    changed = (pool.k != before).flatten(3).any(-1).any(0).nonzero().tolist()  # (block, slot)
+    pending = {(c.blocks[c.length // pool.block_tokens], c.length % pool.block_tokens) for c in kv}
+    assert {tuple(at) for at in changed if at[0] != padding} == pending
+    assert [padding, 0] in changed  # the padding row's own key
+
+
+def steps_attention(q, k_blocks, v_blocks, tables, starts, prefixes, visible, scale):
+    """`paged_tree_attention` of one query a sequence (a plain step) in a fixed set of calls:
+    every row's whole table gathered, the keys past its own masked (graph-safe)."""
+    B, W = tables.shape
+    block = k_blocks.shape[1]
+    slots = (tables[:, :, None] * block + torch.arange(block)).flatten(1)  # [B, W * block]
+    keys, values = (x.flatten(0, 1)[slots].transpose(1, 2) for x in (k_blocks, v_blocks))
+    seen = torch.arange(W * block) <= prefixes[:, None]  # its committed keys and its own
+    mask = torch.zeros(seen.shape, dtype=q.dtype).masked_fill(~seen, float("-inf"))
+    out = F.scaled_dot_product_attention(
+        q[:, :, None], keys, values, mask[:, None, None], scale=scale, enable_gqa=True
+    )
+    return out[:, :, 0]
+
+
+def test_a_plain_step_compiles_as_one_graph_and_serves_other_sequences(pair, monkeypatch):
+    """The bucket's pass compiles whole, matches eager, and runs other sequences (other
+    slots, lengths and tokens) from the same buffers without recompiling."""
+    target, drafter = pair
+    monkeypatch.setattr(kv_blocks, "paged_tree_attention", steps_attention)
+    caches = prefilled(pair, [9, 14, 5, 20])
+    passes, layers = StepPasses(target, graphs=False), drafter.target_layer_ids
+    step = passes.filled([5, 6, 7], segments_of(caches[:3], [5, 6, 7]), layers)
+    states = committed_states(caches[0])
+    want = step.run(), committed_states(caches[0])  # (eager first: the pool's views are made)
+    restore(caches[0], states)
+    compiled = torch.compile(step.run, fullgraph=True, backend="eager")
+    assert_same((compiled(), committed_states(caches[0])), want)
+    others = [caches[3], caches[0], caches[2]]
+    assert passes.filled([8, 9, 10], segments_of(others, [8, 9, 10]), layers) is step
+    states = committed_states(caches[0])
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got = compiled(), committed_states(caches[0])
+    restore(caches[0], states)
+    assert_same(got, (step.run(), committed_states(caches[0])))
+
+
+def committed_states(cache) -> list[torch.Tensor]:
+    """Copies of every GDN layer's states of every slot (the pass commits them)."""
+    return [part.clone() for part in state_parts(cache)]
+
+
+def restore(cache, states: list[torch.Tensor]) -> None:
+    for part, saved in zip(state_parts(cache), states, strict=True):
+        part.copy_(saved)
+
+
+def state_parts(cache) -> list[torch.Tensor]:
+    """The conv and recurrent tensors of the `StateSlots` of every GDN layer of `cache`."""
+    slots = [state.slots for state in getattr(cache, "recurrent", [])]
+    return [part for rows in slots for part in (rows.conv, rows.recurrent)]
