@@ -17,6 +17,8 @@ share with one prefix cache, engine/kv_blocks.py). Each `step`:
           chunk: a long prompt never stalls the others, and a short one arriving behind it gets
           its share of the next pass at once);
   pass    one `target.forward_batch` over every segment (engine/models/common.py `Segment`);
+          on CUDA a plain step (every round its bonus alone: `ar`, `auto` not drafting) replays
+          its bucket's captured graph instead (engine/step_passes.py);
   commit  each decoding sequence walks its tree with the target's choices (its own grammar,
           penalties and generator), each prefill piece is kept; tokens are emitted;
   retire  finished, stopped or cancelled sequences store what they committed in the prefix
@@ -69,8 +71,9 @@ from engine.decode import (
 from engine.kv_blocks import PoolExhausted
 from engine.memory_plan import is_out_of_memory
 from engine.methods import TREE_METHODS
-from engine.models.common import Segment
+from engine.models.common import BatchOutputs, Segment
 from engine.sampling import TokenLogprob, read_scored_together
+from engine.step_passes import StepPasses
 from engine.transfer import to_device
 from engine.tree import DraftTree, TopK, chain_tree, top_k_log_probs
 
@@ -145,6 +148,7 @@ class Scheduler:
         self.prefix_cache = pools[0].prefix_cache  # shared by every slot
         self.max_num_batched_tokens = max_num_batched_tokens
         self.options = options or {}  # GenerationConfig fields every request gets
+        self.steps = _step_passes(target, pools[0], self.options.get("cuda_graphs", True))
         if len(pools) > 1:  # a solo round's captured graphs would be per slot: see _solo_round
             self.options = {**self.options, "cuda_graphs": False}
         self.waiting: deque[Request | _Active] = deque()  # _Active: preempted, at the head
@@ -570,7 +574,7 @@ class Scheduler:
         layers = tuple(self.drafter.target_layer_ids) if self.drafter is not None else ()
         wanted = layers if any(item.active.seq.speculative for item in work) else ()
         started = time.perf_counter()
-        outputs = self.target.forward_batch([item.segment for item in work], wanted)
+        outputs = self._forward(work, wanted)
         self.passes += 1
         tokens = sum(item.segment.ids.shape[0] for item in work)
         if self.on_pass is not None:
@@ -613,6 +617,14 @@ class Scheduler:
         self.budgets.observe_pass(tokens, trees, seconds)
         if self._lone_auto_bonus(work):
             self.budgets.observe_alone(seconds)
+
+    def _forward(self, work: list[_Work], wanted: tuple[int, ...]) -> BatchOutputs:
+        """The target pass over the work: a plain step (every round its bonus alone) by its
+        bucket's static pass where the server has them (engine/step_passes.py)."""
+        segments = [item.segment for item in work]
+        if self.steps is not None and self.steps.takes(segments):
+            return self.steps.run([item.active.seq.bonus for item in work], segments, wanted)
+        return self.target.forward_batch(segments, wanted)
 
     def _lone_auto_bonus(self, work: list[_Work]) -> bool:
         """Whether the pass was a lone `auto` sequence's round of its bonus alone."""
@@ -672,6 +684,19 @@ class Scheduler:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return True
+
+
+def _step_passes(target, pool: CachePool, graphs: bool) -> StepPasses | None:
+    """Static passes for plain steps, captured as CUDA graphs: on CUDA with graphs on, paged
+    caches and a target that has them (elsewhere, or with --no-cuda-graphs, `forward_batch`
+    runs). Their padding block is taken now, while the pool's storage may still grow by it."""
+    device = target.embed_tokens.weight.device
+    if not graphs or device.type != "cuda" or pool.target_blocks is None:
+        return None
+    if not hasattr(target, "forward_steps"):
+        return None
+    pool.target_blocks.padding_block()
+    return StepPasses(target, graphs=True)
 
 
 def _tops(drafting: list[_Active], drafts: torch.Tensor) -> dict[int, TopK]:

@@ -13,8 +13,10 @@ random `prefix`-token prompt and `new_tokens` greedy tokens, no prefix cache. Pe
 and the verify cost table: the median time of every decode pass (no prefill piece in it) by
 (sequences, tokens): "batched", the target's `forward_batch` (what `auto`'s cost model times,
 engine/budgets.py); "solo", the verify of a sequence decoding alone, which the scheduler runs
-by generate()'s static passes (CUDA graphs). CUDA events on the stream, so nothing waits for
-them; the CPU's clock elsewhere. Each figure is also given at Qwen3.6-27B's 64 layers,
+by generate()'s static passes (CUDA graphs); "graphed", a plain step of n sequences (every
+one its token alone: ar) replayed as its bucket's CUDA graph (engine/step_passes.py). On CUDA
+ar also runs with those graphs off ("ar eager": `forward_batch`), to show what they save.
+CUDA events on the stream, so nothing waits for them; the CPU's clock elsewhere. Each figure is also given at Qwen3.6-27B's 64 layers,
 from the straight line through the two stacks (per layer; the drafter is in the intercept).
 And the host syncs of a step while max(concurrency) sequences decode, the most of any step
 (torch.cuda.set_sync_debug_mode, in a run of its own: the mode's checks cost time): each
@@ -46,6 +48,7 @@ from engine.cache_pool import CachePool
 from engine.decode import GenerationConfig, _Sequence
 from engine.methods import METHODS
 from engine.scheduler import Finished, Request, Scheduler
+from engine.step_passes import StepPasses
 from engine.tools.gpu_rounds import FULL_LAYERS, counted_syncs, per_layer_fit, random_pair
 
 CONCURRENCY = (1, 4, 8, 16)
@@ -79,8 +82,9 @@ class PassTimes:
     `_Sequence.verify`, its choice included; an `auto` one keeps the batched pass). On CUDA as
     events recorded on the stream, read at `table`."""
 
-    def __init__(self, target) -> None:
+    def __init__(self, target, steps: StepPasses | None = None) -> None:
         self.target, self.batch = target, target.forward_batch
+        self.steps = steps
         self.cuda = next(target.parameters()).device.type == "cuda"
         self.samples: dict[tuple[str, int, int], list] = defaultdict(list)
         self.solo_verify = _Sequence.verify
@@ -97,11 +101,21 @@ class PassTimes:
 
         self.target.forward_batch = batched
         _Sequence.verify = solo
+        if self.steps is not None:
+            graphed = self.steps.run
+
+            def step(bonuses, segments, hidden_layers):
+                key = ("graphed", len(segments), len(segments))
+                return self._timed(key, graphed, bonuses, segments, hidden_layers)
+
+            self.steps.run = step
         return self
 
     def __exit__(self, *exc) -> None:
         del self.target.forward_batch  # the class's method again
         _Sequence.verify = self.solo_verify
+        if self.steps is not None:
+            del self.steps.run
 
     def _timed(self, key, call, *args):
         """call(*args), timed under `key` (None: not timed)."""
@@ -213,11 +227,17 @@ def measure(target, drafter, methods, concurrency, prefix: int, new_tokens: int)
     for method in methods:
         run_batch(scheduler, method_config(method, WARM_TOKENS), prompts[:1])
     runs = {}
-    with PassTimes(target) as passes:
+    with PassTimes(target, scheduler.steps) as passes:
         for method in methods:
             cfg = method_config(method, new_tokens)
             for level in concurrency:
                 runs[method, level] = run_batch(scheduler, cfg, prompts[:level])
+        if scheduler.steps is not None and "ar" in methods:  # its plain steps not graphed
+            steps, scheduler.steps = scheduler.steps, None
+            for level in concurrency:
+                cfg = method_config("ar", new_tokens)
+                runs["ar eager", level] = run_batch(scheduler, cfg, prompts[:level])
+            scheduler.steps = steps
     most = prompts[: max(concurrency)]  # counted apart: the debug mode's checks cost time
     syncs = {m: step_syncs(scheduler, method_config(m, SYNC_TOKENS), most) for m in methods}
     return {"runs": runs, "passes": passes.table(), "syncs": syncs}
@@ -321,7 +341,10 @@ def print_batched(report: dict) -> None:
     if any(most is not None for most in syncs["most"].values()):
         counts = ", ".join(f"{method} {most}" for method, most in syncs["most"].items())
         print(f"  host syncs a step of {syncs['sequences']} decoding, most: {counts}")
-    print("  verify pass by token count, median ms (batched: forward_batch; solo: a lone verify):")
+    print(
+        "  verify pass by token count, median ms (batched: forward_batch; solo: a lone verify;"
+        " graphed: a plain step's graph):"
+    )
     print(
         f"  {'path':<8} {'seqs':>6} {'tokens':>7} {f'{L} layers':>10} {f'{L2} layers':>10} "
         f"{'64 layers':>10}"

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from engine.decode import _Sequence
+from engine.scheduler import Scheduler
+from engine.step_passes import StepPasses
 from engine.tools import gpu_batched, gpu_check
 from engine.tools.gpu_rounds import random_pair
 
@@ -69,6 +71,22 @@ def test_the_pass_timer_times_alike_decode_passes_and_restores_the_model():
     assert "forward_batch" not in vars(target)  # the class's own again
     assert _Sequence.verify is solo_verify
     assert passes.table() == {}
+
+
+def test_with_plain_steps_graphed_ar_runs_with_and_without_them_and_both_are_timed(monkeypatch):
+    """What CUDA runs (plain steps by their bucket's graph: engine/step_passes.py), forced on
+    the CPU: ar is also measured with them off, and their passes are timed ("graphed")."""
+    target, drafter = random_pair(torch.device("cpu"), torch.float32, 1, tiny=True)
+
+    def with_steps(*args, **kwargs):
+        scheduler = Scheduler(*args, **kwargs)
+        scheduler.steps = StepPasses(target, graphs=False)
+        return scheduler
+
+    monkeypatch.setattr(gpu_batched, "Scheduler", with_steps)
+    measured = gpu_batched.measure(target, drafter, ("ar",), (1, 2), prefix=40, new_tokens=6)
+    assert set(measured["runs"]) == {("ar", 1), ("ar", 2), ("ar eager", 1), ("ar eager", 2)}
+    assert ("graphed", 2, 2) in measured["passes"] and ("batched", 2, 2) in measured["passes"]
 
 
 def test_a_window_counts_only_the_tokens_every_sequence_decoded_in():
