@@ -20,9 +20,22 @@ from engine import kv_blocks
 from engine.cache_pool import CachePool
 from engine.decode import GenerationConfig
 from engine.grammar import Constraint
+from engine.models import common
 from engine.models.common import Segment
+from engine.prefix_cache import PrefixCache, has_states
 from engine.step_passes import StepPasses
-from tests.engine.test_batching import SCHEMA, Collector, drain, prompts, scheduler, solo
+from tests.engine.test_batching import (
+    MIXED,
+    PAGE,
+    POOL,
+    SCHEMA,
+    Collector,
+    configs,
+    drain,
+    prompts,
+    scheduler,
+    solo,
+)
 from tests.engine.test_graph_safe import assert_same
 from tests.helpers.tiny_grammar import STOP, char_tokenizer
 from tests.helpers.tiny_pairs import KINDS, load_tiny_pair
@@ -182,3 +195,27 @@ def state_parts(cache) -> list[torch.Tensor]:
     """The conv and recurrent tensors of the `StateSlots` of every GDN layer of `cache`."""
     slots = [state.slots for state in getattr(cache, "recurrent", [])]
     return [part for rows in slots for part in (rows.conv, rows.recurrent)]
+
+
+def test_with_trees_beside_them_preemption_and_the_prefix_cache_outputs_equal_solo_runs(
+    pair, monkeypatch
+):
+    """What CUDA runs, forced on the CPU: plain steps by their bucket's pass, the other steps'
+    attention in one paged launch; every method, greedy and sampled (the ar ones longer, so
+    they step on after the trees), over a pool too small for them all (preemptions) beside a
+    prefix cache of its blocks."""
+    target, _ = pair
+    monkeypatch.setattr(common, "ONE_LAUNCH_DEVICES", ("cpu",))
+    budget = 8 * sum(model.kv_layout().block_bytes(PAGE) for model in pair)  # 8 blocks more
+    prefix = PrefixCache(budget, recurrent=has_states(target.new_cache(8)), block_tokens=PAGE)
+    cfgs = [replace(c, max_new_tokens=40) if c.method == "ar" else c for c in configs()]
+    cases = list(zip(prompts(pair, [5, 40, 9, 70, 3, 22], seed=9), cfgs, strict=True))
+    got = Collector()
+    sched = scheduler(pair, 6, tokens=24, prefix=prefix, kv_tokens=POOL)
+    steps = counted_steps(sched, monkeypatch)
+    for index, case in enumerate(cases):
+        sched.add(got.request(index, *case))
+    drain(sched, limit=3000)
+    for index, (prompt, cfg) in enumerate(cases):
+        assert got.output(index) == solo(pair, prompt, cfg), MIXED[index]
+    assert sched.preemptions >= 1 and steps
