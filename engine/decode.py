@@ -167,7 +167,10 @@ class StaticPass:
     """One static-shape pass over device buffers. `run()` reads only `buffers`; a call copies
     its values into them (non-blocking) and runs it: with `graphs`, as a CUDA graph captured
     on the first call and replayed after (its outputs are then the same tensors every time),
-    in `memory` (a graph memory pool, shared by passes of which one runs at a time) if given."""
+    in `memory` (a graph memory pool, shared by passes of which one runs at a time) if given.
+    The first call runs it once before capturing (Triton compiles, the allocator settles); a
+    pass that `commits` (writes state it also reads: engine/step_passes.py) returns that run's
+    outputs instead of replaying, so every call runs it once (a capture runs nothing)."""
 
     def __init__(
         self,
@@ -175,8 +178,10 @@ class StaticPass:
         buffers: dict[str, torch.Tensor],
         graphs: bool,
         memory: Any = None,
+        commits: bool = False,
     ) -> None:
         self.run, self.buffers, self.graphs, self.memory = run, buffers, graphs, memory
+        self.commits = commits
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: Any = None
 
@@ -186,19 +191,23 @@ class StaticPass:
         if not self.graphs:
             return self.run()
         if self.graph is None:
-            self._capture()
+            warm = self._capture()
+            if self.commits:
+                return warm
         self.graph.replay()
         return self.outputs
 
-    def _capture(self) -> None:
+    def _capture(self) -> Any:
+        """Run once on a side stream, then capture; the run's outputs."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: Triton compiles, the allocator settles
-            self.run()
+        with torch.cuda.stream(side):
+            warm = self.run()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=self.memory):
             self.outputs = self.run()
+        return warm
 
 
 class _Passes:

@@ -7,7 +7,8 @@ above the step's sequences (1, 2, 4, ... up to the server's `--max-num-seqs`), s
 captures a bounded set, once each, for its life. Each step fills the bucket's device buffers
 with one copy from the host (tokens, positions, pool slots, committed lengths, GDN state slots,
 block tables at their full width: the slots' `max_len`), then runs the pass, as the graph's
-replay on CUDA, else eagerly. Its outputs are `forward_batch`'s: each row's logits and the
+replay on CUDA (its first step runs it eagerly, then captures it: the GDN states it commits
+are stepped once), else eagerly. Its outputs are `forward_batch`'s: each row's logits and the
 kept layers' rows, K/V stored pending (commit advances past them). A one-token step's path
 can only be [0], so the GDN states are committed by the pass itself, layer by layer
 (gated_deltanet `steps_at`; each cache's pending says `INSTALLED`).
@@ -117,7 +118,7 @@ class StepPasses:
         slots = tuple(state.slots for state in _states(cache))
         inputs = StepInputs(ids, positions, layout, pool, states, slots)
         run = lambda: self.target.forward_steps(inputs, layers)  # noqa: E731
-        return StaticPass(run, {"flat": flat}, self.graphs, self._memory)
+        return StaticPass(run, {"flat": flat}, self.graphs, self._memory, commits=True)
 
 
 def _kv(cache) -> PagedKVCache:

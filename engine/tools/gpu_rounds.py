@@ -292,9 +292,9 @@ def counted_captures() -> Iterator[list]:
     captured: list = []
     capture = decoding.StaticPass._capture
 
-    def counting(self) -> None:
+    def counting(self):
         captured.append(self)
-        capture(self)
+        return capture(self)
 
     decoding.StaticPass._capture = counting
     try:

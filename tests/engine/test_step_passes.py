@@ -4,12 +4,14 @@ What CUDA replays as one captured graph a bucket runs here eagerly, forced: each
 equals its solo run (float64, dense and hybrid, sequences joining so the buckets pad), padding
 rows write no sequence's keys, and the pass compiles whole (`fullgraph=True`, as the static
 passes of test_graph_safe.py) and serves other sequences at other lengths without recompiling.
+Its first call on CUDA (CUDA faked) steps the GDN states it commits once, not twice.
 
     python -m pytest -q tests/engine/test_step_passes.py
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import pytest
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 
 from engine import kv_blocks
 from engine.cache_pool import CachePool
-from engine.decode import GenerationConfig
+from engine.decode import GenerationConfig, StaticPass
 from engine.grammar import Constraint
 from engine.models import common
 from engine.models.common import Segment
@@ -219,3 +221,43 @@ def test_with_trees_beside_them_preemption_and_the_prefix_cache_outputs_equal_so
     for index, (prompt, cfg) in enumerate(cases):
         assert got.output(index) == solo(pair, prompt, cfg), MIXED[index]
     assert sched.preemptions >= 1 and steps
+
+
+@pytest.mark.parametrize("commits", [True, False], ids=["commits", "pure"])
+def test_a_pass_that_commits_runs_once_on_the_call_that_captures_it(commits, monkeypatch):
+    """On CUDA a pass's first call runs it, then captures it (a capture runs nothing). One
+    that commits as it runs (a plain step's GDN states) returns that run's outputs and does
+    not replay the capture too: its states are stepped once. Later calls replay. (CUDA's
+    streams and graphs faked: what runs is counted.)"""
+    ran: list[str] = []
+    capturing: list[bool] = []
+
+    class Graph:
+        def replay(self) -> None:
+            ran.append("replay")
+
+    class Stream:
+        def wait_stream(self, other) -> None:
+            pass
+
+    @contextlib.contextmanager
+    def graph(_, pool=None):
+        capturing.append(True)
+        yield
+        capturing.pop()
+
+    def run() -> str:
+        if not capturing:
+            ran.append("run")
+        return "captured" if capturing else "warm"
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda _: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    step = StaticPass(run, {}, graphs=True, commits=commits)
+    assert step() == ("warm" if commits else "captured")
+    assert ran == (["run"] if commits else ["run", "replay"])
+    ran.clear()
+    assert step() == "captured" and ran == ["replay"]
