@@ -55,6 +55,18 @@ def test_gpu_check_reports_each_method_s_batching_gain(report):
         assert figure.value > 0 and figure.target == "-" and figure.passed
 
 
+@pytest.mark.parametrize(("graphed", "passed"), [(30.0, True), (18.0, False)])
+def test_gpu_check_holds_ar_s_graphed_plain_steps_to_eager_s_speed(graphed, passed):
+    def row(method: str, concurrency: int, rate: float) -> dict:
+        return {"method": method, "concurrency": concurrency, "tokens_per_s_2": rate}
+
+    rows = [row("ar", 1, 10.0), row("ar", 2, graphed), row("ar eager", 1, 9.0)]
+    batched = {"layers": 1, "rows": [*rows, row("ar eager", 2, 20.0)]}
+    figures = {f.name: f for f in gpu_check.batched_figures(batched)}
+    figure = figures["batched ar: plain steps graphed / eager at 2 (2 layers)"]
+    assert figure.value == graphed / 20.0 and figure.passed is passed
+
+
 def _gpu_check_report(batched: dict) -> dict:
     rows = [{"passed": True}]
     stack = {"triton: verify 16-token tree": 1.0, "triton: decode step": 1.0}
