@@ -23,8 +23,7 @@ Memory: per bucket, its buffers (S * (5 + W) int64s: 4 KiB at S = 16 and 32k-tok
 On CUDA the graphs share one memory pool, so what they hold is the largest bucket's pass, one
 layer's activations at a time: at Qwen3.6-27B in bf16 and S = 16, a GDN layer's states of
 the rows (3.06 MiB a row: 49 MiB), the logits (16 x 248,320 float32s: 15.2 MiB) and the kept
-layers' rows. `forward_batch`'s plain step of 16 holds every GDN layer's states until commit
-(146.8 MiB a row: 2.3 GiB).
+layers' rows.
 """
 
 from __future__ import annotations

@@ -62,7 +62,8 @@ class SolvedPiece:
     never are)."""
 
     factors: tuple[torch.Tensor, ...] | None  # (W, keys, writes, exp(G)); None: from `stacked`
-    initial: torch.Tensor  # [H, Dk, Dv] the state before the piece
+    initial: torch.Tensor | None  # [H, Dk, Dv] the state before the piece (None: a stack's,
+    # once unstacked: its trees hold theirs)
     stacked: tuple[SolvedPiece, int] | None = None  # one of trees solved stacked: their
     # piece (leading dimension; its `initial` a copy of their states) and this one's index
 
@@ -109,19 +110,24 @@ class SolvedPiece:
 
     def unstack(self, initials: list[torch.Tensor]) -> list[SolvedPiece]:
         """The pieces of trees solved stacked (leading dimension), each keeping its own
-        `initials` entry (its state before the pass, not a stacked copy of it)."""
+        `initials` entry (its state before the pass, not a stacked copy of it). The stack lets
+        go of the copy its solve read: held to the commit, it was a state a tree a layer (at
+        Qwen3.6-27B 146.8 MiB a sequence a batched pass, past what the memory plan counts)."""
+        self.initial = None
         return [SolvedPiece(None, initial, (self, i)) for i, initial in enumerate(initials)]
 
-    def write_states_after(self, members: list[int], nodes: list[int]) -> torch.Tensor:
+    def write_states_after(
+        self, members: list[int], nodes: list[int], initial: torch.Tensor
+    ) -> torch.Tensor:
         """Of trees solved stacked (this the stack's piece): the state after `nodes[j]` of tree
-        `members[j]`, [len(members), H, Dk, Dv], in one set of calls whatever their number:
-        `write_state_after`'s maths, its product batched (so equal within rounding: BLAS may
-        sum a batch's products in another order)."""
+        `members[j]`, [len(members), H, Dk, Dv], from `initial` [len(members), H, Dk, Dv] their
+        states before the pass, in one set of calls whatever their number: `write_state_after`'s
+        maths, its product batched (so equal within rounding: BLAS may sum a batch's products
+        in another order)."""
         index, at = to_device(np.array([members, nodes]), self.weights.device)
         every = members == list(range(self.weights.shape[0]))
-        keys, writes, initial = (
-            (t if every else t.index_select(0, index))
-            for t in (self.keys, self.writes, self.initial)
+        keys, writes = (
+            (t if every else t.index_select(0, index)) for t in (self.keys, self.writes)
         )
         weighted_keys = keys * self.weights[index, :, at, :, None]  # [n, H, T, Dk]
         out = initial * self.start_decay[index, :, at, None, None]

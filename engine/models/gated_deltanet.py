@@ -32,11 +32,12 @@ per-node states, which the Triton kernel writes anyway, and commit copies the ac
 `choose_keep` finds a round's states fit in free device memory, else "replay".
 
 A scheduler's sequences keep their committed states as slots of one `StateSlots` a layer
-(`Qwen3_5Model.share_states`): a batched pass's one-token steps read theirs with one gather,
-and `commit_many` installs what a pass leaves (the steps' states, its trees' conv windows and
-stacked states) with one scatter a layer instead of a copy a sequence. A static step of
-one-token rows (`steps_at`, engine/step_passes.py: a CUDA graph a bucket) reads and writes
-them at device indices, committing as it runs.
+(`Qwen3_5Model.share_states`): a batched pass's one-token steps read theirs with one gather
+and, their path being [0] whatever is chosen, write them back with one scatter as they run
+(`single_steps`; a static step's at device indices, `steps_at`: engine/step_passes.py, a CUDA
+graph a bucket), so the pass holds one layer's copies at a time; `commit_many` installs what a
+pass's trees leave (their conv windows, their stacked states built from the committed ones)
+with one scatter a layer instead of a copy a sequence.
 
 `pending_bytes` gives the extra memory per round of each strategy for any config; for
 Qwen3.6-27B (48 GDN layers, bf16, 16-token verify; `python -m engine.models.gated_deltanet`):
@@ -167,39 +168,13 @@ def install(
             getattr(state, name).copy_(row)
 
 
-@dataclass
-class SteppedRows:
-    """What a batched pass's one-token steps (`single_steps`) leave for commit: each row's
-    conv window and delta-rule state after its token."""
-
-    conv: torch.Tensor  # [B, C, K-1]
-    recurrent: torch.Tensor  # [B, Hv, Dk, Dv]
-
-    def commit(self, rows: list[int], states: list[RecurrentState]) -> None:
-        """Install row rows[i]'s state in states[i]."""
-        conv, recurrent = self.conv, self.recurrent
-        if rows != list(range(len(conv))):
-            index = to_device(np.array(rows), conv.device)
-            conv, recurrent = conv.index_select(0, index), recurrent.index_select(0, index)
-        install(states, conv, recurrent)
-
-
 _STEP_PARENTS = torch.tensor([-1])  # a one-token step's tree: its token, a root
 
 
 @dataclass(frozen=True)
-class SteppedRow:
-    """A one-token step's pending state: row `row` of `rows`; its path can only be [0]."""
-
-    rows: SteppedRows
-    row: int
-    parents: torch.Tensor = _STEP_PARENTS
-
-
-@dataclass(frozen=True)
 class InstalledStep:
-    """A one-token step whose pass installed its state (`steps_at`): nothing left to commit;
-    its path can only be [0]."""
+    """What a one-token step leaves for commit: nothing, its pass installed its state
+    (`single_steps`, `steps_at`); its path can only be [0]."""
 
     parents: torch.Tensor = _STEP_PARENTS
 
@@ -409,14 +384,17 @@ class GatedDeltaNet(nn.Module):
         self,
         inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # `_inputs` of B rows
         states: list[RecurrentState],  # each row's own sequence's
-    ) -> tuple[torch.Tensor, list[SteppedRow]]:
+    ) -> torch.Tensor:
         """`tree_mix` of B one-token segments at once (a batched pass's ar steps): each row's
-        conv window and delta-rule step against its own state, as one stacked computation.
-        Returns the outputs [B, Hv, Dv] and, per row, what commit installs (its state after
-        the token)."""
+        conv window and delta-rule step against its own state, as one stacked computation,
+        committed as it runs (a one-token step's path can only be [0]: its pending is
+        `INSTALLED`). A pass holds one layer's state copies at a time, not every layer's
+        until commit (at Qwen3.6-27B 3.06 MiB a row, not 146.8). Returns the outputs
+        [B, Hv, Dv]."""
         committed, after = _gathered(states, "conv", "recurrent")
-        out, rows = self._steps(inputs, committed, after)
-        return out, [SteppedRow(rows, i) for i in range(len(states))]
+        out, windows, after = self._steps(inputs, committed, after)
+        install(states, windows, after)
+        return out
 
     def steps_at(
         self,
@@ -431,8 +409,8 @@ class GatedDeltaNet(nn.Module):
         may share its slot (a bucket's padding rows): it is written last. Returns the outputs
         [B, Hv, Dv]."""
         committed, after = (part.index_select(0, index) for part in (slots.conv, slots.recurrent))
-        out, rows = self._steps(inputs, committed, after)
-        for part, new in ((slots.conv, rows.conv), (slots.recurrent, rows.recurrent)):
+        out, windows, after = self._steps(inputs, committed, after)
+        for part, new in ((slots.conv, windows), (slots.recurrent, after)):
             part.index_copy_(0, index, new)
             part.index_copy_(0, index[:1], new[:1])
         return out
@@ -442,9 +420,9 @@ class GatedDeltaNet(nn.Module):
         inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         committed: torch.Tensor,  # [B, C, K-1] each row's conv window, a copy
         after: torch.Tensor,  # [B, Hv, Dk, Dv] each row's delta-rule state, a copy (updated)
-    ) -> tuple[torch.Tensor, SteppedRows]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One token a row against its own (gathered) states: outputs [B, Hv, Dv] and the
-        states after it."""
+        states after it (conv windows [B, C, K-1], delta-rule states [B, Hv, Dk, Dv])."""
         conv_inputs, beta, g = inputs
         dt = compute_dtype(conv_inputs.dtype)
         windows = torch.cat([committed, conv_inputs[:, :, None]], dim=2)  # [B, C, K] oldest first
@@ -465,7 +443,7 @@ class GatedDeltaNet(nn.Module):
         delta = (vf - recalled) * beta.to(dt)[:, :, None]
         after.view(B * Hv, Dk, Dv).baddbmm_(k.reshape(B * Hv, Dk, 1), delta.reshape(B * Hv, 1, Dv))
         out = (qf[:, :, None, :] @ after)[:, :, 0].to(v.dtype)
-        return out, SteppedRows(windows[:, :, 1:], after)
+        return out, windows[:, :, 1:], after
 
     def extend(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
         """Mix a chain x [T, hidden] (a prefill chunk) and commit all of it into `state` at
@@ -510,29 +488,26 @@ class GatedDeltaNet(nn.Module):
     def commit_many(
         self,
         states: list[RecurrentState],
-        pendings: list[PendingRecurrence | SteppedRow],
+        pendings: list[PendingRecurrence | InstalledStep],
         paths: Sequence[torch.Tensor],
         lasts: list[int],
     ) -> None:
         """Install in each state the one after the last node of its path (`paths`: root-to-node
         paths on the device, read only for a state committed on its own: a `DevicePaths`
         copies each there when first read; `lasts`: their last nodes, on the host). In place: a
-        captured graph reads the committed state at its address. Built together, one set of
-        calls a group instead of one a sequence: the one-token steps of one `single_steps`
-        (`SteppedRows.commit`), the conv windows of one `factored_mix`'s trees
+        captured graph reads the committed state at its address. A one-token step's pass
+        committed it already (`INSTALLED`). Built together, one set of calls a group instead
+        of one a sequence: the conv windows of one `factored_mix`'s trees
         (`TreeWindows.commit`) and the states of its trees solved stacked (the CPU's); the
         rest one by one."""
         stacks: dict[int, list[int]] = {}
-        stepped: dict[int, list[int]] = {}
         windowed: dict[int, list[int]] = {}
         if len(paths) != len(states):
             raise ValueError(f"{len(paths)} paths for {len(states)} states")
         for i, (state, pending) in enumerate(zip(states, pendings, strict=True)):
-            if isinstance(pending, SteppedRow | InstalledStep):
+            if isinstance(pending, InstalledStep):
                 if lasts[i] != 0:
                     raise ValueError(f"a one-token step's path ends at node {lasts[i]}, not 0")
-                if isinstance(pending, SteppedRow):
-                    stepped.setdefault(id(pending.rows), []).append(i)
                 continue
             if pending.windows is not None:
                 windowed.setdefault(id(pending.windows[0]), []).append(i)
@@ -543,9 +518,6 @@ class GatedDeltaNet(nn.Module):
                 stacks.setdefault(id(piece.stacked[0]), []).append(i)
             else:
                 self._commit_recurrent(state, pending, paths[i], lasts[i])
-        for members in stepped.values():
-            rows = pendings[members[0]].rows
-            rows.commit([pendings[i].row for i in members], [states[i] for i in members])
         for members in windowed.values():
             windows = pendings[members[0]].windows[0]
             nodes = [pendings[i].windows[1] + lasts[i] for i in members]
@@ -553,8 +525,10 @@ class GatedDeltaNet(nn.Module):
         for members in stacks.values():
             places = [pendings[i].tree_states.pieces[0].stacked for i in members]
             stack = places[0][0]  # (the stack's piece, each tree's index in it)
-            built = stack.write_states_after([at for _, at in places], [lasts[i] for i in members])
-            install([states[i] for i in members], recurrent=built)
+            mine = [states[i] for i in members]
+            (initial,) = _gathered(mine, "recurrent")
+            at, nodes = [at for _, at in places], [lasts[i] for i in members]
+            install(mine, recurrent=stack.write_states_after(at, nodes, initial))
 
     def _commit_conv(
         self, state: RecurrentState, pending: PendingRecurrence, accepted: torch.Tensor

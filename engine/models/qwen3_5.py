@@ -60,6 +60,7 @@ from engine.models.common import (
     undrawn_embedding,
 )
 from engine.models.gated_deltanet import (
+    INSTALLED,
     STATE_STRATEGIES,
     GatedDeltaNet,
     GDNShape,
@@ -316,8 +317,8 @@ class HybridDecoderLayer(nn.Module):
             rows = group.rows
             mine = inputs if rows is None else tuple(t.index_select(0, rows) for t in inputs)
             states = [parts[i][1].cache.recurrent[self.slot] for i in group.members]
-            if group.layout is None:
-                out, pending = gdn.single_steps(mine, states)
+            if group.layout is None:  # one-token steps, committed as they run
+                out, pending = gdn.single_steps(mine, states), [INSTALLED] * len(states)
             else:
                 out, pending = gdn.factored_mix(mine, states, group.layout)
             for i, kept in zip(group.members, pending, strict=True):

@@ -252,7 +252,7 @@ def test_the_states_of_trees_solved_together_are_built_together(dtype: torch.dty
         for chosen in (members, members[::-1][:2]):  # all in order; some, out of order
             nodes = [(3 * i) % sizes[i] for i in chosen]
             at = [pieces[i].stacked[1] for i in chosen]
-            built = stack.write_states_after(at, nodes)
+            built = stack.write_states_after(at, nodes, torch.stack([cases[i][5] for i in chosen]))
             for i, node, state in zip(chosen, nodes, built, strict=True):
                 args = (*cases[i][:5], torch.tensor(trees[i]), cases[i][5], 0.25)
                 _, expected = reference.tree_gated_delta_rule(*args, return_states=True)
