@@ -92,8 +92,8 @@ class StepPasses:
             cache.check_room(1)
         pool, width = kv[0].pool, max(cache.table.shape[0] for cache in kv)
         bucket = 1 << max(0, len(caches) - 1).bit_length()
+        padding = pool.padding_block() if bucket > len(caches) else 0  # (the storage settled)
         step = self._pass(bucket, width, tuple(hidden_layers), pool, caches[0])
-        padding = pool.padding_block() if bucket > len(caches) else 0
         host = staged(_host_buffer(bonuses, kv, caches, bucket, width, padding), self.device)
         step.buffers["flat"].copy_(host, non_blocking=True)
         return step

@@ -65,7 +65,7 @@ class SolvedPiece:
     initial: torch.Tensor | None  # [H, Dk, Dv] the state before the piece (None: a stack's,
     # once unstacked: its trees hold theirs)
     stacked: tuple[SolvedPiece, int] | None = None  # one of trees solved stacked: their
-    # piece (leading dimension; its `initial` a copy of their states) and this one's index
+    # piece (leading dimension) and this one's index
 
     @property
     def weights(self) -> torch.Tensor:  # [H, T, T]
