@@ -18,28 +18,31 @@ import pytest
 import torch
 
 from engine import budgets, kv_blocks
-from engine.cache_pool import CachePool
 from engine.decode import KEEP_PIECES, GenerationConfig, generate
 from engine.grammar import Constraint
 from engine.kv_blocks import KVBlockPool
-from engine.memory_plan import BLOCK_TOKENS, is_out_of_memory
+from engine.memory_plan import is_out_of_memory
 from engine.models import common
 from engine.prefix_cache import PrefixCache, has_states
-from engine.scheduler import Finished, Request, Scheduler
+from engine.scheduler import Scheduler
+from tests.helpers.batched_requests import (
+    MIXED,
+    NEW,
+    PAGE,
+    POOL,
+    SCHEMA,
+    SLOT,
+    Collector,
+    configs,
+    drain,
+    prompts,
+    scheduler,
+    solo,
+)
 from tests.helpers.tiny_grammar import STOP, char_tokenizer
 from tests.helpers.tiny_pairs import KINDS, load_tiny_pair
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-NEW = 16
-SLOT = 160  # tokens of each slot's caches
-PAGE = 4  # tokens of a KV block in the preemption tests' small pools
-SCHEMA = {  # bounded, so a random model's JSON ends
-    "type": "object",
-    "properties": {"id": {"enum": [1, 22, 333]}, "tag": {"type": "string", "maxLength": 4}},
-    "required": ["id", "tag"],
-    "additionalProperties": False,
-}
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -47,88 +50,6 @@ def pair(request, tmp_path_factory):
     return load_tiny_pair(
         tmp_path_factory.mktemp(request.param), request.param, dtype=torch.float64
     )
-
-
-def prompts(pair, lengths: list[int], seed: int = 0) -> list[list[int]]:
-    vocab = pair[0].config.vocab_size
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
-
-
-MIXED = [  # (method, budget, temperature): every method, greedy and sampled
-    ("ar", 1, 0.0),
-    ("ddtree", 6, 0.0),
-    ("linear", 1, 0.0),
-    ("ddtree", 15, 1.0),
-    ("ar", 1, 0.8),
-    ("ddtree", 3, 0.0),
-]
-
-
-def configs(**changes) -> list[GenerationConfig]:
-    return [
-        GenerationConfig(
-            method,
-            budget,
-            max_new_tokens=NEW,
-            temperature=temperature,
-            seed=11 + index if temperature else None,
-            prefill_chunk=16,
-            **changes,
-        )
-        for index, (method, budget, temperature) in enumerate(MIXED)
-    ]
-
-
-class Collector:
-    """Each request's Finished and its streamed tokens, by index."""
-
-    def __init__(self) -> None:
-        self.finished: dict[int, Finished] = {}
-        self.streamed: dict[int, list[int]] = {}
-
-    def request(self, index: int, prompt: list[int], cfg: GenerationConfig, **extra) -> Request:
-        self.streamed[index] = []
-        return Request(
-            prompt,
-            cfg,
-            on_tokens=self.streamed[index].extend,
-            on_finish=lambda done: self.finished.__setitem__(index, done),
-            **extra,
-        )
-
-    def output(self, index: int) -> list[int]:
-        done = self.finished[index]
-        assert done.error is None, done.error
-        assert done.result.output_ids == self.streamed[index]
-        return done.result.output_ids
-
-
-def scheduler(
-    pair,
-    slots: int,
-    tokens: int = 64,
-    prefix: PrefixCache | None = None,
-    kv_tokens: int | None = None,
-) -> Scheduler:
-    """`kv_tokens`: an oversubscribed pool of that many tokens in blocks of PAGE."""
-    target, drafter = pair
-    block = PAGE if kv_tokens else BLOCK_TOKENS
-    pool = CachePool(target, drafter, SLOT, prefix, block_tokens=block)
-    return Scheduler(target, drafter, pool.slots(slots, kv_tokens), max_num_batched_tokens=tokens)
-
-
-def drain(sched: Scheduler, limit: int = 1000) -> int:
-    steps = 0
-    while not sched.idle:
-        sched.step()
-        steps += 1
-        assert steps < limit
-    return steps
-
-
-def solo(pair, prompt, cfg) -> list[int]:
-    return generate(*pair, prompt, cfg).output_ids
 
 
 def test_sequences_side_by_side_equal_their_solo_runs(pair):
@@ -575,8 +496,6 @@ def test_a_seeded_sampled_auto_request_verifies_its_cap_and_repeats(pair, monkey
 
 
 # -- preemption: an oversubscribed KV pool -------------------------------------------------
-
-POOL = 128  # tokens of the small pools: the longest request fits alone, six at once do not
 
 
 def preempting(pair, got: Collector, slots: int = 6, **extra) -> tuple[Scheduler, list[int]]:

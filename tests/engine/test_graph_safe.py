@@ -19,6 +19,7 @@ import torch
 from engine.models.common import key_window
 from engine.models.dflash import DraftInputs
 from engine.tree import pack_pass, packed_size, unpack_pass
+from tests.helpers.static_outputs import assert_same
 from tests.helpers.tiny_pairs import KINDS, load_tiny_pair
 
 MAX_LEN = 64
@@ -48,20 +49,6 @@ def prefilled(target, length: int, seed: int = 0):
 def fill(buffer: torch.Tensor, parents: np.ndarray, length: int, seed: int) -> None:
     ids = np.random.default_rng(seed).integers(3, 90, len(parents))
     buffer.copy_(torch.from_numpy(pack_pass(ids, parents, length)))
-
-
-def flat(outputs) -> list[torch.Tensor]:
-    """Every tensor of a (nested) pass output, in order."""
-    if isinstance(outputs, torch.Tensor):
-        return [outputs]
-    return [t for item in outputs if item is not None for t in flat(item)]
-
-
-def assert_same(compiled, eager) -> None:
-    pairs = list(zip(flat(compiled), flat(eager), strict=True))
-    assert pairs
-    for got, want in pairs:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def check_target_pass(target, layers, parents: np.ndarray, other: np.ndarray) -> None:

@@ -26,19 +26,8 @@ from engine.models import common
 from engine.models.common import Segment
 from engine.prefix_cache import PrefixCache, has_states
 from engine.step_passes import StepPasses
-from tests.engine.test_batching import (
-    MIXED,
-    PAGE,
-    POOL,
-    SCHEMA,
-    Collector,
-    configs,
-    drain,
-    prompts,
-    scheduler,
-    solo,
-)
-from tests.engine.test_graph_safe import assert_same
+from tests.helpers import batched_requests as batch
+from tests.helpers.static_outputs import assert_same
 from tests.helpers.tiny_grammar import STOP, char_tokenizer
 from tests.helpers.tiny_pairs import KINDS, load_tiny_pair
 
@@ -85,7 +74,7 @@ def test_plain_steps_by_their_buckets_passes_equal_solo_runs(pair, monkeypatch):
     """ar (greedy, sampled, under a grammar) and auto sequences, one, then two, then two more
     joining: the plain steps of three run in a bucket of 4 (a padding row), five in 8."""
     vocab = pair[0].lm_head.weight.shape[0]
-    grammar = Constraint.from_json_schema(char_tokenizer(vocab), SCHEMA)
+    grammar = Constraint.from_json_schema(char_tokenizer(vocab), batch.SCHEMA)
     plain = GenerationConfig("ar", max_new_tokens=NEW, prefill_chunk=16)
     cfgs = [
         plain,
@@ -94,17 +83,17 @@ def test_plain_steps_by_their_buckets_passes_equal_solo_runs(pair, monkeypatch):
         replace(plain, method="auto", budget=6),
         plain,
     ]
-    cases = list(zip(prompts(pair, [5, 30, 9, 20, 12], seed=3), cfgs, strict=True))
-    sched, got = scheduler(pair, slots=5, tokens=64), Collector()
+    cases = list(zip(batch.prompts(pair, [5, 30, 9, 20, 12], seed=3), cfgs, strict=True))
+    sched, got = batch.scheduler(pair, slots=5, tokens=64), batch.Collector()
     steps = counted_steps(sched, monkeypatch)
     for index, case in enumerate(cases):
         sched.add(got.request(index, *case))
         if index in (0, 2):  # one alone, then three
             for _ in range(6):
                 sched.step()
-    drain(sched)
+    batch.drain(sched)
     for index, (prompt, cfg) in enumerate(cases):
-        assert got.output(index) == solo(pair, prompt, replace(cfg, method="ar")), index
+        assert got.output(index) == batch.solo(pair, prompt, replace(cfg, method="ar")), index
     buckets = {count: rows for count, rows in steps}
     assert buckets.get(3) == 4 and buckets.get(5) == 8, buckets
 
@@ -116,7 +105,7 @@ def prefilled(pair, lengths: list[int]) -> list:
     before would be made again)."""
     target = pair[0]
     caches = [slot.cache for slot in CachePool(target, None, 64).slots(len(lengths))]
-    for cache, ids in zip(caches, prompts(pair, lengths, seed=7), strict=True):
+    for cache, ids in zip(caches, batch.prompts(pair, lengths, seed=7), strict=True):
         target.extend(torch.tensor(ids), cache)
         kv_of(cache).check_room(1)
     kv_of(caches[0]).pool.padding_block()
@@ -208,18 +197,18 @@ def test_with_trees_beside_them_preemption_and_the_prefix_cache_outputs_equal_so
     prefix cache of its blocks."""
     target, _ = pair
     monkeypatch.setattr(common, "ONE_LAUNCH_DEVICES", ("cpu",))
-    budget = 8 * sum(model.kv_layout().block_bytes(PAGE) for model in pair)  # 8 blocks more
-    prefix = PrefixCache(budget, recurrent=has_states(target.new_cache(8)), block_tokens=PAGE)
-    cfgs = [replace(c, max_new_tokens=40) if c.method == "ar" else c for c in configs()]
-    cases = list(zip(prompts(pair, [5, 40, 9, 70, 3, 22], seed=9), cfgs, strict=True))
-    got = Collector()
-    sched = scheduler(pair, 6, tokens=24, prefix=prefix, kv_tokens=POOL)
+    budget = 8 * sum(model.kv_layout().block_bytes(batch.PAGE) for model in pair)  # 8 blocks more
+    prefix = PrefixCache(budget, recurrent=has_states(target.new_cache(8)), block_tokens=batch.PAGE)
+    cfgs = [replace(c, max_new_tokens=40) if c.method == "ar" else c for c in batch.configs()]
+    cases = list(zip(batch.prompts(pair, [5, 40, 9, 70, 3, 22], seed=9), cfgs, strict=True))
+    got = batch.Collector()
+    sched = batch.scheduler(pair, 6, tokens=24, prefix=prefix, kv_tokens=batch.POOL)
     steps = counted_steps(sched, monkeypatch)
     for index, case in enumerate(cases):
         sched.add(got.request(index, *case))
-    drain(sched, limit=3000)
+    batch.drain(sched, limit=3000)
     for index, (prompt, cfg) in enumerate(cases):
-        assert got.output(index) == solo(pair, prompt, cfg), MIXED[index]
+        assert got.output(index) == batch.solo(pair, prompt, cfg), batch.MIXED[index]
     assert sched.preemptions >= 1 and steps
 
 
