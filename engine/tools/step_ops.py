@@ -2,15 +2,25 @@
 
     python -m engine.tools.step_ops [--model DIR] [--draft DIR] [--method ddtree:15] \
         [--concurrency 6] [--max-tokens 96] [--json]
+    python -m engine.tools.step_ops --random-layers 64 --cuda-launches --concurrency 16
 
 N chat requests at once (engine/tools/batching.py's prompts, greedy, the model's chat template)
 through an N-slot scheduler in this process: one run to warm up, then a counted one. Every
 aten op dispatched (views and casts included, engine/tools/ddtree_reference.py's `OpCount`) is
 counted per call of each part below, and the means over the run's calls reported: a step (the
-tail, where the batch thins, included), the target's batched pass, the drafter's, its context
+tail, where the batch thins, included) and one in which every sequence decodes, the target's
+batched pass and one of decode rounds alone (no prefill piece), the drafter's, its context
 write, a tree made from a draft, a sequence's commit (its walk), the caches' commit of a step's
 rounds. On a machine whose speed wanders, these counts move only with the code; the seconds
 they cost are measured elsewhere (engine/tools/batching.py against a server).
+
+What a GPU's eager steps dispatch at Qwen3.6-27B's size, counted on the CPU: `--random-layers N`
+runs a random pair of N target layers at its layer layout (every fourth full attention,
+tiny widths: engine/tools/gpu_rounds.py `random_pair`) on random 64-token prompts instead of
+--model/--draft, and `--cuda-launches` counts as CUDA runs a batched pass: every segment's
+attention in one paged launch (kv_blocks.PagedSequences), counted as one op as the Triton
+kernel is one launch (the CPU's reference loops over the sequences). A plain step (ar) is then
+what it costs with its CUDA graphs off: graphed (engine/step_passes.py) it is one replay.
 """
 
 from __future__ import annotations
@@ -19,45 +29,65 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from functools import partial
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
+from engine import kv_blocks
 from engine.cache_pool import CachePool
 from engine.decode import GenerationConfig, _Sequence
 from engine.methods import METHODS
-from engine.models import load_drafter, load_target
+from engine.models import common, load_drafter, load_target
+from engine.models.common import Segment
 from engine.models.dflash import DFlashDrafter
 from engine.scheduler import Request, Scheduler
 from engine.tokenizer import load_tokenizer
 from engine.tools.batching import TOPICS, parse_method
 from engine.tools.ddtree_reference import OpCount
+from engine.tools.gpu_rounds import random_pair
 
 DEMO = Path(__file__).parents[1] / "demo_model"
+RANDOM_PROMPT = 64  # --random-layers' prompts' tokens
 
 
-def parts(target) -> dict[str, tuple[object, str]]:
-    """The counted parts: name -> (owner, method name)."""
+def parts(target) -> dict[str, tuple[object, str, Callable[..., bool] | None]]:
+    """The counted parts: name -> (owner, method name, which calls count: all when None)."""
     return {
-        "step": (Scheduler, "step"),
-        "target_pass": (type(target), "forward_batch"),
-        "draft_pass": (Scheduler, "_draft"),
-        "context_write": (DFlashDrafter, "_write_contexts"),
-        "tree": (_Sequence, "shape"),
-        "commit": (_Sequence, "commit"),
-        "cache_commit": (type(target), "commit_batch"),
+        "step": (Scheduler, "step", None),
+        "decode_step": (Scheduler, "step", all_decoding),
+        "target_pass": (type(target), "forward_batch", None),
+        "decode_pass": (type(target), "forward_batch", no_piece),
+        "draft_pass": (Scheduler, "_draft", None),
+        "context_write": (DFlashDrafter, "_write_contexts", None),
+        "tree": (_Sequence, "shape", None),
+        "commit": (_Sequence, "commit", None),
+        "cache_commit": (type(target), "commit_batch", None),
     }
 
 
+def all_decoding(scheduler: Scheduler) -> bool:
+    """A step in which every sequence decodes (none waits, none prefills)."""
+    return not scheduler.waiting and not any(active.prefilling for active in scheduler.running)
+
+
+def no_piece(target, segments: list[Segment], *args, **kwargs) -> bool:
+    """A batched pass of decode rounds only (no prefill piece)."""
+    return not any(segment.extend for segment in segments)
+
+
 @contextmanager
-def counting(owner: object, name: str, counts: list[int]):
-    """`owner.name` counts each call's aten ops into `counts` while the context is open."""
+def counting(owner: object, name: str, counts: list[int], which: Callable[..., bool] | None):
+    """`owner.name` counts each call's aten ops into `counts` while the context is open (only
+    the calls `which` takes, given the call's arguments before it runs)."""
     original = getattr(owner, name)
 
     def counted(*args, **kwargs):
+        if which is not None and not which(*args, **kwargs):
+            return original(*args, **kwargs)
         with OpCount() as count:
             result = original(*args, **kwargs)
         counts.append(count.ops)
@@ -70,29 +100,61 @@ def counting(owner: object, name: str, counts: list[int]):
         setattr(owner, name, original)
 
 
-def measure(args: argparse.Namespace) -> dict:
-    torch.set_num_threads(1)
+@contextmanager
+def cuda_launches() -> Iterator[None]:
+    """Batched passes attend as on CUDA, in one paged launch counted as one op (see the module
+    docstring)."""
+    kernel = kv_blocks.paged_tree_attention
+
+    def one_launch(*args, **kwargs):
+        with _disable_current_modes():  # the reference's own ops are not counted
+            out = kernel(*args, **kwargs)
+        return out.view_as(out)  # the one op counted: the launch
+
+    devices = common.ONE_LAUNCH_DEVICES
+    common.ONE_LAUNCH_DEVICES, kv_blocks.paged_tree_attention = (*devices, "cpu"), one_launch
+    try:
+        yield
+    finally:
+        common.ONE_LAUNCH_DEVICES, kv_blocks.paged_tree_attention = devices, kernel
+
+
+def models_and_prompts(args: argparse.Namespace) -> tuple:
+    """The target, the drafter, the concurrency's prompts and their stop tokens: the chat
+    prompts of --model's tokenizer, or with --random-layers random ones of RANDOM_PROMPT tokens
+    (no stop token)."""
+    if args.random_layers:
+        target, drafter = random_pair(torch.device("cpu"), torch.float32, args.random_layers, True)
+        generator = torch.Generator().manual_seed(0)
+        shape = (args.concurrency, RANDOM_PROMPT)
+        prompts = torch.randint(0, target.config.vocab_size - 1, shape, generator=generator)
+        return target, drafter, prompts.tolist(), ()
     target, drafter = load_target(args.model), load_drafter(args.draft)
     tokenizer = load_tokenizer(args.model)
-    method, budget = parse_method(args.method)
-    cfg = GenerationConfig(
-        method=method,
-        budget=budget or 15,
-        max_new_tokens=args.max_tokens,
-        stop_token_ids=tuple(tokenizer.eos_token_ids),
-    )
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": TOPICS[i % len(TOPICS)]}])
         for i in range(args.concurrency)
     ]
+    return target, drafter, prompts, tuple(tokenizer.eos_token_ids)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(1)
+    target, drafter, prompts, stops = models_and_prompts(args)
+    method, budget = parse_method(args.method)
+    cfg = GenerationConfig(
+        method=method, budget=budget or 15, max_new_tokens=args.max_tokens, stop_token_ids=stops
+    )
     pool = CachePool.for_server(target, drafter, args.slot_tokens, 0)
     scheduler = Scheduler(target, drafter, pool.slots(args.concurrency), args.batched_tokens)
     run = partial(run_at_once, scheduler, prompts, cfg)
-    run()  # warm-up
     counts: dict[str, list[int]] = {name: [] for name in parts(target)}
     with ExitStack() as stack:
-        for name, (owner, method_name) in parts(target).items():
-            stack.enter_context(counting(owner, method_name, counts[name]))
+        if args.cuda_launches:
+            stack.enter_context(cuda_launches())
+        run()  # warm-up
+        for name, (owner, method_name, which) in parts(target).items():
+            stack.enter_context(counting(owner, method_name, counts[name], which))
         tokens = run()
     return {
         "ops": {name: round(statistics.mean(c), 1) for name, c in counts.items() if c},
@@ -102,6 +164,8 @@ def measure(args: argparse.Namespace) -> dict:
             "method": args.method,
             "concurrency": args.concurrency,
             "max_tokens": args.max_tokens,
+            "random_layers": args.random_layers,
+            "cuda_launches": args.cuda_launches,
         },
     }
 
@@ -136,6 +200,8 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> i
     parser.add_argument("--max-tokens", type=positive, default=96)
     parser.add_argument("--batched-tokens", type=positive, default=256)
     parser.add_argument("--slot-tokens", type=positive, default=1024)
+    parser.add_argument("--random-layers", type=positive, help="a random pair of this many layers")
+    parser.add_argument("--cuda-launches", action="store_true", help="count attention as CUDA")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     try:
@@ -145,7 +211,8 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> i
     if method not in METHODS or (budget is not None and budget < 1):
         print(f"Error: --method {args.method!r}: not ar, linear, ddtree:N or auto", file=sys.stderr)
         return 2
-    if not (args.model / "config.json").is_file() or not (args.draft / "config.json").is_file():
+    models = (args.model / "config.json").is_file() and (args.draft / "config.json").is_file()
+    if not args.random_layers and not models:
         print("Error: --model and --draft must be model directories", file=sys.stderr)
         return 2
     report = measure(args)

@@ -6,6 +6,9 @@ import json
 
 import pytest
 
+from engine import kv_blocks
+from engine.kv_blocks import paged_tree_attention
+from engine.models import common
 from engine.tools.step_ops import main
 from tests.helpers.tiny_pairs import save_byte_pair
 
@@ -23,7 +26,9 @@ def test_counts_every_part_of_batched_ddtree_steps(pair):
     report = json.loads(lines[0])
     assert set(report["ops"]) == {
         "step",
+        "decode_step",
         "target_pass",
+        "decode_pass",
         "draft_pass",
         "context_write",
         "tree",
@@ -46,3 +51,35 @@ def test_a_bad_method_is_one_line_and_exit_2(pair, method, capsys):
     assert main(["--model", str(target), "--draft", str(draft), "--method", method]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--method" in err
+
+
+def random_report(*args: str) -> dict:
+    lines: list[str] = []
+    argv = ["--random-layers", "4", "--max-tokens", "4", "--json", *args]
+    assert main(argv, out=lines.append) == 0
+    return json.loads(lines[0])
+
+
+def test_random_layers_count_the_decode_passes_apart_from_the_prefills():
+    report = random_report("--concurrency", "2")
+    assert report["settings"]["random_layers"] == 4
+    assert report["tokens"] == 2 * 4  # random prompts, no stop token: every token generated
+    calls = report["calls"]
+    assert 0 < calls["decode_pass"] < calls["target_pass"]  # the prompts' passes left out
+    assert 0 < calls["decode_step"] < calls["step"]
+
+
+def test_cuda_launches_count_the_paged_launch_as_one_op(monkeypatch):
+    """CUDA attends every sequence of a batched pass in one paged launch; the CPU's reference
+    of that kernel loops over the sequences: counted as CUDA's launch, a pass's ops grow far
+    less with its sequences than the reference's loop makes them."""
+
+    def added(*args: str) -> float:
+        passes = [random_report("--concurrency", n, *args)["ops"]["decode_pass"] for n in "26"]
+        return (passes[1] - passes[0]) / 4  # a decoding sequence's ops in the pass
+
+    launches = added("--cuda-launches")
+    assert common.ONE_LAUNCH_DEVICES == ("cuda",)  # as they were after the run
+    assert kv_blocks.paged_tree_attention is paged_tree_attention
+    monkeypatch.setattr(common, "ONE_LAUNCH_DEVICES", ("cuda", "cpu"))  # the reference's loop
+    assert launches < added() / 2
