@@ -18,9 +18,11 @@ What a GPU's eager steps dispatch at Qwen3.6-27B's size, counted on the CPU: `--
 runs a random pair of N target layers at its layer layout (every fourth full attention,
 tiny widths: engine/tools/gpu_rounds.py `random_pair`) on random 64-token prompts instead of
 --model/--draft, and `--cuda-launches` counts as CUDA runs a batched pass: every segment's
-attention in one paged launch (kv_blocks.PagedSequences), counted as one op as the Triton
-kernel is one launch (the CPU's reference loops over the sequences). A plain step (ar) is then
-what it costs with its CUDA graphs off: graphed (engine/step_passes.py) it is one replay.
+attention in one paged launch (kv_blocks.PagedSequences), and each call of a kernel that has a
+Triton form (the attention, RMSNorm, RoPE, SiLU-multiply: engine/kernels) one op, as its launch
+is one (the CPU's plain torch makes several; its paged attention loops over the sequences).
+A plain step (ar) is then what it costs with its CUDA graphs off: graphed
+(engine/step_passes.py) it is one replay.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from functools import partial
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from engine import kv_blocks
+from engine import kernels
 from engine.cache_pool import CachePool
 from engine.decode import GenerationConfig, _Sequence
 from engine.methods import METHODS
@@ -100,23 +103,46 @@ def counting(owner: object, name: str, counts: list[int], which: Callable[..., b
         setattr(owner, name, original)
 
 
+class OneLaunch:
+    """A kernel module whose every function counts as one op (its Triton kernel's one launch):
+    it runs with the counting modes off, then dispatches one empty tensor."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self.module = module
+
+    def __getattr__(self, name: str) -> Callable:
+        kernel = getattr(self.module, name)
+
+        def launch(*args, **kwargs):
+            with _disable_current_modes():  # the CPU's own ops are not counted
+                out = kernel(*args, **kwargs)
+            torch.empty(0)  # the one op counted: the launch
+            return out
+
+        return launch
+
+
 @contextmanager
 def cuda_launches() -> Iterator[None]:
-    """Batched passes attend as on CUDA, in one paged launch counted as one op (see the module
-    docstring)."""
-    kernel = kv_blocks.paged_tree_attention
+    """Batched passes dispatch as on CUDA (see the module docstring): every segment's attention
+    in one paged launch, and every call of a kernel with a Triton form (engine/kernels: the
+    tree kernels, RMSNorm, RoPE, SiLU-multiply) one op."""
+    chosen = (kernels._implementation, kernels._fused_implementation)
 
-    def one_launch(*args, **kwargs):
-        with _disable_current_modes():  # the reference's own ops are not counted
-            out = kernel(*args, **kwargs)
-        return out.view_as(out)  # the one op counted: the launch
+    def implementation(name: str, tensor: torch.Tensor) -> OneLaunch:
+        return OneLaunch(chosen[0](name, tensor))
+
+    def fused_implementation(*tensors: torch.Tensor) -> OneLaunch:
+        return OneLaunch(chosen[1](*tensors))
 
     devices = common.ONE_LAUNCH_DEVICES
-    common.ONE_LAUNCH_DEVICES, kv_blocks.paged_tree_attention = (*devices, "cpu"), one_launch
+    common.ONE_LAUNCH_DEVICES = (*devices, "cpu")
+    kernels._implementation, kernels._fused_implementation = implementation, fused_implementation
     try:
         yield
     finally:
-        common.ONE_LAUNCH_DEVICES, kv_blocks.paged_tree_attention = devices, kernel
+        common.ONE_LAUNCH_DEVICES = devices
+        kernels._implementation, kernels._fused_implementation = chosen
 
 
 def models_and_prompts(args: argparse.Namespace) -> tuple:

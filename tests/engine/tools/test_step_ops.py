@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from engine import kv_blocks
-from engine.kv_blocks import paged_tree_attention
+from engine import kernels
 from engine.models import common
-from engine.tools.step_ops import main
+from engine.tools.ddtree_reference import OpCount
+from engine.tools.step_ops import cuda_launches, main
 from tests.helpers.tiny_pairs import save_byte_pair
 
 
@@ -78,8 +79,19 @@ def test_cuda_launches_count_the_paged_launch_as_one_op(monkeypatch):
         passes = [random_report("--concurrency", n, *args)["ops"]["decode_pass"] for n in "26"]
         return (passes[1] - passes[0]) / 4  # a decoding sequence's ops in the pass
 
+    chosen = (kernels._implementation, kernels._fused_implementation)
     launches = added("--cuda-launches")
     assert common.ONE_LAUNCH_DEVICES == ("cuda",)  # as they were after the run
-    assert kv_blocks.paged_tree_attention is paged_tree_attention
+    assert (kernels._implementation, kernels._fused_implementation) == chosen
     monkeypatch.setattr(common, "ONE_LAUNCH_DEVICES", ("cuda", "cpu"))  # the reference's loop
     assert launches < added() / 2
+
+
+def test_a_kernel_with_a_triton_form_counts_as_one_op():
+    x, weight = torch.randn(4, 8), torch.ones(8)
+    with OpCount() as plain:
+        expected = kernels.rms_norm(x, weight, 1e-6)
+    with cuda_launches(), OpCount() as launched:
+        out = kernels.rms_norm(x, weight, 1e-6)
+    assert plain.ops > 1 and launched.ops == 1
+    assert torch.equal(out, expected)
