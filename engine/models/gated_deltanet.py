@@ -70,7 +70,7 @@ from engine.kernels.batched import SolvedPiece, TreeStates, solve_tree
 from engine.kernels.batched import _solve_piece as solve_piece
 from engine.kernels.reference import compute_dtype
 from engine.memory_plan import factored_elements
-from engine.transfer import to_device
+from engine.transfer import DeviceIndices, to_device
 from engine.tree import TreeInputs
 
 StateStrategy = Literal["auto", "replay", "snapshot", "factored"]
@@ -117,9 +117,17 @@ class StateSlots:
     copy of its own (on CUDA, launches a layer and row)."""
 
     def __init__(
-        self, count: int, shape: GDNShape, dtype: torch.dtype, device: torch.device | str
+        self,
+        count: int,
+        shape: GDNShape,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        indices: DeviceIndices | None = None,
     ) -> None:
         s = shape
+        # the slots' indices on the device, shared with the other layers' slots of the same
+        # sequences (`Qwen3_5Model.share_states`): a pass's layers gather the same rows
+        self.indices = indices if indices is not None else DeviceIndices(device)
         self.conv = torch.zeros(count, s.conv_dim, s.conv_kernel - 1, dtype=dtype, device=device)
         self.recurrent = torch.zeros(
             count, s.value_heads, s.key_dim, s.value_dim, dtype=compute_dtype(dtype), device=device
@@ -141,7 +149,7 @@ def _gathered(states: list[RecurrentState], *names: str) -> tuple[torch.Tensor, 
     slots = shared_slots(states)
     if slots is None:
         return tuple(torch.stack([getattr(state, name) for state in states]) for name in names)
-    index = to_device(np.array([state.index for state in states]), slots.conv.device)
+    index = slots.indices.of(tuple(state.index for state in states))
     return tuple(getattr(slots, name).index_select(0, index) for name in names)
 
 
@@ -159,7 +167,7 @@ def install(
     ]
     slots = shared_slots(states)
     if slots is not None:
-        index = to_device(np.array([state.index for state in states]), parts[0][1].device)
+        index = slots.indices.of(tuple(state.index for state in states))
         for name, rows in parts:
             getattr(slots, name).index_copy_(0, index, rows)
         return
@@ -191,12 +199,12 @@ class TreeWindows:
 
     rows: torch.Tensor  # [N, C] (model dtype)
     taps: torch.Tensor  # [sum T_i, K] each node's window, rows of `rows`, oldest first
+    indices: DeviceIndices  # the pass's: every layer commits the same nodes
 
     def commit(self, nodes: list[int], states: list[RecurrentState]) -> None:
         """Install in states[i] the conv state after node nodes[i] (a row of `taps`), all at
         once."""
-        device = self.taps.device
-        ends = self.taps.index_select(0, to_device(np.array(nodes), device))[:, 1:]
+        ends = self.taps.index_select(0, self.indices.of(tuple(nodes)))[:, 1:]
         picked = self.rows.index_select(0, ends.reshape(-1))  # [n * (K-1), C]
         windows = picked.view(len(nodes), -1, self.rows.shape[1]).transpose(1, 2)
         install(states, conv=windows)
@@ -267,10 +275,15 @@ class GatedDeltaNet(nn.Module):
         return self.new_states(1, dtype, device)[0]
 
     def new_states(
-        self, count: int, dtype: torch.dtype, device: torch.device | str
+        self,
+        count: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        indices: DeviceIndices | None = None,
     ) -> list[RecurrentState]:
-        """`count` zero states, the slots of one `StateSlots`."""
-        return StateSlots(count, self.shape, dtype, device).states
+        """`count` zero states, the slots of one `StateSlots` (`indices`: shared with other
+        layers' slots of the same sequences)."""
+        return StateSlots(count, self.shape, dtype, device, indices).states
 
     def forward(
         self,
@@ -370,7 +383,7 @@ class GatedDeltaNet(nn.Module):
         scale = self.shape.key_dim**-0.5
         initials = [state.recurrent for state in states]
         out, solved = solve_trees(heads, g, beta, layout.groups, initials, scale)
-        windows, sizes = TreeWindows(rows, layout.taps), layout.sizes
+        windows, sizes = TreeWindows(rows, layout.taps, layout.indices), layout.sizes
         pending = []
         for tree, inputs_of, piece, size, first in zip(
             layout.parents, conv_inputs.split(sizes), solved, sizes, layout.firsts, strict=True
@@ -611,6 +624,7 @@ class TreesLayout:
     firsts: list[int]  # each tree's first row among the trees' rows
     taps: torch.Tensor  # [sum T_i, K] each node's window, rows of the conv rows, oldest first
     groups: list[SizeGroup]
+    indices: DeviceIndices  # what its layers' commits index with, copied once for them all
 
 
 def trees_layout(
@@ -632,7 +646,8 @@ def trees_layout(
         taps.append(previous[taps[-1]])
     device = visible[0].device
     windows = to_device(np.stack(taps[::-1], axis=1), device)
-    return TreesLayout(parents, sizes, firsts, windows, size_groups(sizes, visible))
+    groups = size_groups(sizes, visible)
+    return TreesLayout(parents, sizes, firsts, windows, groups, DeviceIndices(device))
 
 
 def conv_at_taps(

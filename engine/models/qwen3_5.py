@@ -74,7 +74,7 @@ from engine.models.gated_deltanet import (
     pending_from,
     trees_layout,
 )
-from engine.transfer import on_device, to_device
+from engine.transfer import DeviceIndices, on_device, to_device
 from engine.tree import DevicePaths, TreeInputs, tree_layout
 
 MULTIMODAL_TEXT_PREFIX = "model.language_model."  # `qwen3_5` checkpoints (vision + text)
@@ -406,8 +406,9 @@ class Qwen3_5Model(nn.Module):
         layer, their values kept: a batched pass's one-token steps then read and commit all of
         them at once. The old states are dropped: a pass captured over them is stale."""
         weight = self.embed_tokens.weight
+        indices = DeviceIndices(weight.device)  # every layer's slots: the same sequences
         for slot, layer in enumerate(self._layers_of(LINEAR)):
-            shared = layer.linear_attn.new_states(len(caches), weight.dtype, weight.device)
+            shared = layer.linear_attn.new_states(len(caches), weight.dtype, weight.device, indices)
             for cache, state in zip(caches, shared, strict=True):
                 state.conv.copy_(cache.recurrent[slot].conv)
                 state.recurrent.copy_(cache.recurrent[slot].recurrent)

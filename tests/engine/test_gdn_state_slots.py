@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from engine import transfer
 from engine.cache_pool import CachePool
 from engine.kernels.batched import ancestor_matrix
 from engine.models.common import Segment
@@ -26,6 +27,7 @@ from engine.models.gated_deltanet import (
     trees_layout,
     window_rows,
 )
+from engine.transfer import DeviceIndices
 from tests.helpers.tiny_pairs import load_tiny_pair
 
 SHAPE = GDNShape(
@@ -197,3 +199,38 @@ def test_a_batched_pass_holds_no_copy_of_a_state_until_its_commit(tmp_path) -> N
         for kept in cache.pending:
             stack, _ = kept.tree_states.pieces[0].stacked
             assert stack.initial is None
+
+
+@torch.no_grad()
+def test_a_batched_pass_copies_its_state_slots_to_the_device_once_for_every_layer(
+    tmp_path, monkeypatch
+) -> None:
+    """Every GDN layer of a batched pass gathers and commits the same sequences' state slots
+    and the same trees' nodes: each set of indices reaches the device once a pass (a copy, and
+    on CUDA a pinned staging, a layer before), however many layers read it."""
+    target, _ = load_tiny_pair(tmp_path, "hybrid", dtype=torch.float64)
+    caches = [slot.cache for slot in CachePool(target, None, 64).slots(3)]
+    assert len(caches[0].recurrent) >= 2  # the point: more than one GDN layer
+    for length, cache in zip((5, 9, 7), caches, strict=True):
+        target.extend(torch.arange(3, 3 + length), cache)
+    copies: list[tuple[int, ...]] = []
+    copy = transfer.to_device
+    monkeypatch.setattr(
+        transfer,
+        "to_device",
+        lambda array, device: copies.append(tuple(array)) or copy(array, device),
+    )
+    tree = torch.tensor([-1, 0, 0, 1])
+    segments = [Segment(torch.tensor([7, 8, 9, 10]), cache, tree) for cache in caches[1:]]
+    target.forward_batch(segments)
+    target.commit_batch([(caches[1], [0, 1, 3]), (caches[2], [0, 2])])
+    assert sorted(copies) == [(1, 2), (3, 6)]  # the slots, then the trees' last nodes' rows
+
+
+def test_device_indices_copy_each_set_once_and_keep_the_last_few() -> None:
+    indices = DeviceIndices("cpu", keep=2)
+    first = indices.of((0, 2))
+    assert indices.of((0, 2)) is first and first.tolist() == [0, 2]
+    indices.of((1,))
+    indices.of((3,))  # a third set: the oldest goes
+    assert indices.of((1,)).tolist() == [1] and indices.of((0, 2)) is not first
