@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from engine.kernels import reference
 from engine.kernels.reference import compute_dtype
 from engine.memory_plan import CHAIN_PIECE
-from engine.transfer import to_device
+from engine.transfer import DeviceIndices
 
 QUERY_BLOCK = 256  # prefill queries per attention call on the CPU (see tree_attention)
 
@@ -117,14 +117,20 @@ class SolvedPiece:
         return [SolvedPiece(None, initial, (self, i)) for i, initial in enumerate(initials)]
 
     def write_states_after(
-        self, members: list[int], nodes: list[int], initial: torch.Tensor
+        self,
+        members: list[int],
+        nodes: list[int],
+        initial: torch.Tensor,
+        indices: DeviceIndices | None = None,
     ) -> torch.Tensor:
         """Of trees solved stacked (this the stack's piece): the state after `nodes[j]` of tree
         `members[j]`, [len(members), H, Dk, Dv], from `initial` [len(members), H, Dk, Dv] their
         states before the pass, in one set of calls whatever their number: `write_state_after`'s
         maths, its product batched (so equal within rounding: BLAS may sum a batch's products
-        in another order)."""
-        index, at = to_device(np.array([members, nodes]), self.weights.device)
+        in another order). `indices`: the pass's, whose layers commit the same members and
+        nodes (copied to the device once for all of them)."""
+        indices = indices if indices is not None else DeviceIndices(self.weights.device)
+        index, at = indices.of(tuple(members)), indices.of(tuple(nodes))
         every = members == list(range(self.weights.shape[0]))
         keys, writes = (
             (t if every else t.index_select(0, index)) for t in (self.keys, self.writes)

@@ -541,7 +541,9 @@ class GatedDeltaNet(nn.Module):
             mine = [states[i] for i in members]
             (initial,) = _gathered(mine, "recurrent")
             at, nodes = [at for _, at in places], [lasts[i] for i in members]
-            install(mine, recurrent=stack.write_states_after(at, nodes, initial))
+            windows = pendings[members[0]].windows  # a batched pass's: its indices
+            indices = windows[0].indices if windows is not None else None
+            install(mine, recurrent=stack.write_states_after(at, nodes, initial, indices))
 
     def _commit_conv(
         self, state: RecurrentState, pending: PendingRecurrence, accepted: torch.Tensor

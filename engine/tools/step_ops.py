@@ -150,6 +150,7 @@ def models_and_prompts(args: argparse.Namespace) -> tuple:
     prompts of --model's tokenizer, or with --random-layers random ones of RANDOM_PROMPT tokens
     (no stop token)."""
     if args.random_layers:
+        torch.manual_seed(0)  # the same weights, so the same drafts, every run
         target, drafter = random_pair(torch.device("cpu"), torch.float32, args.random_layers, True)
         generator = torch.Generator().manual_seed(0)
         shape = (args.concurrency, RANDOM_PROMPT)

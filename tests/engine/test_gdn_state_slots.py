@@ -224,7 +224,8 @@ def test_a_batched_pass_copies_its_state_slots_to_the_device_once_for_every_laye
     segments = [Segment(torch.tensor([7, 8, 9, 10]), cache, tree) for cache in caches[1:]]
     target.forward_batch(segments)
     target.commit_batch([(caches[1], [0, 1, 3]), (caches[2], [0, 2])])
-    assert sorted(copies) == [(1, 2), (3, 6)]  # the slots, then the trees' last nodes' rows
+    # the slots, the trees' last nodes' rows, their places in the stack and last nodes
+    assert sorted(copies) == [(0, 1), (1, 2), (3, 2), (3, 6)]
 
 
 def test_device_indices_copy_each_set_once_and_keep_the_last_few() -> None:
