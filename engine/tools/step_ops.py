@@ -38,7 +38,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes  # (OpCount's own module)
 
 from engine import kernels
 from engine.cache_pool import CachePool
@@ -150,8 +150,11 @@ def models_and_prompts(args: argparse.Namespace) -> tuple:
     prompts of --model's tokenizer, or with --random-layers random ones of RANDOM_PROMPT tokens
     (no stop token)."""
     if args.random_layers:
-        torch.manual_seed(0)  # the same weights, so the same drafts, every run
-        target, drafter = random_pair(torch.device("cpu"), torch.float32, args.random_layers, True)
+        with torch.random.fork_rng():  # the same weights, so the same drafts, every run
+            torch.manual_seed(0)
+            target, drafter = random_pair(
+                torch.device("cpu"), torch.float32, args.random_layers, True
+            )
         generator = torch.Generator().manual_seed(0)
         shape = (args.concurrency, RANDOM_PROMPT)
         prompts = torch.randint(0, target.config.vocab_size - 1, shape, generator=generator)
