@@ -38,7 +38,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes  # (OpCount's own module)
+from torch.utils._python_dispatch import _disable_current_modes
 
 from engine import kernels
 from engine.cache_pool import CachePool
@@ -105,7 +105,8 @@ def counting(owner: object, name: str, counts: list[int], which: Callable[..., b
 
 class OneLaunch:
     """A kernel module whose every function counts as one op (its Triton kernel's one launch):
-    it runs with the counting modes off, then dispatches one empty tensor."""
+    it runs with the counting modes off (torch's private switch, from the module of the
+    TorchDispatchMode that OpCount is), then dispatches one empty tensor."""
 
     def __init__(self, module: ModuleType) -> None:
         self.module = module
