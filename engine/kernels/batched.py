@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import reference
-from engine.kernels.reference import compute_dtype
+from engine.kernels.reference import cast, compute_dtype
 from engine.memory_plan import CHAIN_PIECE
 from engine.transfer import DeviceIndices
 
@@ -210,12 +210,12 @@ def solve_tree(
     """
     T = q.shape[0]
     dt = compute_dtype(v.dtype)
-    heads_first = [t.to(dt).transpose(0, 1) for t in (q * scale, k, v, g, beta)]
+    heads_first = [cast(t, dt).transpose(0, 1) for t in (q * scale, k, v, g, beta)]
     chain = is_chain(parents)
     piece_len = CHAIN_PIECE if chain else T  # a tree is solved whole
     # A chain's pieces are all lower triangles: never build its [T, T] matrix.
     visible = ancestor_matrix(parents if not chain else parents[:piece_len])
-    state, outs, pieces = initial_state.to(dt), [], []
+    state, outs, pieces = cast(initial_state, dt), [], []
     for start in range(0, T, piece_len):
         end = min(T, start + piece_len)
         qp, kp, vp, gp, bp = (t[:, start:end] for t in heads_first)
@@ -225,7 +225,7 @@ def solve_tree(
         pieces.append(piece)
         if end < T:
             state = piece.state_after(end - start - 1)
-    return torch.cat(outs, dim=1).transpose(0, 1).to(v.dtype), TreeStates(pieces, piece_len)
+    return cast(torch.cat(outs, dim=1).transpose(0, 1), v.dtype), TreeStates(pieces, piece_len)
 
 
 def tree_gated_delta_rule(

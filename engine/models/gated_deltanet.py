@@ -68,7 +68,7 @@ from engine.kernels import (
 )
 from engine.kernels.batched import SolvedPiece, TreeStates, solve_tree
 from engine.kernels.batched import _solve_piece as solve_piece
-from engine.kernels.reference import compute_dtype
+from engine.kernels.reference import cast, compute_dtype
 from engine.memory_plan import factored_elements
 from engine.transfer import DeviceIndices, to_device
 from engine.tree import TreeInputs
@@ -245,9 +245,9 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dt = compute_dtype(x.dtype)
-        xf = x.to(dt)
-        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (self.weight * normed * F.silu(gate.to(dt))).to(x.dtype)
+        xf = cast(x, dt)
+        normed = cast(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps), x.dtype)
+        return cast(self.weight * normed * F.silu(cast(gate, dt)), x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -439,23 +439,23 @@ class GatedDeltaNet(nn.Module):
         conv_inputs, beta, g = inputs
         dt = compute_dtype(conv_inputs.dtype)
         windows = torch.cat([committed, conv_inputs[:, :, None]], dim=2)  # [B, C, K] oldest first
-        weight = self.conv1d.weight[:, 0].to(dt)  # [C, K]
-        conv_outputs = F.silu((windows.to(dt) * weight).sum(dim=-1)).to(conv_inputs.dtype)
+        weight = cast(self.conv1d.weight[:, 0], dt)  # [C, K]
+        conv_outputs = cast(F.silu((cast(windows, dt) * weight).sum(dim=-1)), conv_inputs.dtype)
         q, k, v = self._heads(conv_outputs)  # [B, Hv, Dk] x2, [B, Hv, Dv]
         scale = self.shape.key_dim**-0.5
-        qf, vf = q.to(dt) * scale, v.to(dt)
+        qf, vf = cast(q, dt) * scale, cast(v, dt)
         # The states' gathered copy [B, Hv, Dk, Dv] is updated in place: decayed, then the
         # rank-1 write as one baddbmm (on the CPU the values of a product, then a sum). At
         # Qwen3.6-27B's widths, six rows: under a third of the time on the CPU, and no
         # state-sized temporaries.
-        after = after.to(dt)
+        after = cast(after, dt)
         B, Hv, Dk, Dv = after.shape
-        after.mul_(g.to(dt).exp()[:, :, None, None])
+        after.mul_(cast(g, dt).exp()[:, :, None, None])
         # Row-vector products (einsum costs ~6x as much host time on the CPU at these sizes).
         recalled = (k[:, :, None, :] @ after)[:, :, 0]  # [B, Hv, Dv]
-        delta = (vf - recalled) * beta.to(dt)[:, :, None]
+        delta = (vf - recalled) * cast(beta, dt)[:, :, None]
         after.view(B * Hv, Dk, Dv).baddbmm_(k.reshape(B * Hv, Dk, 1), delta.reshape(B * Hv, 1, Dv))
-        out = (qf[:, :, None, :] @ after)[:, :, 0].to(v.dtype)
+        out = cast((qf[:, :, None, :] @ after)[:, :, 0], v.dtype)
         return out, windows[:, :, 1:], after
 
     def extend(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
@@ -489,7 +489,7 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid()
         dt = compute_dtype(x.dtype)
         # g = log of the per-step decay: -exp(A_log) * softplus(a + dt_bias) <= 0
-        g = -self.A_log.to(dt).exp() * F.softplus(self.in_proj_a(x).to(dt) + self.dt_bias)
+        g = -cast(self.A_log, dt).exp() * F.softplus(cast(self.in_proj_a(x), dt) + self.dt_bias)
         return self.in_proj_qkv(x), beta, g
 
     def _output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -591,8 +591,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = conv_outputs.split([qk_dim, qk_dim, s.value_heads * s.value_dim], dim=-1)
         dt = compute_dtype(conv_outputs.dtype)
         repeat = s.value_heads // s.key_heads  # key head h serves value heads h*repeat ..
-        q = l2norm(q.reshape(T, s.key_heads, s.key_dim).to(dt)).repeat_interleave(repeat, dim=1)
-        k = l2norm(k.reshape(T, s.key_heads, s.key_dim).to(dt)).repeat_interleave(repeat, dim=1)
+        q = l2norm(cast(q.reshape(T, s.key_heads, s.key_dim), dt)).repeat_interleave(repeat, dim=1)
+        k = l2norm(cast(k.reshape(T, s.key_heads, s.key_dim), dt)).repeat_interleave(repeat, dim=1)
         return q, k, v.reshape(T, s.value_heads, s.value_dim)
 
 
@@ -665,8 +665,8 @@ def conv_at_taps(
     with the transposed view (the same values: the same products, summed in the same order)."""
     dt = compute_dtype(rows.dtype)
     T, K = taps.shape
-    windows = rows.to(dt).index_select(0, taps.reshape(-1)).view(T, K, -1)  # [T, K, C]
-    return F.silu(windows.mul_(weight.to(dt).T.contiguous()).sum(dim=1)).to(rows.dtype)
+    windows = cast(rows, dt).index_select(0, taps.reshape(-1)).view(T, K, -1)  # [T, K, C]
+    return cast(F.silu(windows.mul_(cast(weight, dt).T.contiguous()).sum(dim=1)), rows.dtype)
 
 
 def window_rows(conv_state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # [K-1 + T, C]
@@ -689,10 +689,10 @@ def solve_visible(
     builds it from parents on the host); trees of one size may be stacked on a leading
     dimension, each with its own mask and state."""
     dt = compute_dtype(v.dtype)
-    qkv = [t.to(dt).transpose(-3, -2) for t in (q * scale, k, v)]
-    heads_first = [*qkv, *(t.to(dt).transpose(-2, -1) for t in (g, beta))]
-    out, piece = solve_piece(*heads_first, visible, initial_state.to(dt))
-    return out.transpose(-3, -2).to(v.dtype), piece
+    qkv = [cast(t, dt).transpose(-3, -2) for t in (q * scale, k, v)]
+    heads_first = [*qkv, *(cast(t, dt).transpose(-2, -1) for t in (g, beta))]
+    out, piece = solve_piece(*heads_first, visible, cast(initial_state, dt))
+    return cast(out.transpose(-3, -2), v.dtype), piece
 
 
 @dataclass(frozen=True)
@@ -754,7 +754,7 @@ def _solve_stacked(
     """`solve_trees` of the trees of one size, their rows following one another."""
     n, dt = len(initials), compute_dtype(heads[2].dtype)
     q, k, v, g, beta = (t.unflatten(0, (n, group.size)) for t in (*heads, g, beta))
-    states = torch.stack(initials).to(dt)
+    states = cast(torch.stack(initials), dt)
     solved, stacked = solve_visible(q, k, v, g, beta, group.visible, states, scale)
     return solved, stacked.unstack(initials)
 

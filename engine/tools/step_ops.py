@@ -2,7 +2,8 @@
 
     python -m engine.tools.step_ops [--model DIR] [--draft DIR] [--method ddtree:15] \
         [--concurrency 6] [--max-tokens 96] [--json]
-    python -m engine.tools.step_ops --random-layers 64 --cuda-launches --concurrency 16
+    python -m engine.tools.step_ops --random-layers 64 --dtype bfloat16 --cuda-launches \
+        --concurrency 16
 
 N chat requests at once (engine/tools/batching.py's prompts, greedy, the model's chat template)
 through an N-slot scheduler in this process: one run to warm up, then a counted one. Every
@@ -16,9 +17,10 @@ they cost are measured elsewhere (engine/tools/batching.py against a server).
 
 What a GPU's eager steps dispatch at Qwen3.6-27B's size, counted on the CPU: `--random-layers N`
 runs a random pair of N target layers at its layer layout (every fourth full attention,
-tiny widths: engine/tools/gpu_rounds.py `random_pair`) on random 64-token prompts instead of
---model/--draft, and `--cuda-launches` counts as CUDA runs a batched pass: every segment's
-attention in one paged launch (kv_blocks.PagedSequences), and each call of a kernel that has a
+tiny widths: engine/tools/gpu_rounds.py `random_pair`, in --dtype: bfloat16 as served, where
+the casts to float32 are kernels) on random 64-token prompts instead of --model/--draft, and
+`--cuda-launches` counts as CUDA runs a batched pass: every segment's attention in one paged
+launch (kv_blocks.PagedSequences), and each call of a kernel that has a
 Triton form (the attention, RMSNorm, RoPE, SiLU-multiply: engine/kernels) one op, as its launch
 is one (the CPU's plain torch makes several; its paged attention loops over the sequences).
 A plain step (ar) is then what it costs with its CUDA graphs off: graphed
@@ -55,6 +57,7 @@ from engine.tools.gpu_rounds import random_pair
 
 DEMO = Path(__file__).parents[1] / "demo_model"
 RANDOM_PROMPT = 64  # --random-layers' prompts' tokens
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --random-layers' weights
 
 
 def parts(target) -> dict[str, tuple[object, str, Callable[..., bool] | None]]:
@@ -154,7 +157,7 @@ def models_and_prompts(args: argparse.Namespace) -> tuple:
         with torch.random.fork_rng():  # the same weights, so the same drafts, every run
             torch.manual_seed(0)
             target, drafter = random_pair(
-                torch.device("cpu"), torch.float32, args.random_layers, True
+                torch.device("cpu"), DTYPES[args.dtype], args.random_layers, True
             )
         generator = torch.Generator().manual_seed(0)
         shape = (args.concurrency, RANDOM_PROMPT)
@@ -196,6 +199,7 @@ def measure(args: argparse.Namespace) -> dict:
             "concurrency": args.concurrency,
             "max_tokens": args.max_tokens,
             "random_layers": args.random_layers,
+            "dtype": args.dtype,
             "cuda_launches": args.cuda_launches,
         },
     }
@@ -232,6 +236,7 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> i
     parser.add_argument("--batched-tokens", type=positive, default=256)
     parser.add_argument("--slot-tokens", type=positive, default=1024)
     parser.add_argument("--random-layers", type=positive, help="a random pair of this many layers")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="its weights'")
     parser.add_argument("--cuda-launches", action="store_true", help="count attention as CUDA")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
