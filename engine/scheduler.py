@@ -17,8 +17,9 @@ share with one prefix cache, engine/kv_blocks.py). Each `step`:
           chunk: a long prompt never stalls the others, and a short one arriving behind it gets
           its share of the next pass at once);
   pass    one `target.forward_batch` over every segment (engine/models/common.py `Segment`);
-          on CUDA a plain step (every round its bonus alone: `ar`, `auto` not drafting) replays
-          its bucket's captured graph instead (engine/step_passes.py);
+          on CUDA a plain step (every round its bonus alone: `ar`, `auto` not drafting) or a
+          tree step (verify rounds alone) replays its bucket's captured graph instead
+          (engine/step_passes.py, engine/tree_passes.py);
   commit  each decoding sequence walks its tree with the target's choices (its own grammar,
           penalties and generator), each prefill piece is kept; tokens are emitted;
   retire  finished, stopped or cancelled sequences store what they committed in the prefix
@@ -76,6 +77,7 @@ from engine.sampling import TokenLogprob, read_scored_together
 from engine.step_passes import StepPasses
 from engine.transfer import to_device
 from engine.tree import DraftTree, TopK, chain_tree, top_k_log_probs
+from engine.tree_passes import TreePasses
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +151,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.options = options or {}  # GenerationConfig fields every request gets
         self.steps = _step_passes(target, pools[0], self.options.get("cuda_graphs", True))
+        self.trees = TreePasses(target, True, self.steps.memory) if self.steps else None
         if len(pools) > 1:  # a solo round's captured graphs would be per slot: see _solo_round
             self.options = {**self.options, "cuda_graphs": False}
         self.waiting: deque[Request | _Active] = deque()  # _Active: preempted, at the head
@@ -619,11 +622,15 @@ class Scheduler:
             self.budgets.observe_alone(seconds)
 
     def _forward(self, work: list[_Work], wanted: tuple[int, ...]) -> BatchOutputs:
-        """The target pass over the work: a plain step (every round its bonus alone) by its
-        bucket's static pass where the server has them (engine/step_passes.py)."""
+        """The target pass over the work: a plain step (every round its bonus alone) or a
+        tree step (verify rounds alone) by its bucket's static pass where the server has them
+        (engine/step_passes.py, engine/tree_passes.py)."""
         segments = [item.segment for item in work]
         if self.steps is not None and self.steps.takes(segments):
             return self.steps.run([item.active.seq.bonus for item in work], segments, wanted)
+        if self.trees is not None and self.trees.takes(segments):
+            ids = [np.array([item.active.seq.bonus, *item.tree.tokens]) for item in work]
+            return self.trees.run(ids, segments, wanted)
         return self.target.forward_batch(segments, wanted)
 
     def _lone_auto_bonus(self, work: list[_Work]) -> bool:
@@ -689,7 +696,8 @@ class Scheduler:
 def _step_passes(target, pool: CachePool, graphs: bool) -> StepPasses | None:
     """Static passes for plain steps, captured as CUDA graphs: on CUDA with graphs on, paged
     caches and a target that has them (elsewhere, or with --no-cuda-graphs, `forward_batch`
-    runs). Their padding block is taken now, while the pool's storage may still grow by it."""
+    runs); tree steps' beside them (`TreePasses`). Their padding block is taken now, while the
+    pool's storage may still grow by it."""
     device = target.embed_tokens.weight.device
     if not graphs or device.type != "cuda" or pool.target_blocks is None:
         return None

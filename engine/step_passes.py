@@ -28,7 +28,8 @@ layers' rows.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,11 +49,11 @@ class StepPasses:
     def __init__(self, target, graphs: bool) -> None:
         self.target, self.graphs = target, graphs
         self.device = target.embed_tokens.weight.device
-        self._passes: dict[tuple, StaticPass] = {}
-        self._storage: int | None = None  # the pool storage the passes were made over
-        # On CUDA the graphs share one memory pool: one step replays at a time, and what it
-        # leaves is read before the next (the kept layers' rows are copied out).
-        self._memory = torch.cuda.graph_pool_handle() if graphs else None
+        self._passes = PassesByStorage()
+        # On CUDA the graphs share one memory pool (the tree steps' too: engine/tree_passes.py):
+        # one step replays at a time, and what it leaves is read before the next (the kept
+        # layers' rows are copied out).
+        self.memory = torch.cuda.graph_pool_handle() if graphs else None
 
     def takes(self, segments: Sequence[Segment]) -> bool:
         """Whether `segments` are a plain step these passes run: one token each, verified (not
@@ -60,11 +61,7 @@ class StepPasses:
         slots."""
         if not all(s.ids.shape[0] == 1 and not s.extend for s in segments):
             return False
-        kv = [_kv(segment.cache) for segment in segments]
-        if shared_pool(kv) is None and not (len(kv) == 1 and isinstance(kv[0], PagedKVCache)):
-            return False
-        states = [_states(segment.cache) for segment in segments]
-        return not states[0] or shared_slots([mine[0] for mine in states]) is not None
+        return on_shared_blocks(segments)
 
     def run(
         self, bonuses: list[int], segments: Sequence[Segment], hidden_layers: Sequence[int]
@@ -73,7 +70,7 @@ class StepPasses:
         logits, hidden = self.filled(bonuses, segments, hidden_layers)()
         count = len(segments)
         for segment in segments:
-            if states := _states(segment.cache):  # committed by the pass (`steps_at`)
+            if states := states_of(segment.cache):  # committed by the pass (`steps_at`)
                 segment.cache.pending = [INSTALLED] * len(states)
         kept = None
         if hidden is not None:  # kept by the sequences past this step: a replay reuses its own
@@ -87,26 +84,18 @@ class StepPasses:
         """The step's bucket's pass, its buffers holding the step's values (sent, not waited
         for): calling it runs the step."""
         caches = [segment.cache for segment in segments]
-        kv = [_kv(cache) for cache in caches]
+        kv = [kv_of(cache) for cache in caches]
         for cache in kv:
             cache.check_room(1)
         pool, width = kv[0].pool, max(cache.table.shape[0] for cache in kv)
         bucket = 1 << max(0, len(caches) - 1).bit_length()
         padding = pool.padding_block() if bucket > len(caches) else 0  # (the storage settled)
-        step = self._pass(bucket, width, tuple(hidden_layers), pool, caches[0])
+        layers = tuple(hidden_layers)
+        build = lambda: self._build(bucket, width, layers, pool, caches[0])  # noqa: E731
+        step = self._passes.get((bucket, width, layers), pool, build)
         host = staged(_host_buffer(bonuses, kv, caches, bucket, width, padding), self.device)
         step.buffers["flat"].copy_(host, non_blocking=True)
         return step
-
-    def _pass(self, bucket: int, width: int, layers: tuple, pool, cache) -> StaticPass:
-        storage = pool.k.data_ptr()
-        if storage != self._storage:  # the pool grew: every pass read the old storage
-            self._passes.clear()
-            self._storage = storage
-        key = (bucket, width, layers)
-        if key not in self._passes:
-            self._passes[key] = self._build(bucket, width, layers, pool, cache)
-        return self._passes[key]
 
     def _build(self, S: int, width: int, layers: tuple, pool, cache) -> StaticPass:
         flat = torch.zeros(S * (FIELDS + width), dtype=torch.long, device=self.device)
@@ -114,18 +103,46 @@ class StepPasses:
         tables = flat[S * FIELDS :].view(S, width)
         starts = torch.arange(S + 1, device=self.device)
         layout = PagedSequences(pending, tables, starts, prefixes, None)
-        slots = tuple(state.slots for state in _states(cache))
+        slots = tuple(state.slots for state in states_of(cache))
         inputs = StepInputs(ids, positions, layout, pool, states, slots)
         run = lambda: self.target.forward_steps(inputs, layers)  # noqa: E731
-        return StaticPass(run, {"flat": flat}, self.graphs, self._memory, commits=True)
+        return StaticPass(run, {"flat": flat}, self.graphs, self.memory, commits=True)
 
 
-def _kv(cache) -> PagedKVCache:
+class PassesByStorage:
+    """Static passes by key, over one KV block pool: all made again when its storage moved
+    (on the CPU it grows by doubling), as every pass read the old storage."""
+
+    def __init__(self) -> None:
+        self._passes: dict[tuple, Any] = {}
+        self._storage: int | None = None  # the pool storage the passes were made over
+
+    def get(self, key: tuple, pool, build: Callable[[], Any]) -> Any:
+        storage = pool.k.data_ptr()
+        if storage != self._storage:
+            self._passes.clear()
+            self._storage = storage
+        if key not in self._passes:
+            self._passes[key] = build()
+        return self._passes[key]
+
+
+def on_shared_blocks(segments: Sequence[Segment]) -> bool:
+    """Whether the segments' K/V blocks are of one pool and (a hybrid target's) their GDN
+    states slots of one set: what a static step's buffers index."""
+    kv = [kv_of(segment.cache) for segment in segments]
+    if shared_pool(kv) is None and not (len(kv) == 1 and isinstance(kv[0], PagedKVCache)):
+        return False
+    states = [states_of(segment.cache) for segment in segments]
+    return not states[0] or shared_slots([mine[0] for mine in states]) is not None
+
+
+def kv_of(cache) -> PagedKVCache:
     """A target cache's K/V (a hybrid cache holds them beside its GDN states)."""
     return getattr(cache, "kv", cache)
 
 
-def _states(cache) -> list:
+def states_of(cache) -> list:
     """A target cache's GDN states, one a layer (none: a dense target's)."""
     return getattr(cache, "recurrent", [])
 
@@ -142,7 +159,7 @@ def _host_buffer(
     for row, (bonus, cache, whole) in enumerate(zip(bonuses, kv, caches, strict=True)):
         length = cache.length
         pending = cache.blocks[length // block] * block + length % block
-        state = _states(whole)[0].index if _states(whole) else 0
+        state = states_of(whole)[0].index if states_of(whole) else 0
         fields[:, row] = (bonus, length, pending, length, state)
         tables[row, : len(cache.blocks)] = cache.blocks
     count = len(kv)

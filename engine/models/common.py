@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -44,6 +45,9 @@ from engine.kv_blocks import (
 )
 from engine.transfer import on_device, to_device
 from engine.tree import depths_and_mask
+
+if TYPE_CHECKING:
+    from engine.models.gated_deltanet import StaticTrees
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -363,6 +367,13 @@ class Segment:
     extend: bool = False
 
 
+def segment_parents(segment: Segment) -> np.ndarray:
+    """A segment's parents on the host (a chain's when it has none)."""
+    if segment.parents is None:
+        return np.arange(-1, segment.ids.shape[0] - 1)
+    return segment.parents.cpu().numpy()
+
+
 ONE_LAUNCH_DEVICES = ("cuda",)  # where a batched pass attends every segment in one launch
 # The most key slots a padded batch gathers (its K and V copies, per layer): Qwen3.6-27B's 4 KV
 # heads of 256 in bf16 make that 256 MiB; longer batches attend one sequence at a time.
@@ -441,7 +452,8 @@ class StepInputs:
     (engine/step_passes.py), so the same calls serve whoever's sequences fill them. It is the
     pass's attention too: every row stores its K/V at its pool slot and attends over its own
     blocks in one paged launch (kv_blocks.PagedSequences), `layout`'s `mask` None (a row sees
-    its committed keys and itself)."""
+    its committed keys and itself). A tree step's (`trees`, `forward_trees`) has S trees of W
+    nodes, a row a node: the positions are the nodes', the mask their trees'."""
 
     ids: torch.Tensor  # [S] each row's token
     positions: torch.Tensor  # [S] its RoPE position: its cache's committed length
@@ -449,6 +461,8 @@ class StepInputs:
     pool: KVBlockPool  # the one the rows' block tables index
     states: torch.Tensor  # [S] each row's GDN state slot (a hybrid target's `slots`)
     slots: tuple = ()  # one gated_deltanet.StateSlots a GDN layer (none: a dense target)
+    trees: StaticTrees | None = None  # a tree step's (engine/tree_passes.py): S trees of W
+    # nodes, each row a node (`states` then one a tree), `layout`'s `mask` their masks
 
     def attend(self, cache, layer: int, q, k, v, scale: float) -> torch.Tensor:
         """Every row's attention (`cache`, the layers' own, is not read)."""

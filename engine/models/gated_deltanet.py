@@ -210,13 +210,23 @@ class TreeWindows:
         install(states, conv=windows)
 
 
+@dataclass(frozen=True)
+class StaticTrees:
+    """The trees of a static tree step (engine/tree_passes.py): S trees of W nodes each, in
+    device buffers its bucket's pass reads whoever's trees fill them."""
+
+    visible: torch.Tensor  # [S, W, W] bool each node's ancestors and itself
+    taps: torch.Tensor  # [S * W, K] each node's conv window (`trees_taps`)
+
+
 @dataclass
 class PendingRecurrence:
     """What a verify pass leaves behind in one GDN layer for `commit` to choose from."""
 
     parents: torch.Tensor | np.ndarray | None  # [T], what commit checks a path against (a
     # batched pass's trees: on the host; None after forward_static: the tree is on the host)
-    conv_inputs: torch.Tensor  # [T, C] the new conv state is built from the accepted ones
+    conv_inputs: torch.Tensor | None  # [T, C] the new conv state is built from the accepted
+    # ones (None: a static tree step's, read from its `windows`)
     conv_outputs: torch.Tensor | None = None  # [T, C]  replay: delta-rule inputs, with g and beta
     g: torch.Tensor | None = None  # [T, Hv]
     beta: torch.Tensor | None = None  # [T, Hv]
@@ -377,9 +387,7 @@ class GatedDeltaNet(nn.Module):
         outputs [sum T_i, Hv, Dv] and each one's pending."""
         conv_inputs, beta, g = inputs
         (committed,) = _gathered(states, "conv")  # [n, C, K-1]
-        rows = torch.cat([committed.transpose(1, 2).flatten(0, 1), conv_inputs])
-        conv_outputs = conv_at_taps(rows, self.conv1d.weight[:, 0], layout.taps)
-        heads = self._heads(conv_outputs)
+        rows, heads = self._trees_heads(committed, conv_inputs, layout.taps)
         scale = self.shape.key_dim**-0.5
         initials = [state.recurrent for state in states]
         out, solved = solve_trees(heads, g, beta, layout.groups, initials, scale)
@@ -392,6 +400,38 @@ class GatedDeltaNet(nn.Module):
             kept.tree_states = TreeStates([piece], size)
             pending.append(kept)
         return out, pending
+
+    def trees_at(
+        self,
+        inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # `_inputs` of S * W rows
+        slots: StateSlots,
+        index: torch.Tensor,  # [S] each tree's slot of `slots`, on the device
+        trees: StaticTrees,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """`factored_mix` of a static tree step's S trees of W nodes each (engine/tree_passes.py,
+        a CUDA graph a bucket): their states read at device `index`, nothing written (the
+        commit builds them from what is kept). Returns the outputs [S * W, Hv, Dv] and what
+        commit reads (`static_trees_pending`): the conv rows [S * (K-1) + S * W, C], then the
+        stacked solve's factors (W [S, Hv, W, W], keys, writes, exp(G))."""
+        conv_inputs, beta, g = inputs
+        rows, heads = self._trees_heads(slots.conv.index_select(0, index), conv_inputs, trees.taps)
+        S, W = trees.visible.shape[:2]
+        q, k, v, g, beta = (t.unflatten(0, (S, W)) for t in (*heads, g, beta))
+        initial = slots.recurrent.index_select(0, index)
+        scale = self.shape.key_dim**-0.5
+        out, piece = solve_visible(q, k, v, g, beta, trees.visible, initial, scale)
+        return out.flatten(0, 1), (rows, *piece.factors)
+
+    def _trees_heads(
+        self,
+        committed: torch.Tensor,  # [n, C, K-1] each tree's committed conv window
+        conv_inputs: torch.Tensor,  # [sum T_i, C] every tree's tokens
+        taps: torch.Tensor,  # [sum T_i, K] each node's window, rows of the conv rows
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Several trees' conv rows (every tree's committed inputs, then every tree's tokens)
+        and the heads of their conv outputs: one conv over every tree's windows."""
+        rows = torch.cat([committed.transpose(1, 2).flatten(0, 1), conv_inputs])
+        return rows, self._heads(conv_at_taps(rows, self.conv1d.weight[:, 0], taps))
 
     def single_steps(
         self,
@@ -636,20 +676,49 @@ def trees_layout(
 ) -> TreesLayout:
     """The layout of a batched pass's trees: each node's conv window walked on the host, one
     copy to the device for them all (`conv_taps` is one tree's, walked on the device)."""
-    window, n = kernel - 1, len(parents)
     sizes = [len(tree) for tree in parents]
     firsts = [0, *itertools.accumulate(sizes)][:-1]
+    device = visible[0].device
+    windows = to_device(trees_taps(parents, kernel), device)
+    groups = size_groups(sizes, visible)
+    return TreesLayout(parents, sizes, firsts, windows, groups, DeviceIndices(device))
+
+
+def trees_taps(parents: list[np.ndarray], kernel: int) -> np.ndarray:  # [sum T_i, K]
+    """Each node's conv window (oldest first) as rows of several trees' conv rows: every
+    tree's committed K-1 inputs (tree by tree), then every tree's tokens; walked on the host
+    (`conv_taps` walks one tree's on the device)."""
+    window, n = kernel - 1, len(parents)
+    sizes = [len(tree) for tree in parents]
     previous = np.arange(-1, n * window + sum(sizes) - 1)  # each row's predecessor on its path
-    for i, (tree, first) in enumerate(zip(parents, firsts, strict=True)):
-        base = n * window + first  # its tokens' rows; a root follows its last committed input
+    base = n * window
+    for i, tree in enumerate(parents):  # its tokens' rows; a root follows its last committed
         previous[base : base + len(tree)] = np.where(tree >= 0, tree + base, (i + 1) * window - 1)
+        base += len(tree)
     taps = [np.arange(n * window, len(previous))]
     for _ in range(window):
         taps.append(previous[taps[-1]])
-    device = visible[0].device
-    windows = to_device(np.stack(taps[::-1], axis=1), device)
-    groups = size_groups(sizes, visible)
-    return TreesLayout(parents, sizes, firsts, windows, groups, DeviceIndices(device))
+    return np.stack(taps[::-1], axis=1)
+
+
+def static_trees_pending(
+    kept: tuple[torch.Tensor, ...],  # a GDN layer's `trees_at`: conv rows, the factors
+    states: list[RecurrentState],  # the step's sequences' own, the first trees of the pass
+    parents: list[np.ndarray],  # their trees' parents [T_i], on the host
+    taps: torch.Tensor,  # [S * W, K] the pass's node windows
+    indices: DeviceIndices,  # the step's, shared by its layers' commits
+) -> list[PendingRecurrence]:
+    """What `commit_many` reads of a static tree step's layer for each sequence: its tree's
+    conv windows among the pass's, and its state after any node from the stacked factors."""
+    rows, *factors = kept
+    stack, width = SolvedPiece(tuple(factors), None), factors[0].shape[-1]
+    windows = TreeWindows(rows, taps, indices)
+    pendings = []
+    for i, (state, tree) in enumerate(zip(states, parents, strict=True)):
+        pending = PendingRecurrence(parents=tree, conv_inputs=None, windows=(windows, i * width))
+        pending.tree_states = TreeStates([SolvedPiece(None, state.recurrent, (stack, i))], width)
+        pendings.append(pending)
+    return pendings
 
 
 def conv_at_taps(

@@ -215,6 +215,14 @@ class Qwen3Model(nn.Module):
         x, hidden = self._layers(inputs.ids, rope, None, inputs, hidden_layers)
         return self._logits(x), hidden
 
+    @torch.no_grad()
+    def forward_trees(
+        self, inputs: StepInputs, hidden_layers: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:  # logits [S * W, V], hidden, kept
+        """`forward_steps` of a static tree step (`inputs.trees`, a row a node: the trees'
+        masks in its layout); a dense pass keeps nothing else for commit."""
+        return (*self.forward_steps(inputs, hidden_layers), ())
+
     def _logits(self, x: torch.Tensor) -> torch.Tensor:  # float32; float64 stays float64
         return cast(self.lm_head(x), compute_dtype(x.dtype))
 

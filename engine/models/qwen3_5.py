@@ -56,6 +56,7 @@ from engine.models.common import (
     rope_theta,
     score_positions,
     segment_layout,
+    segment_parents,
     split_batch,
     undrawn_embedding,
 )
@@ -72,6 +73,7 @@ from engine.models.gated_deltanet import (
     conv_taps,
     factored_fits,
     pending_from,
+    static_trees_pending,
     trees_layout,
 )
 from engine.transfer import DeviceIndices, on_device, to_device
@@ -289,7 +291,7 @@ class HybridDecoderLayer(nn.Module):
         if self.layer_type != LINEAR:
             mixed = self.self_attn(normed, tree, self.slot)
         elif tree.steps is not None:
-            mixed = self._mix_steps(normed, tree.steps)
+            mixed = self._mix_steps(normed, tree)
         elif tree.parts:  # a batched pass: each segment's GDN state on its own
             mixed = self._mix_parts(normed, tree, strategy)
         else:
@@ -297,11 +299,16 @@ class HybridDecoderLayer(nn.Module):
         h = h + mixed
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def _mix_steps(self, normed: torch.Tensor, steps: StepInputs) -> torch.Tensor:
+    def _mix_steps(self, normed: torch.Tensor, tree: TreePass) -> torch.Tensor:
         """The GDN mixer over a static batched step: every row against its own state slot,
-        committed as it runs (`steps_at`)."""
-        gdn = self.linear_attn
-        out = gdn.steps_at(gdn._inputs(normed), steps.slots[self.slot], steps.states)
+        committed as it runs (`steps_at`), or every tree against its own, the factors kept
+        for commit (`trees_at`)."""
+        gdn, steps = self.linear_attn, tree.steps
+        inputs, slots = gdn._inputs(normed), steps.slots[self.slot]
+        if steps.trees is None:
+            return gdn._output(gdn.steps_at(inputs, slots, steps.states), normed)
+        out, kept = gdn.trees_at(inputs, slots, steps.states, steps.trees)
+        tree.pending.append(kept)
         return gdn._output(out, normed)
 
     def _mix_parts(
@@ -511,11 +518,38 @@ class Qwen3_5Model(nn.Module):
         """A batched step of one token a sequence with static shapes (`StepInputs`): logits
         [S, V] and the requested layers' outputs. K/V are stored pending (commit advances past
         them); the GDN states are committed as it runs (each cache's `pending`: `INSTALLED`)."""
+        logits, hidden, _ = self.forward_trees(inputs, hidden_layers)
+        return logits, hidden
+
+    @torch.no_grad()
+    def forward_trees(
+        self, inputs: StepInputs, hidden_layers: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:
+        """`forward_steps` of a static tree step (`inputs.trees`: S trees of W nodes, each
+        row a node): logits [S * W, V], the requested layers' outputs and what each GDN layer
+        keeps for commit (`pend_trees`); nothing committed. (A plain step keeps nothing.)"""
         h = self.embed_tokens(inputs.ids)
         cos, sin = self.rotary.tables(inputs.positions, h.dtype)
         tree = TreePass(None, inputs.positions[:0], inputs, cos, sin, self.rotary, steps=inputs)
         h, hidden = self._layers(h, tree, hidden_layers)
-        return self._logits(h), hidden
+        return self._logits(h), hidden, tuple(tree.pending)
+
+    def pend_trees(
+        self, caches: list[HybridCache], parents: list[np.ndarray], kept: tuple, inputs: StepInputs
+    ) -> None:
+        """After `forward_trees`: each of `caches` (the step's sequences, its first trees) left
+        pending what its GDN layers kept, for `commit_batch` (`parents`: their trees' on the
+        host)."""
+        indices = DeviceIndices(self.embed_tokens.weight.device)  # every layer's commit's
+        for cache in caches:
+            cache.pending = []
+        for slot, layer in enumerate(kept):
+            states = [cache.recurrent[slot] for cache in caches]
+            taps = inputs.trees.taps
+            for cache, pending in zip(
+                caches, static_trees_pending(layer, states, parents, taps, indices), strict=True
+            ):
+                cache.pending.append(pending)
 
     def _segment_pass(self, segment: Segment, visible: torch.Tensor | None) -> TreePass:
         """What one segment's GDN layers read of a batched pass: its cache, tree and mode
@@ -553,7 +587,7 @@ class Qwen3_5Model(nn.Module):
                 rows = to_device(np.concatenate(every), device)
             layout = None
             if members is trees:
-                host = [_host_parents(segments[i]) for i in members]
+                host = [segment_parents(segments[i]) for i in members]
                 visible = [parts[i][1].ancestors for i in members]
                 layout = trees_layout(host, visible, self.config.linear_conv_kernel_dim)
             groups.append(MixGroup(members, rows, layout))
@@ -648,13 +682,6 @@ class Qwen3_5Model(nn.Module):
         commit_paths([cache.kv for cache, _ in commits], [path for _, path in commits])
         for cache, _ in commits:
             cache.pending = []
-
-
-def _host_parents(segment: Segment) -> np.ndarray:
-    """A segment's parents on the host (a chain's when it has none)."""
-    if segment.parents is None:
-        return np.arange(-1, segment.ids.shape[0] - 1)
-    return segment.parents.cpu().numpy()
 
 
 def check_root_to_node_path(parents: list[int], accepted: list[int]) -> None:

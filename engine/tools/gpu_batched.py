@@ -14,8 +14,9 @@ and the verify cost table: the median time of every decode pass (no prefill piec
 (sequences, tokens): "batched", the target's `forward_batch` (what `auto`'s cost model times,
 engine/budgets.py); "solo", the verify of a sequence decoding alone, which the scheduler runs
 by generate()'s static passes (CUDA graphs); "graphed", a plain step of n sequences (every
-one its token alone: ar) replayed as its bucket's CUDA graph (engine/step_passes.py). On CUDA
-ar also runs with those graphs off ("ar eager": `forward_batch`), to show what they save.
+one its token alone: ar) or a tree step (engine/tree_passes.py) replayed as its bucket's CUDA
+graph (engine/step_passes.py). On CUDA ar and the tree methods also run with those graphs off
+("ar eager", "ddtree:15 eager": `forward_batch`), to show what they save.
 CUDA events on the stream, so nothing waits for them; the CPU's clock elsewhere. Each figure is also given at Qwen3.6-27B's 64 layers,
 from the straight line through the two stacks (per layer; the drafter is in the intercept).
 And the host syncs of a step while max(concurrency) sequences decode, the most of any step
@@ -82,9 +83,9 @@ class PassTimes:
     `_Sequence.verify`, its choice included; an `auto` one keeps the batched pass). On CUDA as
     events recorded on the stream, read at `table`."""
 
-    def __init__(self, target, steps: StepPasses | None = None) -> None:
+    def __init__(self, target, steps: StepPasses | None = None, trees=None) -> None:
         self.target, self.batch = target, target.forward_batch
-        self.steps = steps
+        self.graphed = [passes for passes in (steps, trees) if passes is not None]
         self.cuda = next(target.parameters()).device.type == "cuda"
         self.samples: dict[tuple[str, int, int], list] = defaultdict(list)
         self.solo_verify = _Sequence.verify
@@ -101,21 +102,22 @@ class PassTimes:
 
         self.target.forward_batch = batched
         _Sequence.verify = solo
-        if self.steps is not None:
-            graphed = self.steps.run
+        for passes in self.graphed:  # a plain step's (bonuses) or a tree step's (ids)
+            graphed = passes.run
 
-            def step(bonuses, segments, hidden_layers):
-                key = ("graphed", len(segments), len(segments))
-                return self._timed(key, graphed, bonuses, segments, hidden_layers)
+            def step(ids, segments, hidden_layers, graphed=graphed):
+                tokens = sum(segment.ids.shape[0] for segment in segments)
+                key = ("graphed", len(segments), tokens)
+                return self._timed(key, graphed, ids, segments, hidden_layers)
 
-            self.steps.run = step
+            passes.run = step
         return self
 
     def __exit__(self, *exc) -> None:
         del self.target.forward_batch  # the class's method again
         _Sequence.verify = self.solo_verify
-        if self.steps is not None:
-            del self.steps.run
+        for passes in self.graphed:
+            del passes.run
 
     def _timed(self, key, call, *args):
         """call(*args), timed under `key` (None: not timed)."""
@@ -227,17 +229,19 @@ def measure(target, drafter, methods, concurrency, prefix: int, new_tokens: int)
     for method in methods:
         run_batch(scheduler, method_config(method, WARM_TOKENS), prompts[:1])
     runs = {}
-    with PassTimes(target, scheduler.steps) as passes:
+    with PassTimes(target, scheduler.steps, scheduler.trees) as passes:
         for method in methods:
             cfg = method_config(method, new_tokens)
             for level in concurrency:
                 runs[method, level] = run_batch(scheduler, cfg, prompts[:level])
-        if scheduler.steps is not None and "ar" in methods:  # its plain steps not graphed
-            steps, scheduler.steps = scheduler.steps, None
-            for level in concurrency:
-                cfg = method_config("ar", new_tokens)
-                runs["ar eager", level] = run_batch(scheduler, cfg, prompts[:level])
-            scheduler.steps = steps
+        if scheduler.steps is not None:  # ar's and the trees' steps not graphed
+            graphed = scheduler.steps, scheduler.trees
+            scheduler.steps = scheduler.trees = None
+            for method in [method for method in methods if not method.startswith("auto")]:
+                cfg = method_config(method, new_tokens)
+                for level in concurrency:
+                    runs[f"{method} eager", level] = run_batch(scheduler, cfg, prompts[:level])
+            scheduler.steps, scheduler.trees = graphed
     most = prompts[: max(concurrency)]  # counted apart: the debug mode's checks cost time
     syncs = {m: step_syncs(scheduler, method_config(m, SYNC_TOKENS), most) for m in methods}
     return {"runs": runs, "passes": passes.table(), "syncs": syncs}
@@ -343,7 +347,7 @@ def print_batched(report: dict) -> None:
         print(f"  host syncs a step of {syncs['sequences']} decoding, most: {counts}")
     print(
         "  verify pass by token count, median ms (batched: forward_batch; solo: a lone verify;"
-        " graphed: a plain step's graph):"
+        " graphed: a plain or tree step's graph):"
     )
     print(
         f"  {'path':<8} {'seqs':>6} {'tokens':>7} {f'{L} layers':>10} {f'{L2} layers':>10} "

@@ -23,8 +23,10 @@ the casts to float32 are kernels) on random 64-token prompts instead of --model/
 launch (kv_blocks.PagedSequences), and each call of a kernel that has a
 Triton form (the attention, RMSNorm, RoPE, SiLU-multiply: engine/kernels) one op, as its launch
 is one (the CPU's plain torch makes several; its paged attention loops over the sequences).
-A plain step (ar) is then what it costs with its CUDA graphs off: graphed
-(engine/step_passes.py) it is one replay.
+A plain step (ar) and a tree step are then what they cost with their CUDA graphs off; with
+`--graphs` the scheduler runs them by their buckets' static passes (engine/step_passes.py,
+engine/tree_passes.py), each pass counted as the one op of its graph's replay: what is left is
+the host work around the graphs (filling their buffers, the drafter, the trees, the commits).
 """
 
 from __future__ import annotations
@@ -50,18 +52,25 @@ from engine.models import common, load_drafter, load_target
 from engine.models.common import Segment
 from engine.models.dflash import DFlashDrafter
 from engine.scheduler import Request, Scheduler
+from engine.step_passes import StepPasses
 from engine.tokenizer import load_tokenizer
 from engine.tools.batching import TOPICS, parse_method
 from engine.tools.ddtree_reference import OpCount
 from engine.tools.gpu_rounds import random_pair
+from engine.tree_passes import TreePasses
 
 DEMO = Path(__file__).parents[1] / "demo_model"
 RANDOM_PROMPT = 64  # --random-layers' prompts' tokens
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --random-layers' weights
 
 
-def parts(target) -> dict[str, tuple[object, str, Callable[..., bool] | None]]:
-    """The counted parts: name -> (owner, method name, which calls count: all when None)."""
+def parts(target, graphs: bool) -> dict[str, tuple[object, str, Callable[..., bool] | None]]:
+    """The counted parts: name -> (owner, method name, which calls count: all when None);
+    with `graphs` the static passes' steps too (filled, replayed, left for commit)."""
+    static = {
+        "plain_step_pass": (StepPasses, "run", None),
+        "tree_step_pass": (TreePasses, "run", None),
+    }
     return {
         "step": (Scheduler, "step", None),
         "decode_step": (Scheduler, "step", all_decoding),
@@ -72,6 +81,7 @@ def parts(target) -> dict[str, tuple[object, str, Callable[..., bool] | None]]:
         "tree": (_Sequence, "shape", None),
         "commit": (_Sequence, "commit", None),
         "cache_commit": (type(target), "commit_batch", None),
+        **(static if graphs else {}),
     }
 
 
@@ -124,6 +134,33 @@ class OneLaunch:
             return out
 
         return launch
+
+
+class Replay:
+    """A static pass counted as its CUDA graph's replay: one op (the pass runs uncounted)."""
+
+    def __init__(self, step: Callable) -> None:
+        self.step = step
+
+    def __call__(self):
+        with _disable_current_modes():
+            out = self.step()
+        torch.empty(0)  # the one op counted: the replay
+        return out
+
+
+def graphed(scheduler: Scheduler) -> None:
+    """The scheduler's plain and tree steps by their buckets' static passes, as on CUDA, each
+    pass's run counted as its graph's one replay (`Replay`)."""
+    scheduler.steps = StepPasses(scheduler.target, graphs=False)
+    scheduler.trees = TreePasses(scheduler.target, graphs=False)
+    for passes in (scheduler.steps, scheduler.trees):
+        passes.filled = partial(_replayed, passes.filled)
+
+
+def _replayed(filled: Callable, *args):
+    made = filled(*args)  # a StaticPass, or (a StaticPass, its inputs)
+    return (Replay(made[0]), made[1]) if isinstance(made, tuple) else Replay(made)
 
 
 @contextmanager
@@ -181,13 +218,16 @@ def measure(args: argparse.Namespace) -> dict:
     )
     pool = CachePool.for_server(target, drafter, args.slot_tokens, 0)
     scheduler = Scheduler(target, drafter, pool.slots(args.concurrency), args.batched_tokens)
+    if args.graphs:
+        graphed(scheduler)
     run = partial(run_at_once, scheduler, prompts, cfg)
-    counts: dict[str, list[int]] = {name: [] for name in parts(target)}
+    counted = parts(target, args.graphs)
+    counts: dict[str, list[int]] = {name: [] for name in counted}
     with ExitStack() as stack:
         if args.cuda_launches:
             stack.enter_context(cuda_launches())
         run()  # warm-up
-        for name, (owner, method_name, which) in parts(target).items():
+        for name, (owner, method_name, which) in counted.items():
             stack.enter_context(counting(owner, method_name, counts[name], which))
         tokens = run()
     return {
@@ -201,6 +241,7 @@ def measure(args: argparse.Namespace) -> dict:
             "random_layers": args.random_layers,
             "dtype": args.dtype,
             "cuda_launches": args.cuda_launches,
+            "graphs": args.graphs,
         },
     }
 
@@ -238,6 +279,7 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> i
     parser.add_argument("--random-layers", type=positive, help="a random pair of this many layers")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="its weights'")
     parser.add_argument("--cuda-launches", action="store_true", help="count attention as CUDA")
+    parser.add_argument("--graphs", action="store_true", help="steps as replayed CUDA graphs")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     try:

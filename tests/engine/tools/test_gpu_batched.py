@@ -15,6 +15,7 @@ from engine.scheduler import Scheduler
 from engine.step_passes import StepPasses
 from engine.tools import gpu_batched, gpu_check
 from engine.tools.gpu_rounds import random_pair
+from engine.tree_passes import TreePasses
 
 METHODS = ("ar", "ddtree:15", "auto")
 
@@ -56,14 +57,15 @@ def test_gpu_check_reports_each_method_s_batching_gain(report):
 
 
 @pytest.mark.parametrize(("graphed", "passed"), [(30.0, True), (18.0, False)])
-def test_gpu_check_holds_ar_s_graphed_plain_steps_to_eager_s_speed(graphed, passed):
+@pytest.mark.parametrize("method", ["ar", "ddtree:15"])
+def test_gpu_check_holds_graphed_steps_to_eager_s_speed(method, graphed, passed):
     def row(method: str, concurrency: int, rate: float) -> dict:
         return {"method": method, "concurrency": concurrency, "tokens_per_s_2": rate}
 
-    rows = [row("ar", 1, 10.0), row("ar", 2, graphed), row("ar eager", 1, 9.0)]
-    batched = {"layers": 1, "rows": [*rows, row("ar eager", 2, 20.0)]}
+    rows = [row(method, 1, 10.0), row(method, 2, graphed), row(f"{method} eager", 1, 9.0)]
+    batched = {"layers": 1, "rows": [*rows, row(f"{method} eager", 2, 20.0)]}
     figures = {f.name: f for f in gpu_check.batched_figures(batched)}
-    figure = figures["batched ar: plain steps graphed / eager at 2 (2 layers)"]
+    figure = figures[f"batched {method}: steps graphed / eager at 2 (2 layers)"]
     assert figure.value == graphed / 20.0 and figure.passed is passed
 
 
@@ -85,20 +87,27 @@ def test_the_pass_timer_times_alike_decode_passes_and_restores_the_model():
     assert passes.table() == {}
 
 
-def test_with_plain_steps_graphed_ar_runs_with_and_without_them_and_both_are_timed(monkeypatch):
-    """What CUDA runs (plain steps by their bucket's graph: engine/step_passes.py), forced on
-    the CPU: ar is also measured with them off, and their passes are timed ("graphed")."""
+def test_with_steps_graphed_each_method_runs_with_and_without_them_and_both_are_timed(
+    monkeypatch,
+):
+    """What CUDA runs (plain and tree steps by their bucket's graph: engine/step_passes.py,
+    engine/tree_passes.py), forced on the CPU: ar and ddtree are also measured with them off,
+    and their passes are timed ("graphed")."""
     target, drafter = random_pair(torch.device("cpu"), torch.float32, 1, tiny=True)
 
     def with_steps(*args, **kwargs):
         scheduler = Scheduler(*args, **kwargs)
         scheduler.steps = StepPasses(target, graphs=False)
+        scheduler.trees = TreePasses(target, graphs=False)
         return scheduler
 
     monkeypatch.setattr(gpu_batched, "Scheduler", with_steps)
-    measured = gpu_batched.measure(target, drafter, ("ar",), (1, 2), prefix=40, new_tokens=6)
-    assert set(measured["runs"]) == {("ar", 1), ("ar", 2), ("ar eager", 1), ("ar eager", 2)}
+    methods, levels = ("ar", "ddtree:3"), (1, 2)
+    measured = gpu_batched.measure(target, drafter, methods, levels, prefix=40, new_tokens=6)
+    names = [*methods, "ar eager", "ddtree:3 eager"]
+    assert set(measured["runs"]) == {(name, level) for name in names for level in levels}
     assert ("graphed", 2, 2) in measured["passes"] and ("batched", 2, 2) in measured["passes"]
+    assert ("graphed", 2, 8) in measured["passes"], measured["passes"]  # two trees of 4
 
 
 def test_a_window_counts_only_the_tokens_every_sequence_decoded_in():

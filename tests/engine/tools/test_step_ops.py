@@ -87,6 +87,17 @@ def test_cuda_launches_count_the_paged_launch_as_one_op(monkeypatch):
     assert launches < added() / 2
 
 
+def test_graphs_count_each_static_pass_as_one_replay():
+    """With --graphs the steps run by their buckets' static passes, each pass one op (its
+    replay): a decoding step of trees then dispatches a fraction of its eager ops."""
+    args = ("--concurrency", "3", "--method", "ddtree:3", "--cuda-launches")
+    eager, graphed = random_report(*args), random_report(*args, "--graphs")
+    assert "tree_step_pass" not in eager["ops"]
+    assert graphed["calls"]["tree_step_pass"] > 0 and graphed["tokens"] == eager["tokens"]
+    assert graphed["ops"]["tree_step_pass"] < eager["ops"]["decode_pass"] / 4
+    assert graphed["ops"]["decode_step"] < eager["ops"]["decode_step"] * 3 / 4
+
+
 def test_a_kernel_with_a_triton_form_counts_as_one_op():
     x, weight = torch.randn(4, 8), torch.ones(8)
     with OpCount() as plain:

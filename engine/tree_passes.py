@@ -1,0 +1,196 @@
+"""A scheduler's tree steps as static passes, one per bucket, captured as CUDA graphs on CUDA.
+
+A tree step is a batched step of verify rounds, some with a tree (`ddtree`, a `linear` chain,
+`auto`'s drafted ones), the rest their bonus alone, and no prefill piece: what a server of
+drafting sequences runs most. At Qwen3.6-27B an eager one dispatches ~8,000 ops (host work
+about as long as the GPU's own: engine/NOTES.md, session 27); replayed, it is one launch. Its
+target pass is `forward_trees` over `StepInputs` of S trees of W nodes (`StaticTrees`), S the
+power of two at or above the step's sequences (up to `--max-num-seqs`), W the power of two at
+or above its widest verify (2 up to MAX_WIDTH): a server captures a bounded set, each once.
+
+Each tree is padded to W nodes by leaves under its root (token 0 at depth 1): they see the root
+and themselves, no node of the tree sees them, and they come after its nodes, so the tree's
+outputs are its own. Their K/V go to the pool's padding block (`KVBlockPool.padding_block`),
+their outputs are dropped. Sequences past the step's (padding) are such a tree over the
+padding block, reading the first sequence's GDN state slot. Nothing is committed by the pass:
+K/V stay pending at the sequences' own slots (`commit_batch` moves the accepted ones) and each
+GDN layer keeps its conv rows and its stacked solve's factors (the graph's outputs, read by the
+commit before the next replay), from which the commit builds each state after its last accepted
+node (gated_deltanet `static_trees_pending`, `commit_many`). Each step fills its bucket's
+buffers with two copies from the host (tokens, positions, pool slots, committed lengths, state
+slots, block tables, conv windows; the trees' masks); a tree step has no host read.
+
+Memory: per bucket, its buffers (S * (W * (3 + K) + 2 + T) int64s and S * W * W bools, T the
+table width: 37 KiB at S = 16, W = 16 and 32k-token slots). On CUDA the tree graphs share the
+plain steps' memory pool, so what they hold is the largest bucket's pass: its logits (S * W x
+248,320 float32s at Qwen3.6-27B: 242.5 MiB at S = 16, W = 16) and every GDN layer's kept
+factors and conv rows (the memory plan's verify share, 91.2 MiB a sequence).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from engine.decode import StaticPass
+from engine.kv_blocks import PagedKVCache, PagedSequences
+from engine.models.common import BatchOutputs, Segment, StepInputs, segment_parents
+from engine.models.gated_deltanet import StaticTrees, trees_taps
+from engine.step_passes import PassesByStorage, kv_of, on_shared_blocks, states_of
+from engine.transfer import staged
+from engine.tree import depths_and_mask
+
+MAX_WIDTH = 64  # the widest verify a tree step's pass takes (wider ones run eagerly)
+NODE_FIELDS = 3  # ids, positions, pending slots: the buffer's first S * W * NODE_FIELDS values
+TREE_FIELDS = 2  # prefixes, state slots
+
+
+class TreePasses:
+    """The static passes of `target`'s tree steps, by (bucket, width, table width, layers)."""
+
+    def __init__(self, target, graphs: bool, memory=None) -> None:
+        self.target, self.graphs, self.memory = target, graphs, memory
+        self.device = target.embed_tokens.weight.device
+        self.kernel = getattr(target.config, "linear_conv_kernel_dim", 0) if _hybrid(target) else 0
+        self._passes = PassesByStorage()
+
+    def takes(self, segments: Sequence[Segment]) -> bool:
+        """Whether `segments` are a tree step these passes run: verify rounds only, one with
+        a tree, none wider than MAX_WIDTH, each with room in its block table for a full-width
+        verify, on `on_shared_blocks`."""
+        counts = [segment.ids.shape[0] for segment in segments]
+        if any(segment.extend for segment in segments) or not 1 < max(counts) <= MAX_WIDTH:
+            return False
+        if not on_shared_blocks(segments):
+            return False
+        width = _bucket(max(counts))
+        return all(_room(kv_of(segment.cache)) >= width for segment in segments)
+
+    def run(
+        self, ids: list[np.ndarray], segments: Sequence[Segment], hidden_layers: Sequence[int]
+    ) -> BatchOutputs:
+        """The step of `segments` (`takes`), `ids[i]` segment i's tokens on the host: each
+        verify left pending for `commit_batch`."""
+        caches = [segment.cache for segment in segments]
+        parents = [segment_parents(segment) for segment in segments]
+        step, inputs = self.filled(ids, parents, caches, hidden_layers)
+        logits, hidden, kept = step()
+        if kept:  # a hybrid target's GDN layers'
+            self.target.pend_trees(caches, parents, kept, inputs)
+        width = inputs.trees.visible.shape[1]
+        rows = [slice(i * width, i * width + len(tree)) for i, tree in enumerate(parents)]
+        if hidden is not None and self.graphs:  # kept by the sequences: a replay reuses its own
+            hidden = hidden.clone()
+        return BatchOutputs([logits[r] for r in rows], hidden, rows)
+
+    def filled(
+        self,
+        ids: list[np.ndarray],
+        parents: list[np.ndarray],
+        caches: list,
+        hidden_layers: Sequence[int],
+    ) -> tuple[StaticPass, StepInputs]:
+        """The step's bucket's pass, its buffers holding the step's values (sent, not waited
+        for): calling it runs the step; and its inputs, the buffers' views."""
+        kv = [kv_of(cache) for cache in caches]
+        for cache, tokens in zip(kv, ids, strict=True):
+            cache.check_room(len(tokens))
+        pool, table = kv[0].pool, max(cache.table.shape[0] for cache in kv)
+        count, wide = len(caches), _bucket(max(len(tokens) for tokens in ids))
+        bucket = 1 << max(0, count - 1).bit_length()
+        padding = pool.padding_block()
+        key = (bucket, wide, table, tuple(hidden_layers))
+        build = lambda: self._build(bucket, wide, table, key[3], pool, caches[0])  # noqa: E731
+        step, inputs = self._passes.get(key, pool, build)
+        host = _Host(bucket, wide, table, pool.block_tokens, padding)
+        for row, (tokens, tree, cache, whole) in enumerate(
+            zip(ids, parents, kv, caches, strict=True)
+        ):
+            states = states_of(whole)
+            host.put(
+                row, tokens, tree, cache.length, cache.blocks, states[0].index if states else 0
+            )
+        flat, visible = host.buffers(count, self.kernel)
+        step.buffers["flat"].copy_(staged(flat, self.device), non_blocking=True)
+        step.buffers["visible"].copy_(staged(visible, self.device), non_blocking=True)
+        return step, inputs
+
+    def _build(
+        self, S: int, W: int, table: int, layers: tuple, pool, cache
+    ) -> tuple[StaticPass, StepInputs]:
+        nodes, K = S * W, self.kernel
+        flat = torch.zeros(
+            nodes * NODE_FIELDS + S * TREE_FIELDS + S * table + nodes * K,
+            dtype=torch.long,
+            device=self.device,
+        )
+        visible = torch.zeros(nodes * W, dtype=torch.bool, device=self.device)
+        ids, positions, pending = flat[: nodes * NODE_FIELDS].view(NODE_FIELDS, nodes)
+        at = nodes * NODE_FIELDS
+        prefixes, states = flat[at : at + S * TREE_FIELDS].view(TREE_FIELDS, S)
+        at += S * TREE_FIELDS
+        tables = flat[at : at + S * table].view(S, table)
+        taps = flat[at + S * table :].view(nodes, K)
+        starts = torch.arange(0, nodes + 1, W, device=self.device)
+        layout = PagedSequences(pending, tables, starts, prefixes, visible.view(nodes, W))
+        slots = tuple(state.slots for state in states_of(cache))
+        trees = StaticTrees(visible.view(S, W, W), taps)
+        inputs = StepInputs(ids, positions, layout, pool, states, slots, trees)
+        run = lambda: self.target.forward_trees(inputs, layers)  # noqa: E731
+        step = StaticPass(run, {"flat": flat, "visible": visible}, self.graphs, self.memory)
+        return step, inputs
+
+
+class _Host:
+    """A tree step's values in its bucket's buffer layout, filled a sequence at a time: its
+    rows' tokens, positions and pool slots (a padding node's in the `padding` block), its
+    committed length, state slot and block table, its padded tree. Rows past the step's
+    sequences (padding) are a tree of token 0 at position 0 over the `padding` block, at the
+    first sequence's state slot."""
+
+    def __init__(self, S: int, W: int, table: int, block: int, padding: int) -> None:
+        self.W, self.block, self.padding = W, block, padding
+        self.nodes = np.zeros((NODE_FIELDS, S, W), np.int64)
+        self.fields = np.zeros((TREE_FIELDS, S), np.int64)
+        self.tables = np.zeros((S, table), np.int64)
+        self.visible = np.zeros((S, W, W), bool)
+        self.trees: list[np.ndarray] = []
+
+    def put(
+        self, row: int, tokens, parents: np.ndarray, length: int, blocks: list[int], state: int
+    ) -> None:
+        T, W, block = len(parents), self.W, self.block
+        padded = np.concatenate([parents, np.zeros(W - T, np.int64)])  # leaves under the root
+        depths, self.visible[row] = depths_and_mask(padded)
+        slots = length + np.arange(T)
+        pending = np.asarray(blocks)[slots // block] * block + slots % block
+        spare = self.padding * block + np.arange(W - T) % block
+        self.nodes[:, row] = (np.pad(tokens, (0, W - T)), length + depths, [*pending, *spare])
+        self.fields[:, row] = (length, state)
+        self.tables[row, : len(blocks)] = blocks
+        self.trees.append(padded)
+
+    def buffers(self, count: int, kernel: int) -> tuple[np.ndarray, np.ndarray]:
+        """The flat int64 buffer and the masks, padding rows filled past `count`."""
+        for row in range(count, self.nodes.shape[1]):
+            self.put(row, [0], np.array([-1]), 0, [self.padding], self.fields[1, 0])
+        taps = trees_taps(self.trees, kernel) if kernel else np.zeros(0, np.int64)
+        parts = (self.nodes, self.fields, self.tables, taps)
+        return np.concatenate([part.reshape(-1) for part in parts]), self.visible.reshape(-1)
+
+
+def _bucket(tokens: int) -> int:
+    """The tree width a verify of `tokens` runs in: the power of two at or above it."""
+    return 1 << max(1, (tokens - 1).bit_length())
+
+
+def _room(cache: PagedKVCache) -> int:
+    """The most pending tokens a static pass may read past `cache`'s committed ones: its
+    block table's reach (a padding node's row reads its own slot there)."""
+    return cache.table.shape[0] * cache.pool.block_tokens - cache.length
+
+
+def _hybrid(target) -> bool:
+    return hasattr(target, "pend_trees")

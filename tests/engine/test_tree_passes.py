@@ -1,0 +1,222 @@
+"""A scheduler's tree steps by their bucket's static pass (engine/tree_passes.py), on the CPU.
+
+What CUDA replays as one captured graph a bucket runs here eagerly, forced: each sequence still
+equals its solo run (float64, dense and hybrid; every method, greedy and sampled, sequences
+joining so the buckets pad, with preemptions and the prefix cache), padding nodes and rows
+write no sequence's keys, and the pass compiles whole (`fullgraph=True`) and serves other trees
+at other lengths without recompiling.
+
+    python -m pytest -q tests/engine/test_tree_passes.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import kv_blocks
+from engine.cache_pool import CachePool
+from engine.models.common import Segment
+from engine.prefix_cache import PrefixCache, has_states
+from engine.step_passes import kv_of
+from engine.tree_passes import TreePasses
+from tests.helpers import batched_requests as batch
+from tests.helpers.static_outputs import assert_same
+from tests.helpers.tiny_pairs import KINDS, load_tiny_pair
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def pair(request, tmp_path_factory):
+    return load_tiny_pair(
+        tmp_path_factory.mktemp(request.param), request.param, dtype=torch.float64
+    )
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def counted_trees(sched, monkeypatch) -> list[tuple[int, int, int]]:
+    """Forces the tree steps' static passes on the scheduler; each tree step they run, as (its
+    sequences, the bucket's trees, their width)."""
+    sched.trees = TreePasses(sched.target, graphs=False)
+    steps: list[tuple[int, int, int]] = []
+    filled = sched.trees.filled
+
+    def filling(ids, parents, caches, layers):
+        step, inputs = filled(ids, parents, caches, layers)
+        steps.append((len(ids), *inputs.trees.visible.shape[:2]))
+        return step, inputs
+
+    monkeypatch.setattr(sched.trees, "filled", filling)
+    return steps
+
+
+def test_tree_steps_by_their_buckets_passes_equal_solo_runs(pair, monkeypatch):
+    """Every method, greedy and sampled, three at first, then three more joining: the tree
+    steps of three run in a bucket of four trees, and trees narrower than the widest pad."""
+    cases = list(
+        zip(batch.prompts(pair, [5, 30, 9, 20, 12, 7], seed=3), batch.configs(), strict=True)
+    )
+    sched, got = batch.scheduler(pair, slots=6, tokens=64), batch.Collector()
+    steps = counted_trees(sched, monkeypatch)
+    for index, case in enumerate(cases):
+        sched.add(got.request(index, *case))
+        if index == 2:
+            for _ in range(5):
+                sched.step()
+    batch.drain(sched)
+    for index, (prompt, cfg) in enumerate(cases):
+        assert got.output(index) == batch.solo(pair, prompt, cfg), batch.MIXED[index]
+    assert (3, 4, 8) in steps or (3, 4, 16) in steps, steps
+    assert any(count == 6 and trees == 8 and width == 16 for count, trees, width in steps), steps
+
+
+def test_with_preemption_and_the_prefix_cache_outputs_equal_solo_runs(pair, monkeypatch):
+    """Tree steps over a pool too small for every sequence at once (preemptions), beside a
+    prefix cache of its blocks."""
+    budget = 8 * sum(model.kv_layout().block_bytes(batch.PAGE) for model in pair)
+    prefix = PrefixCache(
+        budget, recurrent=has_states(pair[0].new_cache(8)), block_tokens=batch.PAGE
+    )
+    cases = list(
+        zip(batch.prompts(pair, [5, 40, 9, 70, 3, 22], seed=9), batch.configs(), strict=True)
+    )
+    got = batch.Collector()
+    sched = batch.scheduler(pair, 6, tokens=24, prefix=prefix, kv_tokens=batch.POOL)
+    steps = counted_trees(sched, monkeypatch)
+    for index, case in enumerate(cases):
+        sched.add(got.request(index, *case))
+    batch.drain(sched, limit=3000)
+    for index, (prompt, cfg) in enumerate(cases):
+        assert got.output(index) == batch.solo(pair, prompt, cfg), batch.MIXED[index]
+    assert sched.preemptions >= 1 and steps
+
+
+def prefilled(pair, lengths: list[int]) -> list:
+    """Slots of one scheduler's pools, each cache holding a random prompt of its length; the
+    pool's storage made for all of them and their trees (on the CPU it grows by doubling: a
+    pass over the storage before would be made again)."""
+    target = pair[0]
+    caches = [slot.cache for slot in CachePool(target, None, 64).slots(len(lengths))]
+    for cache, ids in zip(caches, batch.prompts(pair, lengths, seed=7), strict=True):
+        target.extend(torch.tensor(ids), cache)
+        kv_of(cache).check_room(8)
+    kv_of(caches[0]).pool.padding_block()
+    return caches
+
+
+TREES = [  # (tokens, parents): a tree of 5, a chain of 3, a bonus alone
+    ([5, 6, 7, 8, 9], [-1, 0, 0, 1, 1]),
+    ([10, 11, 12], [-1, 0, 1]),
+    ([13], [-1]),
+]
+
+
+def segments_of(caches: list, trees: list) -> tuple[list[np.ndarray], list[Segment]]:
+    ids = [np.array(tokens) for tokens, _ in trees]
+    segments = [
+        Segment(torch.tensor(tokens), cache, torch.tensor(parents))
+        for (tokens, parents), cache in zip(trees, caches, strict=True)
+    ]
+    return ids, segments
+
+
+def test_padding_nodes_and_rows_store_keys_in_the_padding_block_alone(pair):
+    """A step of three trees (5, 3 and 1 nodes) in a bucket of four trees of 8: the pool
+    changes only at the sequences' pending slots and in the padding block."""
+    caches = prefilled(pair, [9, 14, 5])
+    kv = [kv_of(cache) for cache in caches]
+    pool = kv[0].pool
+    padding = pool.padding_block()
+    before = pool.k.clone()
+    passes = TreePasses(pair[0], graphs=False)
+    ids, segments = segments_of(caches, TREES)
+    assert passes.takes(segments)
+    passes.run(ids, segments, ())
+    changed = (pool.k != before).flatten(3).any(-1).any(0).nonzero().tolist()  # (block, slot)
+    block = pool.block_tokens
+    pending = {
+        (c.blocks[slot // block], slot % block)
+        for c, tokens in zip(kv, ids, strict=True)
+        for slot in range(c.length, c.length + len(tokens))
+    }
+    assert {tuple(at) for at in changed if at[0] != padding} == pending
+    assert any(at[0] == padding for at in changed)  # the padding nodes' and row's keys
+
+
+def test_a_step_commits_as_the_eager_batched_pass_does(pair):
+    """The static step's logits and commit (its K/V moved, its GDN states built from the
+    kept factors) equal `forward_batch`'s and `commit_batch`'s on copies of the same caches."""
+    target = pair[0]
+    got, want = prefilled(pair, [9, 14, 5]), prefilled(pair, [9, 14, 5])
+    ids, segments = segments_of(got, TREES)
+    outputs = TreePasses(target, graphs=False).run(ids, segments, ())
+    _, eager = segments_of(want, TREES)
+    expected = target.forward_batch(eager, ())
+    for mine, theirs in zip(outputs.logits, expected.logits, strict=True):
+        torch.testing.assert_close(mine, theirs)
+    paths = [[0, 2], [0, 1, 2], [0]]
+    target.commit_batch([(cache, path) for cache, path in zip(got, paths, strict=True)])
+    target.commit_batch([(cache, path) for cache, path in zip(want, paths, strict=True)])
+    for mine, theirs in zip(got, want, strict=True):
+        assert kv_of(mine).length == kv_of(theirs).length
+        torch.testing.assert_close(committed(mine), committed(theirs))
+
+
+def committed(cache) -> list[torch.Tensor]:
+    """A cache's committed K/V and GDN states."""
+    kv = kv_of(cache)
+    keys = [kv.read(0, kv.length)]
+    states = getattr(cache, "recurrent", [])
+    return keys + [part for state in states for part in (state.conv, state.recurrent)]
+
+
+def trees_attention(q, k_blocks, v_blocks, tables, starts, prefixes, visible, scale):
+    """`paged_tree_attention` of S trees of W nodes in a fixed set of calls: every tree's
+    whole table gathered, its keys past its committed ones masked by its tree (graph-safe)."""
+    S, width = tables.shape
+    N, block = q.shape[0], k_blocks.shape[1]
+    W = N // S
+    slots = (tables[:, :, None] * block + torch.arange(block)).flatten(1)  # [S, width * block]
+    keys, values = (x.flatten(0, 1)[slots].transpose(1, 2) for x in (k_blocks, v_blocks))
+    column = torch.arange(width * block) - prefixes[:, None]  # [S, keys] past the committed
+    mine = visible.view(S, W, W).gather(2, column.clamp(0, W - 1)[:, None].expand(S, W, -1))
+    seen = (column < 0)[:, None] | (mine & (column < W)[:, None])  # [S, W, keys]
+    mask = torch.zeros(seen.shape, dtype=q.dtype).masked_fill(~seen, float("-inf"))
+    Q = q.view(S, W, *q.shape[1:]).transpose(1, 2)  # [S, Hq, W, D]
+    out = F.scaled_dot_product_attention(
+        Q, keys, values, mask[:, None], scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2).reshape(q.shape)
+
+
+def test_a_tree_step_compiles_as_one_graph_and_serves_other_trees(pair, monkeypatch):
+    """The bucket's pass compiles whole, matches eager, and runs other sequences' trees
+    (other slots, lengths, tokens and shapes) from the same buffers without recompiling."""
+    target, drafter = pair
+    monkeypatch.setattr(kv_blocks, "paged_tree_attention", trees_attention)
+    caches = prefilled(pair, [9, 14, 5, 20])
+    passes, layers = TreePasses(target, graphs=False), drafter.target_layer_ids
+    ids, segments = segments_of(caches[:3], TREES)
+    parents = [np.array(p) for _, p in TREES]
+    step, _ = passes.filled(ids, parents, [s.cache for s in segments], layers)
+    want = step.run()
+    compiled = torch.compile(step.run, fullgraph=True, backend="eager")
+    assert_same(compiled(), want)
+    others = [caches[3], caches[0], caches[2]]
+    trees = [TREES[1], ([20, 21, 22, 23, 24, 25], [-1, 0, 1, 2, 0, 4]), TREES[2]]
+    ids, segments = segments_of(others, trees)
+    parents = [np.array(p) for _, p in trees]
+    again, _ = passes.filled(ids, parents, others, layers)
+    assert again is step
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got = compiled()
+    assert_same(got, step.run())
