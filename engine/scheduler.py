@@ -613,7 +613,8 @@ class Scheduler:
                 self.budgets.verified(
                     item.active.acceptance, item.tree.log_probs, len(accepted) - 1
                 )
-        self.target.commit_batch([(seq.cache, path) for seq, path, _ in kept])
+        commit = outputs.commit or self.target.commit_batch
+        commit([(seq.cache, path) for seq, path, _ in kept])
         _keep_features(outputs.hidden, kept)
         trees = sum(item.segment.ids.shape[0] > 1 for item in work)
         seconds = time.perf_counter() - started  # the choices were read: the device is done

@@ -13,12 +13,14 @@ and themselves, no node of the tree sees them, and they come after its nodes, so
 outputs are its own. Their K/V go to the pool's padding block (`KVBlockPool.padding_block`),
 their outputs are dropped. Sequences past the step's (padding) are such a tree over the
 padding block, reading the first sequence's GDN state slot. Nothing is committed by the pass:
-K/V stay pending at the sequences' own slots (`commit_batch` moves the accepted ones) and each
-GDN layer keeps its conv rows and its stacked solve's factors (the graph's outputs, read by the
-commit before the next replay), from which the commit builds each state after its last accepted
-node (gated_deltanet `static_trees_pending`, `commit_many`). Each step fills its bucket's
-buffers with two copies from the host (tokens, positions, pool slots, committed lengths, state
-slots, block tables, conv windows; the trees' masks); a tree step has no host read.
+K/V stay pending at the sequences' own slots and each GDN layer keeps its conv rows and its
+stacked solve's factors (the graph's outputs). The step's outputs commit by the bucket's own
+commit pass, a second graph replayed before the next step: from those and the trees' ends
+(tree, last accepted node, state slot: one copy) it builds every state after its path and
+writes it at its slot (gated_deltanet `commit_trees_at`); the K/V are moved as after any pass
+(`commit_paths`). Each step fills its bucket's buffers with two copies from the host (tokens,
+positions, pool slots, committed lengths, state slots, block tables, conv windows; the trees'
+masks); a tree step has no host read.
 
 Memory: per bucket, its buffers (S * (W * (3 + K) + 2 + T) int64s and S * W * W bools, T the
 table width: 37 KiB at S = 16, W = 16 and 32k-token slots). On CUDA the tree graphs share the
@@ -30,14 +32,17 @@ factors and conv rows (the memory plan's verify share, 91.2 MiB a sequence).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 
 from engine.decode import StaticPass
-from engine.kv_blocks import PagedKVCache, PagedSequences
+from engine.kv_blocks import PagedKVCache, PagedSequences, commit_paths
 from engine.models.common import BatchOutputs, Segment, StepInputs, segment_parents
-from engine.models.gated_deltanet import StaticTrees, trees_taps
+from engine.models.gated_deltanet import StaticTrees, TreeEnds, trees_taps
+from engine.models.qwen3_5 import check_root_to_node_path
 from engine.step_passes import PassesByStorage, kv_of, on_shared_blocks, states_of
 from engine.transfer import staged
 from engine.tree import depths_and_mask
@@ -65,25 +70,38 @@ class TreePasses:
             return False
         if not on_shared_blocks(segments):
             return False
-        width = _bucket(max(counts))
+        width = _width(max(counts))
         return all(_room(kv_of(segment.cache)) >= width for segment in segments)
 
     def run(
         self, ids: list[np.ndarray], segments: Sequence[Segment], hidden_layers: Sequence[int]
     ) -> BatchOutputs:
         """The step of `segments` (`takes`), `ids[i]` segment i's tokens on the host: each
-        verify left pending for `commit_batch`."""
+        verify left pending for the outputs' `commit`."""
         caches = [segment.cache for segment in segments]
         parents = [segment_parents(segment) for segment in segments]
-        step, inputs = self.filled(ids, parents, caches, hidden_layers)
-        logits, hidden, kept = step()
-        if kept:  # a hybrid target's GDN layers'
-            self.target.pend_trees(caches, parents, kept, inputs)
-        width = inputs.trees.visible.shape[1]
+        bucket = self.filled(ids, parents, caches, hidden_layers)
+        logits, hidden, kept = bucket.verify()
+        bucket.kept[:] = [kept]
+        width = bucket.inputs.trees.visible.shape[1]
         rows = [slice(i * width, i * width + len(tree)) for i, tree in enumerate(parents)]
         if hidden is not None and self.graphs:  # kept by the sequences: a replay reuses its own
             hidden = hidden.clone()
-        return BatchOutputs([logits[r] for r in rows], hidden, rows)
+        commit = partial(self.commit, bucket, caches, parents)
+        return BatchOutputs([logits[r] for r in rows], hidden, rows, commit)
+
+    def commit(
+        self, bucket: _Bucket, caches: list, parents: list[np.ndarray], commits: list
+    ) -> None:
+        """The step's `commits` ((cache, accepted path) of its sequences): paths checked
+        against their trees, the GDN states by the bucket's commit pass, the K/V moved."""
+        rows = {id(cache): row for row, cache in enumerate(caches)}
+        for cache, path in commits:
+            check_root_to_node_path(parents[rows[id(cache)]].tolist(), path)
+        if commits and bucket.commit is not None:
+            bucket.fill_ends([(rows[id(cache)], path[-1], cache) for cache, path in commits])
+            bucket.commit()
+        commit_paths([kv_of(cache) for cache, _ in commits], [path for _, path in commits])
 
     def filled(
         self,
@@ -91,35 +109,33 @@ class TreePasses:
         parents: list[np.ndarray],
         caches: list,
         hidden_layers: Sequence[int],
-    ) -> tuple[StaticPass, StepInputs]:
-        """The step's bucket's pass, its buffers holding the step's values (sent, not waited
-        for): calling it runs the step; and its inputs, the buffers' views."""
+    ) -> _Bucket:
+        """The step's bucket, its buffers holding the step's values (sent, not waited for):
+        calling its `verify` runs the step."""
         kv = [kv_of(cache) for cache in caches]
         for cache, tokens in zip(kv, ids, strict=True):
             cache.check_room(len(tokens))
         pool, table = kv[0].pool, max(cache.table.shape[0] for cache in kv)
-        count, wide = len(caches), _bucket(max(len(tokens) for tokens in ids))
-        bucket = 1 << max(0, count - 1).bit_length()
+        count, W = len(caches), _width(max(len(tokens) for tokens in ids))
+        S = 1 << max(0, count - 1).bit_length()
         padding = pool.padding_block()
-        key = (bucket, wide, table, tuple(hidden_layers))
-        build = lambda: self._build(bucket, wide, table, key[3], pool, caches[0])  # noqa: E731
-        step, inputs = self._passes.get(key, pool, build)
-        host = _Host(bucket, wide, table, pool.block_tokens, padding)
+        key = (S, W, table, tuple(hidden_layers))
+        build = lambda: self._build(S, W, table, key[3], pool, caches[0])  # noqa: E731
+        bucket = self._passes.get(key, pool, build)
+        host = _Host(S, W, table, pool.block_tokens, padding)
         for row, (tokens, tree, cache, whole) in enumerate(
             zip(ids, parents, kv, caches, strict=True)
         ):
             states = states_of(whole)
-            host.put(
-                row, tokens, tree, cache.length, cache.blocks, states[0].index if states else 0
-            )
+            slot = states[0].index if states else 0
+            host.put(row, tokens, tree, cache.length, cache.blocks, slot)
         flat, visible = host.buffers(count, self.kernel)
-        step.buffers["flat"].copy_(staged(flat, self.device), non_blocking=True)
-        step.buffers["visible"].copy_(staged(visible, self.device), non_blocking=True)
-        return step, inputs
+        buffers = bucket.verify.buffers
+        buffers["flat"].copy_(staged(flat, self.device), non_blocking=True)
+        buffers["visible"].copy_(staged(visible, self.device), non_blocking=True)
+        return bucket
 
-    def _build(
-        self, S: int, W: int, table: int, layers: tuple, pool, cache
-    ) -> tuple[StaticPass, StepInputs]:
+    def _build(self, S: int, W: int, table: int, layers: tuple, pool, cache) -> _Bucket:
         nodes, K = S * W, self.kernel
         flat = torch.zeros(
             nodes * NODE_FIELDS + S * TREE_FIELDS + S * table + nodes * K,
@@ -139,8 +155,39 @@ class TreePasses:
         trees = StaticTrees(visible.view(S, W, W), taps)
         inputs = StepInputs(ids, positions, layout, pool, states, slots, trees)
         run = lambda: self.target.forward_trees(inputs, layers)  # noqa: E731
-        step = StaticPass(run, {"flat": flat, "visible": visible}, self.graphs, self.memory)
-        return step, inputs
+        verify = StaticPass(run, {"flat": flat, "visible": visible}, self.graphs, self.memory)
+        bucket = _Bucket(
+            verify, inputs, None, [], torch.zeros(3 * S, dtype=torch.long, device=self.device)
+        )
+        if slots:  # a hybrid target's GDN states, built from what its verify kept
+            ends = TreeEnds(*bucket.ends.view(3, S))
+            commit = lambda: self.target.commit_trees(inputs, bucket.kept[0], ends)  # noqa: E731
+            buffers = {"ends": bucket.ends}
+            bucket.commit = StaticPass(commit, buffers, self.graphs, self.memory, commits=True)
+        return bucket
+
+
+@dataclass
+class _Bucket:
+    """A bucket's tree step: its `verify` pass over its `inputs` (the buffers' views), and a
+    hybrid target's `commit` pass, which reads what the verify `kept` (its last outputs: on
+    CUDA the graph's, at the same addresses every replay) and the trees' ends (`fill_ends`)."""
+
+    verify: StaticPass
+    inputs: StepInputs
+    commit: StaticPass | None
+    kept: list  # one entry: every GDN layer's kept tensors, from the last verify
+    ends: torch.Tensor  # [3 * S] the commit's TreeEnds: trees, lasts, slots
+
+    def fill_ends(self, ends: list[tuple[int, int, object]]) -> None:
+        """The commit's buffer, from each commit's (tree row, last node, cache); rows past
+        them repeat the first."""
+        S = self.ends.shape[0] // 3
+        host = np.zeros((3, S), np.int64)
+        for j, (row, last, cache) in enumerate(ends):
+            host[:, j] = (row, last, states_of(cache)[0].index)
+        host[:, len(ends) :] = host[:, :1]
+        self.ends.copy_(staged(host.reshape(-1), self.ends.device), non_blocking=True)
 
 
 class _Host:
@@ -181,7 +228,7 @@ class _Host:
         return np.concatenate([part.reshape(-1) for part in parts]), self.visible.reshape(-1)
 
 
-def _bucket(tokens: int) -> int:
+def _width(tokens: int) -> int:
     """The tree width a verify of `tokens` runs in: the power of two at or above it."""
     return 1 << max(1, (tokens - 1).bit_length())
 
@@ -193,4 +240,4 @@ def _room(cache: PagedKVCache) -> int:
 
 
 def _hybrid(target) -> bool:
-    return hasattr(target, "pend_trees")
+    return hasattr(target, "commit_trees")

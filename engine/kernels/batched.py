@@ -132,6 +132,14 @@ class SolvedPiece:
         indices = indices if indices is not None else DeviceIndices(self.weights.device)
         index, at = indices.of(tuple(members)), indices.of(tuple(nodes))
         every = members == list(range(self.weights.shape[0]))
+        return self.states_after_at(index, at, initial, every)
+
+    def states_after_at(
+        self, index: torch.Tensor, at: torch.Tensor, initial: torch.Tensor, every: bool = False
+    ) -> torch.Tensor:
+        """`write_states_after` with the trees and their nodes on the device (`index`, `at`
+        [n]; `every`: `index` is every tree in order): a static commit's (engine/tree_passes.py),
+        the same calls whatever they are; `initial` [n, H, Dk, Dv] their states before."""
         keys, writes = (
             (t if every else t.index_select(0, index)) for t in (self.keys, self.writes)
         )

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -514,11 +514,14 @@ class BatchOutputs:
     """A batched pass's outputs: each segment's logits (its last token's for a prefill piece,
     every token's for a verify), and the requested layers' outputs of every row of the pass
     (None: none requested) with each segment's rows of them. The rows stay together so a
-    step's kept ones are gathered in one call (engine/scheduler.py)."""
+    step's kept ones are gathered in one call (engine/scheduler.py). A static tree step's
+    verifies commit by its own pass (engine/tree_passes.py)."""
 
     logits: list[torch.Tensor]
     hidden: torch.Tensor | None
     rows: list[slice]
+    commit: Callable[[list[tuple[Any, list[int]]]], None] | None = None  # how its verifies
+    # commit, given (cache, accepted path) pairs: None, the target's `commit_batch`
 
     def features(self, index: int) -> torch.Tensor | None:
         """Segment `index`'s rows of `hidden` (a view)."""

@@ -204,10 +204,8 @@ class TreeWindows:
     def commit(self, nodes: list[int], states: list[RecurrentState]) -> None:
         """Install in states[i] the conv state after node nodes[i] (a row of `taps`), all at
         once."""
-        ends = self.taps.index_select(0, self.indices.of(tuple(nodes)))[:, 1:]
-        picked = self.rows.index_select(0, ends.reshape(-1))  # [n * (K-1), C]
-        windows = picked.view(len(nodes), -1, self.rows.shape[1]).transpose(1, 2)
-        install(states, conv=windows)
+        nodes_at = self.indices.of(tuple(nodes))
+        install(states, conv=windows_after(self.rows, self.taps, nodes_at))
 
 
 @dataclass(frozen=True)
@@ -225,8 +223,7 @@ class PendingRecurrence:
 
     parents: torch.Tensor | np.ndarray | None  # [T], what commit checks a path against (a
     # batched pass's trees: on the host; None after forward_static: the tree is on the host)
-    conv_inputs: torch.Tensor | None  # [T, C] the new conv state is built from the accepted
-    # ones (None: a static tree step's, read from its `windows`)
+    conv_inputs: torch.Tensor  # [T, C] the new conv state is built from the accepted ones
     conv_outputs: torch.Tensor | None = None  # [T, C]  replay: delta-rule inputs, with g and beta
     g: torch.Tensor | None = None  # [T, Hv]
     beta: torch.Tensor | None = None  # [T, Hv]
@@ -701,24 +698,46 @@ def trees_taps(parents: list[np.ndarray], kernel: int) -> np.ndarray:  # [sum T_
     return np.stack(taps[::-1], axis=1)
 
 
-def static_trees_pending(
+def windows_after(
+    rows: torch.Tensor,  # [N, C] several trees' conv rows (`trees_taps`)
+    taps: torch.Tensor,  # [sum T_i, K] each node's window, rows of `rows`
+    nodes: torch.Tensor,  # [n] nodes (rows of `taps`), on the device
+) -> torch.Tensor:  # [n, C, K-1]
+    """The conv state after each of `nodes`: its window but the oldest input."""
+    ends = taps.index_select(0, nodes)[:, 1:]
+    picked = rows.index_select(0, ends.reshape(-1))  # [n * (K-1), C]
+    return picked.view(nodes.shape[0], -1, rows.shape[1]).transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class TreeEnds:
+    """Where a static tree step's commit (`commit_trees_at`) ends each tree, in device
+    buffers: row j installs in state slot `slots[j]` the state after node `lasts[j]` of tree
+    `trees[j]` of the pass. Rows past the step's commits repeat its first (the same values
+    written to its slot again)."""
+
+    trees: torch.Tensor  # [S]
+    lasts: torch.Tensor  # [S]
+    slots: torch.Tensor  # [S]
+
+
+def commit_trees_at(
     kept: tuple[torch.Tensor, ...],  # a GDN layer's `trees_at`: conv rows, the factors
-    states: list[RecurrentState],  # the step's sequences' own, the first trees of the pass
-    parents: list[np.ndarray],  # their trees' parents [T_i], on the host
+    slots: StateSlots,
     taps: torch.Tensor,  # [S * W, K] the pass's node windows
-    indices: DeviceIndices,  # the step's, shared by its layers' commits
-) -> list[PendingRecurrence]:
-    """What `commit_many` reads of a static tree step's layer for each sequence: its tree's
-    conv windows among the pass's, and its state after any node from the stacked factors."""
+    ends: TreeEnds,
+) -> None:
+    """`commit_many` of a static tree step's GDN layer with static shapes (a CUDA graph a
+    bucket: engine/tree_passes.py): each row's conv window and delta-rule state after its
+    tree's last accepted node, built from what the pass kept and the committed state, written
+    at its slot."""
     rows, *factors = kept
-    stack, width = SolvedPiece(tuple(factors), None), factors[0].shape[-1]
-    windows = TreeWindows(rows, taps, indices)
-    pendings = []
-    for i, (state, tree) in enumerate(zip(states, parents, strict=True)):
-        pending = PendingRecurrence(parents=tree, conv_inputs=None, windows=(windows, i * width))
-        pending.tree_states = TreeStates([SolvedPiece(None, state.recurrent, (stack, i))], width)
-        pendings.append(pending)
-    return pendings
+    nodes = ends.trees * factors[0].shape[-1] + ends.lasts
+    windows = windows_after(rows, taps, nodes)
+    initial = slots.recurrent.index_select(0, ends.slots)
+    after = SolvedPiece(tuple(factors), None).states_after_at(ends.trees, ends.lasts, initial)
+    slots.conv.index_copy_(0, ends.slots, windows)
+    slots.recurrent.index_copy_(0, ends.slots, after)
 
 
 def conv_at_taps(

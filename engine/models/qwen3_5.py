@@ -68,12 +68,13 @@ from engine.models.gated_deltanet import (
     PendingRecurrence,
     RecurrentState,
     StateStrategy,
+    TreeEnds,
     TreesLayout,
     choose_keep,
+    commit_trees_at,
     conv_taps,
     factored_fits,
     pending_from,
-    static_trees_pending,
     trees_layout,
 )
 from engine.transfer import DeviceIndices, on_device, to_device
@@ -527,29 +528,20 @@ class Qwen3_5Model(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:
         """`forward_steps` of a static tree step (`inputs.trees`: S trees of W nodes, each
         row a node): logits [S * W, V], the requested layers' outputs and what each GDN layer
-        keeps for commit (`pend_trees`); nothing committed. (A plain step keeps nothing.)"""
+        keeps for commit (`commit_trees`); nothing committed. (A plain step keeps nothing.)"""
         h = self.embed_tokens(inputs.ids)
         cos, sin = self.rotary.tables(inputs.positions, h.dtype)
         tree = TreePass(None, inputs.positions[:0], inputs, cos, sin, self.rotary, steps=inputs)
         h, hidden = self._layers(h, tree, hidden_layers)
         return self._logits(h), hidden, tuple(tree.pending)
 
-    def pend_trees(
-        self, caches: list[HybridCache], parents: list[np.ndarray], kept: tuple, inputs: StepInputs
-    ) -> None:
-        """After `forward_trees`: each of `caches` (the step's sequences, its first trees) left
-        pending what its GDN layers kept, for `commit_batch` (`parents`: their trees' on the
-        host)."""
-        indices = DeviceIndices(self.embed_tokens.weight.device)  # every layer's commit's
-        for cache in caches:
-            cache.pending = []
-        for slot, layer in enumerate(kept):
-            states = [cache.recurrent[slot] for cache in caches]
-            taps = inputs.trees.taps
-            for cache, pending in zip(
-                caches, static_trees_pending(layer, states, parents, taps, indices), strict=True
-            ):
-                cache.pending.append(pending)
+    def commit_trees(self, inputs: StepInputs, kept: tuple, ends: TreeEnds) -> None:
+        """After `forward_trees`: each GDN layer's states after the trees' accepted paths,
+        from what it kept (`commit_trees_at`, static shapes). The K/V are the caller's
+        (`commit_paths`)."""
+        taps = inputs.trees.taps
+        for slots, layer in zip(inputs.slots, kept, strict=True):
+            commit_trees_at(layer, slots, taps, ends)
 
     def _segment_pass(self, segment: Segment, visible: torch.Tensor | None) -> TreePass:
         """What one segment's GDN layers read of a batched pass: its cache, tree and mode

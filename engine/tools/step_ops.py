@@ -37,6 +37,7 @@ import statistics
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from types import ModuleType
@@ -46,7 +47,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from engine import kernels
 from engine.cache_pool import CachePool
-from engine.decode import GenerationConfig, _Sequence
+from engine.decode import GenerationConfig, StaticPass, _Sequence
 from engine.methods import METHODS
 from engine.models import common, load_drafter, load_target
 from engine.models.common import Segment
@@ -70,6 +71,7 @@ def parts(target, graphs: bool) -> dict[str, tuple[object, str, Callable[..., bo
     static = {
         "plain_step_pass": (StepPasses, "run", None),
         "tree_step_pass": (TreePasses, "run", None),
+        "tree_step_commit": (TreePasses, "commit", None),
     }
     return {
         "step": (Scheduler, "step", None),
@@ -159,8 +161,11 @@ def graphed(scheduler: Scheduler) -> None:
 
 
 def _replayed(filled: Callable, *args):
-    made = filled(*args)  # a StaticPass, or (a StaticPass, its inputs)
-    return (Replay(made[0]), made[1]) if isinstance(made, tuple) else Replay(made)
+    made = filled(*args)  # a StaticPass, or a tree step's bucket (its verify and commit)
+    if isinstance(made, StaticPass):
+        return Replay(made)
+    commit = made.commit and Replay(made.commit)
+    return replace(made, verify=Replay(made.verify), commit=commit)
 
 
 @contextmanager

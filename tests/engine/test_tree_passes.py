@@ -51,9 +51,9 @@ def counted_trees(sched, monkeypatch) -> list[tuple[int, int, int]]:
     filled = sched.trees.filled
 
     def filling(ids, parents, caches, layers):
-        step, inputs = filled(ids, parents, caches, layers)
-        steps.append((len(ids), *inputs.trees.visible.shape[:2]))
-        return step, inputs
+        bucket = filled(ids, parents, caches, layers)
+        steps.append((len(ids), *bucket.inputs.trees.visible.shape[:2]))
+        return bucket
 
     monkeypatch.setattr(sched.trees, "filled", filling)
     return steps
@@ -152,9 +152,11 @@ def test_padding_nodes_and_rows_store_keys_in_the_padding_block_alone(pair):
     assert any(at[0] == padding for at in changed)  # the padding nodes' and row's keys
 
 
-def test_a_step_commits_as_the_eager_batched_pass_does(pair):
-    """The static step's logits and commit (its K/V moved, its GDN states built from the
-    kept factors) equal `forward_batch`'s and `commit_batch`'s on copies of the same caches."""
+@pytest.mark.parametrize("order", [[0, 1, 2], [2, 0]], ids=["all", "two-reordered"])
+def test_a_step_commits_as_the_eager_batched_pass_does(pair, order):
+    """The static step's logits and commit (its K/V moved, its GDN states built by its commit
+    pass from what it kept) equal `forward_batch`'s and `commit_batch`'s on copies of the same
+    caches, whichever of its sequences commit in whatever order."""
     target = pair[0]
     got, want = prefilled(pair, [9, 14, 5]), prefilled(pair, [9, 14, 5])
     ids, segments = segments_of(got, TREES)
@@ -164,11 +166,19 @@ def test_a_step_commits_as_the_eager_batched_pass_does(pair):
     for mine, theirs in zip(outputs.logits, expected.logits, strict=True):
         torch.testing.assert_close(mine, theirs)
     paths = [[0, 2], [0, 1, 2], [0]]
-    target.commit_batch([(cache, path) for cache, path in zip(got, paths, strict=True)])
-    target.commit_batch([(cache, path) for cache, path in zip(want, paths, strict=True)])
+    outputs.commit([(got[i], paths[i]) for i in order])
+    target.commit_batch([(want[i], paths[i]) for i in order])
     for mine, theirs in zip(got, want, strict=True):
         assert kv_of(mine).length == kv_of(theirs).length
         torch.testing.assert_close(committed(mine), committed(theirs))
+
+
+def test_a_path_off_its_tree_is_refused(pair):
+    caches = prefilled(pair, [9, 14, 5])
+    ids, segments = segments_of(caches, TREES)
+    outputs = TreePasses(pair[0], graphs=False).run(ids, segments, ())
+    with pytest.raises(ValueError):
+        outputs.commit([(caches[0], [0, 1, 2])])  # node 2's parent is the root, not node 1
 
 
 def committed(cache) -> list[torch.Tensor]:
@@ -199,24 +209,51 @@ def trees_attention(q, k_blocks, v_blocks, tables, starts, prefixes, visible, sc
 
 
 def test_a_tree_step_compiles_as_one_graph_and_serves_other_trees(pair, monkeypatch):
-    """The bucket's pass compiles whole, matches eager, and runs other sequences' trees
-    (other slots, lengths, tokens and shapes) from the same buffers without recompiling."""
+    """The bucket's verify and (a hybrid target's) commit passes compile whole, match eager,
+    and run other sequences' trees (other slots, lengths, tokens, shapes and paths) from the
+    same buffers without recompiling."""
     target, drafter = pair
     monkeypatch.setattr(kv_blocks, "paged_tree_attention", trees_attention)
     caches = prefilled(pair, [9, 14, 5, 20])
     passes, layers = TreePasses(target, graphs=False), drafter.target_layer_ids
-    ids, segments = segments_of(caches[:3], TREES)
-    parents = [np.array(p) for _, p in TREES]
-    step, _ = passes.filled(ids, parents, [s.cache for s in segments], layers)
-    want = step.run()
-    compiled = torch.compile(step.run, fullgraph=True, backend="eager")
-    assert_same(compiled(), want)
-    others = [caches[3], caches[0], caches[2]]
+    bucket = filled(passes, caches[:3], TREES, layers, [(0, 3), (1, 2), (2, 0)])
+    verify = torch.compile(bucket.verify.run, fullgraph=True, backend="eager")
+    commit = bucket.commit and torch.compile(bucket.commit.run, fullgraph=True, backend="eager")
+    assert (commit is None) == (not hasattr(target, "commit_trees"))  # a dense one has none
+    want = bucket.verify.run()
+    assert_same(verify(), want)
+    check_commit(bucket, commit, want)
     trees = [TREES[1], ([20, 21, 22, 23, 24, 25], [-1, 0, 1, 2, 0, 4]), TREES[2]]
-    ids, segments = segments_of(others, trees)
-    parents = [np.array(p) for _, p in trees]
-    again, _ = passes.filled(ids, parents, others, layers)
-    assert again is step
+    others = [caches[3], caches[0], caches[2]]
+    again = filled(passes, others, trees, layers, [(1, 5), (0, 2)])
+    assert again is bucket
     with torch.compiler.set_stance("fail_on_recompile"):
-        got = compiled()
-    assert_same(got, step.run())
+        got = verify()
+        assert_same(got, bucket.verify.run())
+        check_commit(bucket, commit, got)
+
+
+def filled(passes: TreePasses, caches: list, trees: list, layers, ends: list):
+    """`passes.filled` with `trees` on `caches`, its commit's ends (tree row, last node)."""
+    ids, segments = segments_of(caches, trees)
+    parents = [np.array(p) for _, p in trees]
+    bucket = passes.filled(ids, parents, caches, layers)
+    if bucket.commit is not None:
+        bucket.fill_ends([(row, last, caches[row]) for row, last in ends])
+    return bucket
+
+
+def check_commit(bucket, compiled, verified) -> None:
+    """The compiled commit of what `verified` kept writes the states the eager one does."""
+    if compiled is None:
+        return
+    bucket.kept[:] = [verified[2]]
+    parts = [part for rows in bucket.inputs.slots for part in (rows.conv, rows.recurrent)]
+    before = [part.clone() for part in parts]
+    bucket.commit.run()
+    want = [part.clone() for part in parts]
+    for part, saved in zip(parts, before, strict=True):
+        part.copy_(saved)
+    compiled()
+    assert_same(parts, want)
+    assert any(not torch.equal(now, then) for now, then in zip(parts, before, strict=True))

@@ -95,6 +95,7 @@ def test_graphs_count_each_static_pass_as_one_replay():
     assert "tree_step_pass" not in eager["ops"]
     assert graphed["calls"]["tree_step_pass"] > 0 and graphed["tokens"] == eager["tokens"]
     assert graphed["ops"]["tree_step_pass"] < eager["ops"]["decode_pass"] / 4
+    assert graphed["ops"]["tree_step_commit"] < eager["ops"]["cache_commit"] / 2
     assert graphed["ops"]["decode_step"] < eager["ops"]["decode_step"] * 3 / 4
 
 
