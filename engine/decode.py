@@ -39,6 +39,7 @@ over a fixed window of cache slots; on CUDA each is captured once as a CUDA grap
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -51,6 +52,7 @@ import torch
 
 from engine.cache_pool import CachePool, chunk_bounds
 from engine.grammar import Constraint, Guide, mask_logits
+from engine.memory_plan import is_out_of_memory
 from engine.methods import METHODS, TREE_METHODS
 from engine.models.common import key_window
 from engine.models.dflash import DraftInputs
@@ -79,6 +81,8 @@ from engine.tree import (
     unpack_pass,
     walk,
 )
+
+log = logging.getLogger(__name__)
 
 STAGES = ("prefill", "draft", "tree", "verify", "commit")
 # A sequence's kept features are joined once it holds this many rounds' pieces (`keep`). A
@@ -170,7 +174,10 @@ class StaticPass:
     in `memory` (a graph memory pool, shared by passes of which one runs at a time) if given.
     The first call runs it once before capturing (Triton compiles, the allocator settles); a
     pass that `commits` (writes state it also reads: engine/step_passes.py) returns that run's
-    outputs instead of replaying, so every call runs it once (a capture runs nothing)."""
+    outputs instead of replaying, so every call runs it once (a capture runs nothing). A pass
+    CUDA cannot capture (an op that is not graph-safe there) is logged once and runs eagerly
+    from then on: the run before the capture did the call's work, so nothing is lost; running
+    out of memory while capturing is raised as it is (the caller's to handle)."""
 
     def __init__(
         self,
@@ -192,21 +199,31 @@ class StaticPass:
             return self.run()
         if self.graph is None:
             warm = self._capture()
-            if self.commits:
+            if self.commits or self.graph is None:
                 return warm
         self.graph.replay()
         return self.outputs
 
     def _capture(self) -> Any:
-        """Run once on a side stream, then capture; the run's outputs."""
+        """Run once on a side stream, then capture (`graph` None and `graphs` off if CUDA
+        cannot); the run's outputs."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             warm = self.run()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.memory):
-            self.outputs = self.run()
+        try:
+            with torch.cuda.graph(self.graph, pool=self.memory):
+                self.outputs = self.run()
+        except Exception as error:
+            if is_out_of_memory(error):
+                self.graph = None
+                raise
+            log.warning(
+                "a static pass could not be captured as a CUDA graph, so it runs eagerly: %s", error
+            )
+            self.graph, self.graphs, self.outputs = None, False, None
         return warm
 
 

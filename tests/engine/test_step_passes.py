@@ -212,41 +212,71 @@ def test_with_trees_beside_them_preemption_and_the_prefix_cache_outputs_equal_so
     assert sched.preemptions >= 1 and steps
 
 
+class FakeCUDA:
+    """CUDA's streams and graphs faked: what a static pass runs is counted in `ran` ("run",
+    "replay"); a capture raises `failure` if set."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.ran: list[str] = []
+        self.capturing: list[bool] = []
+        self.failure: Exception | None = None
+        fake = self
+
+        class Graph:
+            def replay(self) -> None:
+                fake.ran.append("replay")
+
+        class Stream:
+            def wait_stream(self, other) -> None:
+                pass
+
+        @contextlib.contextmanager
+        def graph(_, pool=None):
+            self.capturing.append(True)
+            try:
+                yield
+                if self.failure is not None:
+                    raise self.failure
+            finally:
+                self.capturing.pop()
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+        monkeypatch.setattr(torch.cuda, "stream", lambda _: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", graph)
+
+    def run(self) -> str:
+        if not self.capturing:
+            self.ran.append("run")
+        return "captured" if self.capturing else "warm"
+
+
 @pytest.mark.parametrize("commits", [True, False], ids=["commits", "pure"])
 def test_a_pass_that_commits_runs_once_on_the_call_that_captures_it(commits, monkeypatch):
     """On CUDA a pass's first call runs it, then captures it (a capture runs nothing). One
     that commits as it runs (a plain step's GDN states) returns that run's outputs and does
-    not replay the capture too: its states are stepped once. Later calls replay. (CUDA's
-    streams and graphs faked: what runs is counted.)"""
-    ran: list[str] = []
-    capturing: list[bool] = []
-
-    class Graph:
-        def replay(self) -> None:
-            ran.append("replay")
-
-    class Stream:
-        def wait_stream(self, other) -> None:
-            pass
-
-    @contextlib.contextmanager
-    def graph(_, pool=None):
-        capturing.append(True)
-        yield
-        capturing.pop()
-
-    def run() -> str:
-        if not capturing:
-            ran.append("run")
-        return "captured" if capturing else "warm"
-
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda _: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "graph", graph)
-    step = StaticPass(run, {}, graphs=True, commits=commits)
+    not replay the capture too: its states are stepped once. Later calls replay."""
+    cuda = FakeCUDA(monkeypatch)
+    step = StaticPass(cuda.run, {}, graphs=True, commits=commits)
     assert step() == ("warm" if commits else "captured")
-    assert ran == (["run"] if commits else ["run", "replay"])
-    ran.clear()
-    assert step() == "captured" and ran == ["replay"]
+    assert cuda.ran == (["run"] if commits else ["run", "replay"])
+    cuda.ran.clear()
+    assert step() == "captured" and cuda.ran == ["replay"]
+
+
+@pytest.mark.parametrize("commits", [True, False], ids=["commits", "pure"])
+def test_a_pass_cuda_cannot_capture_runs_eagerly_from_then_on(commits, monkeypatch, caplog):
+    """A capture that fails (an op CUDA cannot capture) costs nothing: the call returns the
+    run before it, once, and later calls run eagerly; the failure is logged once. Running out
+    of memory while capturing is raised."""
+    cuda = FakeCUDA(monkeypatch)
+    cuda.failure = RuntimeError("operation not permitted when stream is capturing")
+    step = StaticPass(cuda.run, {}, graphs=True, commits=commits)
+    assert step() == "warm" and cuda.ran == ["run"]
+    assert step() == "warm" and cuda.ran == ["run", "run"]
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "runs eagerly" in caplog.records[0].getMessage()
+    cuda.failure = torch.cuda.OutOfMemoryError("CUDA out of memory")
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        StaticPass(cuda.run, {}, graphs=True, commits=commits)()
