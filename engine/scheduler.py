@@ -19,7 +19,8 @@ share with one prefix cache, engine/kv_blocks.py). Each `step`:
   pass    one `target.forward_batch` over every segment (engine/models/common.py `Segment`);
           on CUDA a plain step (every round its bonus alone: `ar`, `auto` not drafting) or a
           tree step (verify rounds alone) replays its bucket's captured graph instead
-          (engine/step_passes.py, engine/tree_passes.py);
+          (engine/step_passes.py, engine/tree_passes.py), and so do the drafts
+          (engine/draft_passes.py);
   commit  each decoding sequence walks its tree with the target's choices (its own grammar,
           penalties and generator), each prefill piece is kept; tokens are emitted;
   retire  finished, stopped or cancelled sequences store what they committed in the prefix
@@ -69,6 +70,7 @@ from engine.decode import (
     _draft_width,
     _Sequence,
 )
+from engine.draft_passes import DraftPasses
 from engine.kv_blocks import PoolExhausted
 from engine.memory_plan import is_out_of_memory
 from engine.methods import TREE_METHODS
@@ -152,6 +154,7 @@ class Scheduler:
         self.options = options or {}  # GenerationConfig fields every request gets
         self.steps = _step_passes(target, pools[0], self.options.get("cuda_graphs", True))
         self.trees = TreePasses(target, True, self.steps.memory) if self.steps else None
+        self.drafts = _draft_passes(drafter, target, pools[0], self.steps)
         if len(pools) > 1:  # a solo round's captured graphs would be per slot: see _solo_round
             self.options = {**self.options, "cuda_graphs": False}
         self.waiting: deque[Request | _Active] = deque()  # _Active: preempted, at the head
@@ -532,9 +535,13 @@ class Scheduler:
         return Baseline(tokens + pieces, trees_in, len(rounds) + min(len(prefills), pieces))
 
     def _draft(self, drafting: list[_Active]) -> torch.Tensor:
-        """The drafter's logits [n, B-1, V] after each sequence's bonus, from one batched pass."""
+        """The drafter's logits [n, B-1, V] after each sequence's bonus, from one batched pass
+        (by its bucket's static pass where the server has them: engine/draft_passes.py)."""
         items = [(a.seq.draft_cache, a.seq.context, a.seq.bonus) for a in drafting]
-        drafts = self.drafter.draft_batch(self.target, items)
+        if self.drafts is not None and self.drafts.takes(items):
+            drafts = self.drafts.run(items)
+        else:
+            drafts = self.drafter.draft_batch(self.target, items)
         for active in drafting:
             active.seq.context = None
         return drafts
@@ -706,6 +713,16 @@ def _step_passes(target, pool: CachePool, graphs: bool) -> StepPasses | None:
         return None
     pool.target_blocks.padding_block()
     return StepPasses(target, graphs=True)
+
+
+def _draft_passes(drafter, target, pool: CachePool, steps: StepPasses | None) -> DraftPasses | None:
+    """Static passes for the drafts, captured as CUDA graphs beside the steps' (in their memory
+    pool): where those are, with a drafter over paged caches. Their padding block is taken
+    now, while the drafter pool's storage may still grow by it."""
+    if steps is None or drafter is None or pool.draft_blocks is None:
+        return None
+    pool.draft_blocks.padding_block()
+    return DraftPasses(drafter, target, True, steps.memory)
 
 
 def _tops(drafting: list[_Active], drafts: torch.Tensor) -> dict[int, TopK]:

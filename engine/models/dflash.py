@@ -107,6 +107,20 @@ class DraftInputs:
     bonus: torch.Tensor  # [] the block's first token
 
 
+@dataclass(frozen=True)
+class DraftSteps:
+    """What `draft_steps` reads, all in device buffers (engine/draft_passes.py): S sequences'
+    contexts padded to C rows each and their blocks of B."""
+
+    context: torch.Tensor  # [S * C, n*H] target features; a sequence's first rows are real
+    context_positions: torch.Tensor  # [S * C] each row's RoPE position
+    context_slots: torch.Tensor  # [S * C] the pool slots their K/V are stored at
+    ids: torch.Tensor  # [S * B] each block: its bonus, then mask tokens
+    positions: torch.Tensor  # [S * B] the block's RoPE positions, right after its context
+    pool: KVBlockPool  # the one the sequences' block tables index
+    layouts: dict  # causal -> kv_blocks.PagedSequences of the blocks (pending at their slots)
+
+
 class DraftLayer(nn.Module):
     def __init__(self, cfg: DFlashConfig, rotary: Rotary) -> None:
         super().__init__()
@@ -298,6 +312,26 @@ class DFlashDrafter(nn.Module):
             block = passes[self.config.attention_kind(index)[0]]
             x = layer.finish(x, block.attend(None, index, q, k, v, self._scale))
         drafted = x.unflatten(0, (len(items), B))[:, 1:]  # every block but its bonus
+        return self._logits(target, drafted)
+
+    @torch.no_grad()
+    def draft_steps(self, target: nn.Module, inputs: DraftSteps) -> torch.Tensor:
+        """`draft_batch` with static shapes (a CUDA graph a bucket: engine/draft_passes.py):
+        every context's K/V stored at its slots, every block attending its own sequence's keys
+        in one paged launch a layer. Returns the logits [S, B-1, V] (float32); the caller
+        advances each cache's length past its context."""
+        ctx = self.hidden_norm(self.fc(inputs.context.to(self.fc.weight.dtype)))
+        context_rope = self._positions_rope(inputs.context_positions)
+        rope = self._positions_rope(inputs.positions)
+        x = self._embed(target, inputs.ids)  # [S * B, H]
+        for index, layer in enumerate(self.layers):
+            inputs.pool.store(
+                index, inputs.context_slots, *layer.self_attn.key_values(ctx, context_rope)
+            )
+            q, k, v = layer.block_qkv(x, rope)
+            block = inputs.layouts[self.config.attention_kind(index)[0]]
+            x = layer.finish(x, block.attend(inputs.pool, index, q, k, v, self._scale))
+        drafted = x.unflatten(0, (-1, self.block_size))[:, 1:]  # every block but its bonus
         return self._logits(target, drafted)
 
     def _write_contexts(self, items: list[tuple[KVCache, torch.Tensor]]) -> None:

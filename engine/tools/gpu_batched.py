@@ -15,8 +15,9 @@ and the verify cost table: the median time of every decode pass (no prefill piec
 engine/budgets.py); "solo", the verify of a sequence decoding alone, which the scheduler runs
 by generate()'s static passes (CUDA graphs); "graphed", a plain step of n sequences (every
 one its token alone: ar) or a tree step (engine/tree_passes.py) replayed as its bucket's CUDA
-graph (engine/step_passes.py). On CUDA ar and the tree methods also run with those graphs off
-("ar eager", "ddtree:15 eager": `forward_batch`), to show what they save.
+graph (engine/step_passes.py). On CUDA ar and the tree methods also run with those graphs and
+the drafts' (engine/draft_passes.py) off ("ar eager", "ddtree:15 eager": `forward_batch`,
+`draft_batch`), to show what they save.
 CUDA events on the stream, so nothing waits for them; the CPU's clock elsewhere. Each figure is also given at Qwen3.6-27B's 64 layers,
 from the straight line through the two stacks (per layer; the drafter is in the intercept).
 And the host syncs of a step while max(concurrency) sequences decode, the most of any step
@@ -234,14 +235,14 @@ def measure(target, drafter, methods, concurrency, prefix: int, new_tokens: int)
             cfg = method_config(method, new_tokens)
             for level in concurrency:
                 runs[method, level] = run_batch(scheduler, cfg, prompts[:level])
-        if scheduler.steps is not None:  # ar's and the trees' steps not graphed
-            graphed = scheduler.steps, scheduler.trees
-            scheduler.steps = scheduler.trees = None
+        if scheduler.steps is not None:  # the steps and the drafts not graphed
+            graphed = scheduler.steps, scheduler.trees, scheduler.drafts
+            scheduler.steps = scheduler.trees = scheduler.drafts = None
             for method in [method for method in methods if not method.startswith("auto")]:
                 cfg = method_config(method, new_tokens)
                 for level in concurrency:
                     runs[f"{method} eager", level] = run_batch(scheduler, cfg, prompts[:level])
-            scheduler.steps, scheduler.trees = graphed
+            scheduler.steps, scheduler.trees, scheduler.drafts = graphed
     most = prompts[: max(concurrency)]  # counted apart: the debug mode's checks cost time
     syncs = {m: step_syncs(scheduler, method_config(m, SYNC_TOKENS), most) for m in methods}
     return {"runs": runs, "passes": passes.table(), "syncs": syncs}

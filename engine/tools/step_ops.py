@@ -24,9 +24,10 @@ launch (kv_blocks.PagedSequences), and each call of a kernel that has a
 Triton form (the attention, RMSNorm, RoPE, SiLU-multiply: engine/kernels) one op, as its launch
 is one (the CPU's plain torch makes several; its paged attention loops over the sequences).
 A plain step (ar) and a tree step are then what they cost with their CUDA graphs off; with
-`--graphs` the scheduler runs them by their buckets' static passes (engine/step_passes.py,
-engine/tree_passes.py), each pass counted as the one op of its graph's replay: what is left is
-the host work around the graphs (filling their buffers, the drafter, the trees, the commits).
+`--graphs` the scheduler runs them and its drafts by their buckets' static passes
+(engine/step_passes.py, engine/tree_passes.py, engine/draft_passes.py), each pass counted as
+the one op of its graph's replay: what is left is the host work around the graphs (filling
+their buffers, the trees, the commits' K/V).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from engine import kernels
 from engine.cache_pool import CachePool
 from engine.decode import GenerationConfig, StaticPass, _Sequence
+from engine.draft_passes import DraftPasses
 from engine.methods import METHODS
 from engine.models import common, load_drafter, load_target
 from engine.models.common import Segment
@@ -72,6 +74,7 @@ def parts(target, graphs: bool) -> dict[str, tuple[object, str, Callable[..., bo
         "plain_step_pass": (StepPasses, "run", None),
         "tree_step_pass": (TreePasses, "run", None),
         "tree_step_commit": (TreePasses, "commit", None),
+        "draft_step_pass": (DraftPasses, "run", None),
     }
     return {
         "step": (Scheduler, "step", None),
@@ -152,11 +155,13 @@ class Replay:
 
 
 def graphed(scheduler: Scheduler) -> None:
-    """The scheduler's plain and tree steps by their buckets' static passes, as on CUDA, each
-    pass's run counted as its graph's one replay (`Replay`)."""
-    scheduler.steps = StepPasses(scheduler.target, graphs=False)
-    scheduler.trees = TreePasses(scheduler.target, graphs=False)
-    for passes in (scheduler.steps, scheduler.trees):
+    """The scheduler's plain and tree steps and its drafts by their buckets' static passes, as
+    on CUDA, each pass's run counted as its graph's one replay (`Replay`)."""
+    target, drafter = scheduler.target, scheduler.drafter
+    scheduler.steps = StepPasses(target, graphs=False)
+    scheduler.trees = TreePasses(target, graphs=False)
+    scheduler.drafts = DraftPasses(drafter, target, graphs=False) if drafter else None
+    for passes in filter(None, (scheduler.steps, scheduler.trees, scheduler.drafts)):
         passes.filled = partial(_replayed, passes.filled)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine import kv_blocks
 from engine.cache_pool import CachePool
@@ -23,6 +22,7 @@ from engine.prefix_cache import PrefixCache, has_states
 from engine.step_passes import kv_of
 from engine.tree_passes import TreePasses
 from tests.helpers import batched_requests as batch
+from tests.helpers.paged_attention import trees_attention
 from tests.helpers.static_outputs import assert_same
 from tests.helpers.tiny_pairs import KINDS, load_tiny_pair
 
@@ -187,25 +187,6 @@ def committed(cache) -> list[torch.Tensor]:
     keys = [kv.read(0, kv.length)]
     states = getattr(cache, "recurrent", [])
     return keys + [part for state in states for part in (state.conv, state.recurrent)]
-
-
-def trees_attention(q, k_blocks, v_blocks, tables, starts, prefixes, visible, scale):
-    """`paged_tree_attention` of S trees of W nodes in a fixed set of calls: every tree's
-    whole table gathered, its keys past its committed ones masked by its tree (graph-safe)."""
-    S, width = tables.shape
-    N, block = q.shape[0], k_blocks.shape[1]
-    W = N // S
-    slots = (tables[:, :, None] * block + torch.arange(block)).flatten(1)  # [S, width * block]
-    keys, values = (x.flatten(0, 1)[slots].transpose(1, 2) for x in (k_blocks, v_blocks))
-    column = torch.arange(width * block) - prefixes[:, None]  # [S, keys] past the committed
-    mine = visible.view(S, W, W).gather(2, column.clamp(0, W - 1)[:, None].expand(S, W, -1))
-    seen = (column < 0)[:, None] | (mine & (column < W)[:, None])  # [S, W, keys]
-    mask = torch.zeros(seen.shape, dtype=q.dtype).masked_fill(~seen, float("-inf"))
-    Q = q.view(S, W, *q.shape[1:]).transpose(1, 2)  # [S, Hq, W, D]
-    out = F.scaled_dot_product_attention(
-        Q, keys, values, mask[:, None], scale=scale, enable_gqa=True
-    )
-    return out.transpose(1, 2).reshape(q.shape)
 
 
 def test_a_tree_step_compiles_as_one_graph_and_serves_other_trees(pair, monkeypatch):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.decode import _Sequence
+from engine.draft_passes import DraftPasses
 from engine.scheduler import Scheduler
 from engine.step_passes import StepPasses
 from engine.tools import gpu_batched, gpu_check
@@ -99,6 +100,7 @@ def test_with_steps_graphed_each_method_runs_with_and_without_them_and_both_are_
         scheduler = Scheduler(*args, **kwargs)
         scheduler.steps = StepPasses(target, graphs=False)
         scheduler.trees = TreePasses(target, graphs=False)
+        scheduler.drafts = DraftPasses(drafter, target, graphs=False)
         return scheduler
 
     monkeypatch.setattr(gpu_batched, "Scheduler", with_steps)
