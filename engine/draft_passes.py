@@ -18,8 +18,10 @@ padding sequences are dropped.
 
 Memory: per bucket, its buffers (S * (2C + 3B + 1 + T) int64s, T the table width, and S * C
 feature rows: at Qwen3.6-27B, five taps of 5,120 in bf16, 50 KiB a row, 12.5 MiB at S = 16,
-C = 16); on CUDA the graphs share the steps' memory pool, where the largest holds its logits
-(S x (B-1) x 248,320 float32s: 227 MiB at S = 16, B = 16).
+C = 16). On CUDA the graphs share the steps' memory pool; each holds its output, the blocks'
+last rows (S x (B-1) x 5,120 bf16s at Qwen3.6-27B: 2.3 MiB at S = 16), whose logits are made
+after the replay, outside the graph: held by every bucket, they would be S x (B-1) x 248,320
+float32s each (227 MiB at S = 16; ~3 GiB over the 35 buckets of S and C).
 """
 
 from __future__ import annotations
@@ -58,13 +60,14 @@ class DraftPasses:
         rows = [0 if context is None else context.shape[0] for _, context, _ in items]
         return 0 < min(rows) and max(rows) <= MAX_CONTEXT
 
+    @torch.no_grad()
     def run(self, items: list[tuple[PagedKVCache, torch.Tensor, int]]) -> torch.Tensor:
         """The drafter's logits [n, B-1, V] after each item's bonus (`takes`); each cache's
         context committed, its block left pending, as `draft_batch` leaves them."""
-        drafts = self.filled(items)()
+        drafted = self.filled(items)()
         for cache, context, _ in items:
             cache.length += context.shape[0]
-        return drafts[: len(items)]
+        return self.drafter.logits(self.target, drafted[: len(items)])
 
     def filled(self, items: list[tuple[PagedKVCache, torch.Tensor, int]]) -> StaticPass:
         """The drafts' bucket's pass, its buffers holding their values (sent, not waited for):

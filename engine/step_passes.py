@@ -111,20 +111,62 @@ class StepPasses:
 
 class PassesByStorage:
     """Static passes by key, over one KV block pool: all made again when its storage moved
-    (on the CPU it grows by doubling), as every pass read the old storage."""
+    (on the CPU it grows by doubling), as every pass read the old storage, or when the
+    `arena` their outputs are held in did (`KeptArena`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, arena: KeptArena | None = None) -> None:
         self._passes: dict[tuple, Any] = {}
-        self._storage: int | None = None  # the pool storage the passes were made over
+        self._storage: tuple | None = None  # the storage the passes were made over
+        self.arena = arena
 
     def get(self, key: tuple, pool, build: Callable[[], Any]) -> Any:
-        storage = pool.k.data_ptr()
+        storage = (pool.k.data_ptr(), self.arena.generation if self.arena else 0)
         if storage != self._storage:
             self._passes.clear()
             self._storage = storage
         if key not in self._passes:
             self._passes[key] = build()
         return self._passes[key]
+
+
+ALIGN = 256  # bytes: where each tensor a `KeptArena` holds starts
+
+
+class KeptArena:
+    """One device buffer that every bucket of a kind of static pass writes its large outputs
+    into, as views in order (a tree step's GDN factors: engine/tree_passes.py), so the buckets
+    share that memory instead of each capture holding its own: one step replays at a time and
+    what it leaves is read before the next (its commit). Sized for the largest bucket so far:
+    it grows (doubling) in the run before a capture, never under one; `generation` counts the
+    growths, and the passes over an older buffer are made again (`PassesByStorage`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.storage = torch.empty(0, dtype=torch.uint8, device=device)
+        self.generation = 0
+        self._offset = 0
+
+    def begin(self) -> None:
+        """A pass starts: its outputs are laid from the buffer's start."""
+        self._offset = 0
+
+    def hold(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Copies of `tensors` in the buffer, after the pass's earlier ones."""
+        held = []
+        for tensor in tensors:
+            start = -(-self._offset // ALIGN) * ALIGN
+            self._offset = start + tensor.numel() * tensor.element_size()
+            if self._offset > self.storage.numel():
+                self._grow(self._offset)
+            view = self.storage[start : self._offset].view(tensor.dtype).view(tensor.shape)
+            held.append(view.copy_(tensor))
+        return tuple(held)
+
+    def _grow(self, needed: int) -> None:
+        if self.storage.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a kept arena cannot grow while a CUDA graph is captured")
+        size = max(needed, 2 * self.storage.numel())
+        self.storage = torch.empty(size, dtype=torch.uint8, device=self.storage.device)
+        self.generation += 1
 
 
 def on_shared_blocks(segments: Sequence[Segment]) -> bool:

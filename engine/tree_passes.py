@@ -23,10 +23,14 @@ positions, pool slots, committed lengths, state slots, block tables, conv window
 masks); a tree step has no host read.
 
 Memory: per bucket, its buffers (S * (W * (3 + K) + 2 + T) int64s and S * W * W bools, T the
-table width: 37 KiB at S = 16, W = 16 and 32k-token slots). On CUDA the tree graphs share the
-plain steps' memory pool, so what they hold is the largest bucket's pass: its logits (S * W x
-248,320 float32s at Qwen3.6-27B: 242.5 MiB at S = 16, W = 16) and every GDN layer's kept
-factors and conv rows (the memory plan's verify share, 91.2 MiB a sequence).
+table width: 37 KiB at S = 16, W = 16 and 32k-token slots). On CUDA the graphs share the plain
+steps' memory pool, which holds one pass's activations at a time. A capture holds its outputs
+for its life, so the large ones are not each bucket's own: the logits are made after the
+replay, outside the graph (held by every bucket, at Qwen3.6-27B they would be S * W x 248,320
+float32s each: 242.5 MiB at S = 16, W = 16), and the GDN layers' kept factors and conv rows are
+copied, layer by layer, into one `KeptArena` every bucket shares, sized for the largest so far
+(58.9 MB a tree of 16 at Qwen3.6-27B: 942 MB at S = 16, within the memory plan's verify share
+of 91.2 MiB a sequence; each bucket's own would be ~1.8 GB over S = 1..16 at W = 16).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from engine.kv_blocks import PagedKVCache, PagedSequences, commit_paths
 from engine.models.common import BatchOutputs, Segment, StepInputs, segment_parents
 from engine.models.gated_deltanet import StaticTrees, TreeEnds, trees_taps
 from engine.models.qwen3_5 import check_root_to_node_path
-from engine.step_passes import PassesByStorage, kv_of, on_shared_blocks, states_of
+from engine.step_passes import KeptArena, PassesByStorage, kv_of, on_shared_blocks, states_of
 from engine.transfer import staged
 from engine.tree import depths_and_mask
 
@@ -59,7 +63,8 @@ class TreePasses:
         self.target, self.graphs, self.memory = target, graphs, memory
         self.device = target.embed_tokens.weight.device
         self.kernel = getattr(target.config, "linear_conv_kernel_dim", 0) if _hybrid(target) else 0
-        self._passes = PassesByStorage()
+        self.arena = KeptArena(self.device)  # the buckets' GDN factors, shared
+        self._passes = PassesByStorage(self.arena)
 
     def takes(self, segments: Sequence[Segment]) -> bool:
         """Whether `segments` are a tree step these passes run: verify rounds only, one with
@@ -73,6 +78,7 @@ class TreePasses:
         width = _width(max(counts))
         return all(_room(kv_of(segment.cache)) >= width for segment in segments)
 
+    @torch.no_grad()
     def run(
         self, ids: list[np.ndarray], segments: Sequence[Segment], hidden_layers: Sequence[int]
     ) -> BatchOutputs:
@@ -81,7 +87,8 @@ class TreePasses:
         caches = [segment.cache for segment in segments]
         parents = [segment_parents(segment) for segment in segments]
         bucket = self.filled(ids, parents, caches, hidden_layers)
-        logits, hidden, kept = bucket.verify()
+        last, hidden, kept = bucket.verify()
+        logits = self.target.logits(last)  # outside the graph: no bucket holds its own
         bucket.kept[:] = [kept]
         width = bucket.inputs.trees.visible.shape[1]
         rows = [slice(i * width, i * width + len(tree)) for i, tree in enumerate(parents)]
@@ -152,9 +159,9 @@ class TreePasses:
         starts = torch.arange(0, nodes + 1, W, device=self.device)
         layout = PagedSequences(pending, tables, starts, prefixes, visible.view(nodes, W))
         slots = tuple(state.slots for state in states_of(cache))
-        trees = StaticTrees(visible.view(S, W, W), taps)
+        trees = StaticTrees(visible.view(S, W, W), taps, self.arena)
         inputs = StepInputs(ids, positions, layout, pool, states, slots, trees)
-        run = lambda: self.target.forward_trees(inputs, layers)  # noqa: E731
+        run = partial(self._verify, inputs, layers)
         verify = StaticPass(run, {"flat": flat, "visible": visible}, self.graphs, self.memory)
         bucket = _Bucket(
             verify, inputs, None, [], torch.zeros(3 * S, dtype=torch.long, device=self.device)
@@ -165,6 +172,10 @@ class TreePasses:
             buffers = {"ends": bucket.ends}
             bucket.commit = StaticPass(commit, buffers, self.graphs, self.memory, commits=True)
         return bucket
+
+    def _verify(self, inputs: StepInputs, layers: tuple) -> tuple:
+        self.arena.begin()
+        return self.target.forward_trees(inputs, layers)
 
 
 @dataclass

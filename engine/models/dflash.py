@@ -273,7 +273,7 @@ class DFlashDrafter(nn.Module):
                 attn = masked_attention(q, keys[first:], values[first:], visible, self._scale)
             x = layer.finish(x, attn)
         cache.length = start
-        return self._logits(target, x[1:])
+        return self.logits(target, x[1:])
 
     @torch.no_grad()
     def draft_batch(
@@ -312,14 +312,15 @@ class DFlashDrafter(nn.Module):
             block = passes[self.config.attention_kind(index)[0]]
             x = layer.finish(x, block.attend(None, index, q, k, v, self._scale))
         drafted = x.unflatten(0, (len(items), B))[:, 1:]  # every block but its bonus
-        return self._logits(target, drafted)
+        return self.logits(target, drafted)
 
     @torch.no_grad()
     def draft_steps(self, target: nn.Module, inputs: DraftSteps) -> torch.Tensor:
         """`draft_batch` with static shapes (a CUDA graph a bucket: engine/draft_passes.py):
         every context's K/V stored at its slots, every block attending its own sequence's keys
-        in one paged launch a layer. Returns the logits [S, B-1, V] (float32); the caller
-        advances each cache's length past its context."""
+        in one paged launch a layer. Returns the blocks' last rows [S, B-1, H] but their
+        bonuses' (their logits: `logits`, made outside a captured graph so that no bucket
+        holds its own); the caller advances each cache's length past its context."""
         ctx = self.hidden_norm(self.fc(inputs.context.to(self.fc.weight.dtype)))
         context_rope = self._positions_rope(inputs.context_positions)
         rope = self._positions_rope(inputs.positions)
@@ -331,8 +332,7 @@ class DFlashDrafter(nn.Module):
             q, k, v = layer.block_qkv(x, rope)
             block = inputs.layouts[self.config.attention_kind(index)[0]]
             x = layer.finish(x, block.attend(inputs.pool, index, q, k, v, self._scale))
-        drafted = x.unflatten(0, (-1, self.block_size))[:, 1:]  # every block but its bonus
-        return self._logits(target, drafted)
+        return x.unflatten(0, (-1, self.block_size))[:, 1:]  # every block but its bonus
 
     def _write_contexts(self, items: list[tuple[KVCache, torch.Tensor]]) -> None:
         """Every sequence's context K/V behind its cache's tokens: a round's few rows of all
@@ -395,7 +395,7 @@ class DFlashDrafter(nn.Module):
             cache.store_at(index, context_slots, k[:W], v[:W])  # before the block's: padding
             block = passes[self.config.attention_kind(index)[0]]  # rows may share its slots
             x = layer.finish(x, block.attend(cache, index, q, k[W:], v[W:], self._scale))
-        return self._logits(target, x[1:])
+        return self.logits(target, x[1:])
 
     @torch.no_grad()
     def append_context(self, cache: KVCache, context: torch.Tensor) -> None:
@@ -422,7 +422,7 @@ class DFlashDrafter(nn.Module):
     def _embed(self, target: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return scaled(target.embed_tokens(ids), self.config.input_embedding_scale)
 
-    def _logits(self, target: nn.Module, x: torch.Tensor) -> torch.Tensor:  # float32
+    def logits(self, target: nn.Module, x: torch.Tensor) -> torch.Tensor:  # float32
         logits = cast(target.lm_head(self.norm(x)), torch.float32)
         logits = scaled(logits, self.config.output_multiplier)
         if cap := self.config.final_logit_softcapping:
@@ -472,7 +472,7 @@ class DFlashDrafter(nn.Module):
                 self._scale,
             )
             x = layer.finish(x, attn)
-        logits = self._logits(target, x)  # [..., nb*B, V]
+        logits = self.logits(target, x)  # [..., nb*B, V]
         return logits.unflatten(-2, (nb, B))[..., 1:, :]
 
 

@@ -37,7 +37,9 @@ and, their path being [0] whatever is chosen, write them back with one scatter a
 (`single_steps`; a static step's at device indices, `steps_at`: engine/step_passes.py, a CUDA
 graph a bucket), so the pass holds one layer's copies at a time; `commit_many` installs what a
 pass's trees leave (their conv windows, their stacked states built from the committed ones)
-with one scatter a layer instead of a copy a sequence.
+with one scatter a layer instead of a copy a sequence. A static tree step (engine/tree_passes.py,
+a CUDA graph a bucket) solves its trees stacked at their slots' device indices (`trees_at`) and
+its commit, a second graph, builds and writes their states the same way (`commit_trees_at`).
 
 `pending_bytes` gives the extra memory per round of each strategy for any config; for
 Qwen3.6-27B (48 GDN layers, bf16, 16-token verify; `python -m engine.models.gated_deltanet`):
@@ -53,7 +55,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -215,6 +217,7 @@ class StaticTrees:
 
     visible: torch.Tensor  # [S, W, W] bool each node's ancestors and itself
     taps: torch.Tensor  # [S * W, K] each node's conv window (`trees_taps`)
+    arena: Any = None  # step_passes.KeptArena each layer's kept tensors are held in
 
 
 @dataclass
@@ -408,8 +411,9 @@ class GatedDeltaNet(nn.Module):
         """`factored_mix` of a static tree step's S trees of W nodes each (engine/tree_passes.py,
         a CUDA graph a bucket): their states read at device `index`, nothing written (the
         commit builds them from what is kept). Returns the outputs [S * W, Hv, Dv] and what
-        commit reads (`static_trees_pending`): the conv rows [S * (K-1) + S * W, C], then the
-        stacked solve's factors (W [S, Hv, W, W], keys, writes, exp(G))."""
+        commit reads (`commit_trees_at`): the conv rows [S * (K-1) + S * W, C], then the
+        stacked solve's factors (W [S, Hv, W, W], keys, writes, exp(G)), held in the trees'
+        arena if they have one (so a layer's temporaries are let go as it ends)."""
         conv_inputs, beta, g = inputs
         rows, heads = self._trees_heads(slots.conv.index_select(0, index), conv_inputs, trees.taps)
         S, W = trees.visible.shape[:2]
@@ -417,7 +421,8 @@ class GatedDeltaNet(nn.Module):
         initial = slots.recurrent.index_select(0, index)
         scale = self.shape.key_dim**-0.5
         out, piece = solve_visible(q, k, v, g, beta, trees.visible, initial, scale)
-        return out.flatten(0, 1), (rows, *piece.factors)
+        kept = (rows, *piece.factors)
+        return out.flatten(0, 1), kept if trees.arena is None else trees.arena.hold(kept)
 
     def _trees_heads(
         self,
@@ -689,7 +694,7 @@ def trees_taps(parents: list[np.ndarray], kernel: int) -> np.ndarray:  # [sum T_
     sizes = [len(tree) for tree in parents]
     previous = np.arange(-1, n * window + sum(sizes) - 1)  # each row's predecessor on its path
     base = n * window
-    for i, tree in enumerate(parents):  # its tokens' rows; a root follows its last committed
+    for i, tree in enumerate(parents):  # a root follows its tree's last committed input
         previous[base : base + len(tree)] = np.where(tree >= 0, tree + base, (i + 1) * window - 1)
         base += len(tree)
     taps = [np.arange(n * window, len(previous))]

@@ -156,7 +156,7 @@ class Qwen3Model(nn.Module):
         hidden_layers: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [T, V], hidden [T, n*H]
         x, hidden = self._run(ids, cache, parents, hidden_layers)
-        return self._logits(x), hidden
+        return self.logits(x), hidden
 
     @torch.no_grad()
     def extend(
@@ -171,8 +171,8 @@ class Qwen3Model(nn.Module):
         x, hidden = self._run(ids, cache, None, hidden_layers)
         cache.advance(ids.shape[0])
         if score is not None:
-            score_positions(x, self._logits, score)
-        return self._logits(x[-1:]), hidden
+            score_positions(x, self.logits, score)
+        return self.logits(x[-1:]), hidden
 
     @torch.no_grad()
     def forward_static(
@@ -182,7 +182,7 @@ class Qwen3Model(nn.Module):
         rope = self.rotary.tables(inputs.length + inputs.depths, self.embed_tokens.weight.dtype)
         attention = WindowPass(inputs.slots(), inputs.length, inputs.visible, keys)
         x, hidden = self._layers(inputs.ids, rope, cache, attention, hidden_layers)
-        return self._logits(x), hidden, ()
+        return self.logits(x), hidden, ()
 
     @torch.no_grad()
     def forward_batch(
@@ -203,7 +203,7 @@ class Qwen3Model(nn.Module):
         for segment in segments:
             if segment.extend:
                 segment.cache.advance(segment.ids.shape[0])
-        return split_batch(self._logits, x, hidden, segments, rows)
+        return split_batch(self.logits, x, hidden, segments, rows)
 
     @torch.no_grad()
     def forward_steps(
@@ -211,19 +211,21 @@ class Qwen3Model(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [S, V], hidden
         """A batched step of one token a sequence with static shapes (`StepInputs`): each row's
         K/V stored in its own blocks (pending: commit advances past it) and its logits."""
-        rope = self.rotary.tables(inputs.positions, self.embed_tokens.weight.dtype)
-        x, hidden = self._layers(inputs.ids, rope, None, inputs, hidden_layers)
-        return self._logits(x), hidden
+        x, hidden, _ = self.forward_trees(inputs, hidden_layers)
+        return self.logits(x), hidden
 
     @torch.no_grad()
     def forward_trees(
         self, inputs: StepInputs, hidden_layers: Sequence[int] = ()
-    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:  # logits [S * W, V], hidden, kept
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:  # rows [S * W, H], hidden, kept
         """`forward_steps` of a static tree step (`inputs.trees`, a row a node: the trees'
-        masks in its layout); a dense pass keeps nothing else for commit."""
-        return (*self.forward_steps(inputs, hidden_layers), ())
+        masks in its layout) up to the final norm (their logits: `logits`, made outside a
+        captured graph); a dense pass keeps nothing else for commit."""
+        rope = self.rotary.tables(inputs.positions, self.embed_tokens.weight.dtype)
+        x, hidden = self._layers(inputs.ids, rope, None, inputs, hidden_layers)
+        return x, hidden, ()
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:  # float32; float64 stays float64
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # float32; float64 stays float64
         return cast(self.lm_head(x), compute_dtype(x.dtype))
 
     def _run(self, ids, cache: KVCache, parents, hidden_layers: Sequence[int]):

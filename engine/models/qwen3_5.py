@@ -436,7 +436,7 @@ class Qwen3_5Model(nn.Module):
         ancestors and itself. The committed state is left as it is until `commit`.
         """
         h, hidden = self._run(ids, cache, parents, hidden_layers, extend=False)
-        return self._logits(h), hidden
+        return self.logits(h), hidden
 
     @torch.no_grad()
     def forward_static(
@@ -457,7 +457,7 @@ class Qwen3_5Model(nn.Module):
             cache, inputs.parents, attention, cos, sin, self.rotary, static=inputs, taps=taps
         )
         h, hidden = self._layers(h, tree, hidden_layers)
-        return self._logits(h), hidden, tuple(tree.pending)
+        return self.logits(h), hidden, tuple(tree.pending)
 
     @torch.no_grad()
     def extend(
@@ -474,8 +474,8 @@ class Qwen3_5Model(nn.Module):
         h, hidden = self._run(ids, cache, None, hidden_layers, extend=True)
         cache.kv.advance(ids.shape[0])
         if score is not None:
-            score_positions(h, self._logits, score)
-        return self._logits(h[-1:]), hidden
+            score_positions(h, self.logits, score)
+        return self.logits(h[-1:]), hidden
 
     @torch.no_grad()
     def forward_batch(
@@ -510,7 +510,7 @@ class Qwen3_5Model(nn.Module):
                 segment.cache.kv.advance(segment.ids.shape[0])
             else:
                 segment.cache.pending = part.pending
-        return split_batch(self._logits, h, hidden, segments, rows)
+        return split_batch(self.logits, h, hidden, segments, rows)
 
     @torch.no_grad()
     def forward_steps(
@@ -519,21 +519,23 @@ class Qwen3_5Model(nn.Module):
         """A batched step of one token a sequence with static shapes (`StepInputs`): logits
         [S, V] and the requested layers' outputs. K/V are stored pending (commit advances past
         them); the GDN states are committed as it runs (each cache's `pending`: `INSTALLED`)."""
-        logits, hidden, _ = self.forward_trees(inputs, hidden_layers)
-        return logits, hidden
+        h, hidden, _ = self.forward_trees(inputs, hidden_layers)
+        return self.logits(h), hidden
 
     @torch.no_grad()
     def forward_trees(
         self, inputs: StepInputs, hidden_layers: Sequence[int] = ()
     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:
         """`forward_steps` of a static tree step (`inputs.trees`: S trees of W nodes, each
-        row a node): logits [S * W, V], the requested layers' outputs and what each GDN layer
-        keeps for commit (`commit_trees`); nothing committed. (A plain step keeps nothing.)"""
+        row a node): the last layer's rows [S * W, hidden] (their logits: `logits`, made
+        outside a captured graph so that no bucket holds its own), the requested layers'
+        outputs and what each GDN layer keeps for commit (`commit_trees`); nothing committed.
+        (A plain step keeps nothing.)"""
         h = self.embed_tokens(inputs.ids)
         cos, sin = self.rotary.tables(inputs.positions, h.dtype)
         tree = TreePass(None, inputs.positions[:0], inputs, cos, sin, self.rotary, steps=inputs)
         h, hidden = self._layers(h, tree, hidden_layers)
-        return self._logits(h), hidden, tuple(tree.pending)
+        return h, hidden, tuple(tree.pending)
 
     def commit_trees(self, inputs: StepInputs, kept: tuple, ends: TreeEnds) -> None:
         """After `forward_trees`: each GDN layer's states after the trees' accepted paths,
@@ -596,7 +598,7 @@ class Qwen3_5Model(nn.Module):
             return factored_fits(self.config.gdn_shape(), tokens, state.dtype)
         return strategy == "factored"
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
         return cast(self.lm_head(self.norm(h)), compute_dtype(h.dtype))  # float64 stays float64
 
     def _run(self, ids, cache: HybridCache, parents, hidden_layers: Sequence[int], extend: bool):

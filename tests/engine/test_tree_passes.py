@@ -19,7 +19,7 @@ from engine import kv_blocks
 from engine.cache_pool import CachePool
 from engine.models.common import Segment
 from engine.prefix_cache import PrefixCache, has_states
-from engine.step_passes import kv_of
+from engine.step_passes import ALIGN, KeptArena, kv_of
 from engine.tree_passes import TreePasses
 from tests.helpers import batched_requests as batch
 from tests.helpers.paged_attention import trees_attention
@@ -197,7 +197,11 @@ def test_a_tree_step_compiles_as_one_graph_and_serves_other_trees(pair, monkeypa
     monkeypatch.setattr(kv_blocks, "paged_tree_attention", trees_attention)
     caches = prefilled(pair, [9, 14, 5, 20])
     passes, layers = TreePasses(target, graphs=False), drafter.target_layer_ids
-    bucket = filled(passes, caches[:3], TREES, layers, [(0, 3), (1, 2), (2, 0)])
+    ends = [(0, 3), (1, 2), (2, 0)]
+    first = filled(passes, caches[:3], TREES, layers, ends)
+    first.verify.run()  # (a hybrid target's factors size the kept arena: passes made again)
+    bucket = filled(passes, caches[:3], TREES, layers, ends)
+    assert (bucket is first) == (bucket.commit is None)
     verify = torch.compile(bucket.verify.run, fullgraph=True, backend="eager")
     commit = bucket.commit and torch.compile(bucket.commit.run, fullgraph=True, backend="eager")
     assert (commit is None) == (not hasattr(target, "commit_trees"))  # a dense one has none
@@ -238,3 +242,24 @@ def check_commit(bucket, compiled, verified) -> None:
     compiled()
     assert_same(parts, want)
     assert any(not torch.equal(now, then) for now, then in zip(parts, before, strict=True))
+
+
+def test_a_kept_arena_lays_every_pass_over_the_same_memory_and_grows_by_doubling():
+    """A first pass grows it (the run before a capture); the next ones lay their copies over
+    the same memory, each aligned; a larger pass doubles it."""
+    arena = KeptArena(torch.device("cpu"))
+    small, wide = torch.arange(3.0), torch.ones(2, 2, dtype=torch.float64)
+    arena.begin()
+    arena.hold((small, wide))
+    arena.begin()
+    held = arena.hold((small, wide))
+    assert torch.equal(held[0], small) and torch.equal(held[1], wide)
+    assert held[1].data_ptr() - held[0].data_ptr() == ALIGN
+    grown = arena.generation
+    arena.begin()
+    again = arena.hold((small * 2, wide))
+    assert arena.generation == grown and again[0].data_ptr() == held[0].data_ptr()
+    size = arena.storage.numel()
+    arena.begin()
+    arena.hold((torch.zeros(size // 8 + 1, dtype=torch.float64),))
+    assert arena.generation == grown + 1 and arena.storage.numel() == 2 * size
