@@ -5,9 +5,9 @@ context K/V written, then its block of B attending its own keys) is, once tree s
 graphs (engine/tree_passes.py), most of what is left of a decoding step's host work: ~390 of
 ~490 aten ops a step of 16 ddtree:15 sequences at Qwen3.6-27B's layout (engine/NOTES.md). Here
 it runs as `draft_steps` over `DraftSteps` of S sequences, each context padded to C rows: S
-the power of two at or above the step's drafting sequences, C the power of two at or above its
-longest context (the tokens each committed since its last draft, up to MAX_CONTEXT; a longer
-one, a prompt's after its prefill, drafts eagerly). The contexts are gathered into the
+the power of two at or above the step's drafting sequences (at most `--max-num-seqs`), C the
+power of two at or above its longest context (the tokens each committed since its last draft,
+up to MAX_CONTEXT; a longer one, a prompt's after its prefill, drafts eagerly). The contexts are gathered into the
 bucket's buffer on the device (one concatenation and one indexed copy); the rest is one copy
 from the host (positions, pool slots, bonuses, committed lengths, block tables).
 
@@ -32,7 +32,7 @@ import torch
 from engine.decode import StaticPass
 from engine.kv_blocks import PagedKVCache, PagedSequences, shared_pool
 from engine.models.dflash import DraftSteps
-from engine.step_passes import PassesByStorage
+from engine.step_passes import PassesByStorage, sequences_bucket
 from engine.transfer import staged, to_device
 
 MAX_CONTEXT = 64  # the most context rows a sequence's static draft takes (more: eagerly)
@@ -43,8 +43,9 @@ class DraftPasses:
     """The static passes of `drafter`'s batched drafts, by (bucket, context width, table
     width)."""
 
-    def __init__(self, drafter, target, graphs: bool, memory=None) -> None:
+    def __init__(self, drafter, target, graphs: bool, memory=None, most: int | None = None) -> None:
         self.drafter, self.target, self.graphs, self.memory = drafter, target, graphs, memory
+        self.most = most  # the widest bucket: the server's --max-num-seqs
         self.device = drafter.fc.weight.device
         self._passes = PassesByStorage()
 
@@ -79,7 +80,7 @@ class DraftPasses:
             cache.check_room(context.shape[0] + B)
         pool, table = caches[0].pool, max(cache.table.shape[0] for cache in caches)
         count, C = len(items), _width(max(context.shape[0] for context in contexts))
-        S = 1 << max(0, count - 1).bit_length()
+        S = sequences_bucket(count, self.most)
         padding = pool.padding_block()
         key = (S, C, table)
         build = lambda: self._build(S, C, table, pool, contexts[0])  # noqa: E731

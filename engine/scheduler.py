@@ -153,8 +153,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.options = options or {}  # GenerationConfig fields every request gets
         self.steps = _step_passes(target, pools[0], self.options.get("cuda_graphs", True))
-        self.trees = TreePasses(target, True, self.steps.memory) if self.steps else None
-        self.drafts = _draft_passes(drafter, target, pools[0], self.steps)
+        most, memory = len(pools), self.steps.memory if self.steps else None
+        self.trees = TreePasses(target, True, memory, most) if self.steps else None
+        self.drafts = _draft_passes(drafter, target, pools[0], self.steps, most)
         if len(pools) > 1:  # a solo round's captured graphs would be per slot: see _solo_round
             self.options = {**self.options, "cuda_graphs": False}
         self.waiting: deque[Request | _Active] = deque()  # _Active: preempted, at the head
@@ -715,14 +716,16 @@ def _step_passes(target, pool: CachePool, graphs: bool) -> StepPasses | None:
     return StepPasses(target, graphs=True)
 
 
-def _draft_passes(drafter, target, pool: CachePool, steps: StepPasses | None) -> DraftPasses | None:
+def _draft_passes(
+    drafter, target, pool: CachePool, steps: StepPasses | None, most: int
+) -> DraftPasses | None:
     """Static passes for the drafts, captured as CUDA graphs beside the steps' (in their memory
     pool): where those are, with a drafter over paged caches. Their padding block is taken
     now, while the drafter pool's storage may still grow by it."""
     if steps is None or drafter is None or pool.draft_blocks is None:
         return None
     pool.draft_blocks.padding_block()
-    return DraftPasses(drafter, target, True, steps.memory)
+    return DraftPasses(drafter, target, True, steps.memory, most)
 
 
 def _tops(drafting: list[_Active], drafts: torch.Tensor) -> dict[int, TopK]:

@@ -88,7 +88,7 @@ class StepPasses:
         for cache in kv:
             cache.check_room(1)
         pool, width = kv[0].pool, max(cache.table.shape[0] for cache in kv)
-        bucket = 1 << max(0, len(caches) - 1).bit_length()
+        bucket = sequences_bucket(len(caches))
         padding = pool.padding_block() if bucket > len(caches) else 0  # (the storage settled)
         layers = tuple(hidden_layers)
         build = lambda: self._build(bucket, width, layers, pool, caches[0])  # noqa: E731
@@ -127,6 +127,13 @@ class PassesByStorage:
         if key not in self._passes:
             self._passes[key] = build()
         return self._passes[key]
+
+
+def sequences_bucket(count: int, most: int | None = None) -> int:
+    """The rows a static step of `count` sequences runs in: the power of two at or above it,
+    at most `most` (a server's --max-num-seqs: a wider bucket would only pad)."""
+    bucket = 1 << max(0, count - 1).bit_length()
+    return bucket if most is None else min(bucket, most)
 
 
 ALIGN = 256  # bytes: where each tensor a `KeptArena` holds starts

@@ -5,8 +5,9 @@ A tree step is a batched step of verify rounds, some with a tree (`ddtree`, a `l
 drafting sequences runs most. At Qwen3.6-27B an eager one dispatches ~8,000 ops (host work
 about as long as the GPU's own: engine/NOTES.md, session 27); replayed, it is one launch. Its
 target pass is `forward_trees` over `StepInputs` of S trees of W nodes (`StaticTrees`), S the
-power of two at or above the step's sequences (up to `--max-num-seqs`), W the power of two at
-or above its widest verify (2 up to MAX_WIDTH): a server captures a bounded set, each once.
+power of two at or above the step's sequences but never past `--max-num-seqs` (a wider bucket
+would only pad: its memory past the plan's), W the power of two at or above its widest verify
+(2 up to MAX_WIDTH): a server captures a bounded set, each once.
 
 Each tree is padded to W nodes by leaves under its root (token 0 at depth 1): they see the root
 and themselves, no node of the tree sees them, and they come after its nodes, so the tree's
@@ -47,7 +48,14 @@ from engine.kv_blocks import PagedKVCache, PagedSequences, commit_paths
 from engine.models.common import BatchOutputs, Segment, StepInputs, segment_parents
 from engine.models.gated_deltanet import StaticTrees, TreeEnds, trees_taps
 from engine.models.qwen3_5 import check_root_to_node_path
-from engine.step_passes import KeptArena, PassesByStorage, kv_of, on_shared_blocks, states_of
+from engine.step_passes import (
+    KeptArena,
+    PassesByStorage,
+    kv_of,
+    on_shared_blocks,
+    sequences_bucket,
+    states_of,
+)
 from engine.transfer import staged
 from engine.tree import depths_and_mask
 
@@ -59,8 +67,9 @@ TREE_FIELDS = 2  # prefixes, state slots
 class TreePasses:
     """The static passes of `target`'s tree steps, by (bucket, width, table width, layers)."""
 
-    def __init__(self, target, graphs: bool, memory=None) -> None:
+    def __init__(self, target, graphs: bool, memory=None, most: int | None = None) -> None:
         self.target, self.graphs, self.memory = target, graphs, memory
+        self.most = most  # the widest bucket: the server's --max-num-seqs
         self.device = target.embed_tokens.weight.device
         self.kernel = getattr(target.config, "linear_conv_kernel_dim", 0) if _hybrid(target) else 0
         self.arena = KeptArena(self.device)  # the buckets' GDN factors, shared
@@ -124,7 +133,7 @@ class TreePasses:
             cache.check_room(len(tokens))
         pool, table = kv[0].pool, max(cache.table.shape[0] for cache in kv)
         count, W = len(caches), _width(max(len(tokens) for tokens in ids))
-        S = 1 << max(0, count - 1).bit_length()
+        S = sequences_bucket(count, self.most)
         padding = pool.padding_block()
         key = (S, W, table, tuple(hidden_layers))
         build = lambda: self._build(S, W, table, key[3], pool, caches[0])  # noqa: E731

@@ -159,8 +159,9 @@ def graphed(scheduler: Scheduler) -> None:
     on CUDA, each pass's run counted as its graph's one replay (`Replay`)."""
     target, drafter = scheduler.target, scheduler.drafter
     scheduler.steps = StepPasses(target, graphs=False)
-    scheduler.trees = TreePasses(target, graphs=False)
-    scheduler.drafts = DraftPasses(drafter, target, graphs=False) if drafter else None
+    most = scheduler.max_num_seqs
+    scheduler.trees = TreePasses(target, graphs=False, most=most)
+    scheduler.drafts = DraftPasses(drafter, target, graphs=False, most=most) if drafter else None
     for passes in filter(None, (scheduler.steps, scheduler.trees, scheduler.drafts)):
         passes.filled = partial(_replayed, passes.filled)
 

@@ -113,7 +113,7 @@ def test_every_step_static_outputs_equal_solo_runs(pair):
     target, drafter = pair
     sched.steps = StepPasses(target, graphs=False)
     sched.trees = TreePasses(target, graphs=False)
-    sched.drafts = DraftPasses(drafter, target, graphs=False)
+    sched.drafts = DraftPasses(drafter, target, graphs=False, most=sched.max_num_seqs)
     ran = []
     run = sched.drafts.run
     sched.drafts.run = lambda items: ran.append(len(items)) or run(items)
