@@ -17,29 +17,18 @@ import torch
 from engine import kv_blocks
 from engine.cache_pool import CachePool
 from engine.draft_passes import DraftPasses
-from engine.prefix_cache import PrefixCache, has_states
 from engine.step_passes import StepPasses
 from engine.tree_passes import TreePasses
 from tests.helpers import batched_requests as batch
 from tests.helpers.paged_attention import trees_attention
 from tests.helpers.static_outputs import assert_same
-from tests.helpers.tiny_pairs import KINDS, load_tiny_pair
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module", params=KINDS)
-def pair(request, tmp_path_factory):
-    return load_tiny_pair(
-        tmp_path_factory.mktemp(request.param), request.param, dtype=torch.float64
-    )
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "fresh_dynamo")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+@pytest.fixture
+def pair(float64_pair):
+    return float64_pair
 
 
 def draft_items(pair, lengths: list[int], rows: list[int], seed: int = 5) -> list:
@@ -102,14 +91,10 @@ def test_every_step_static_outputs_equal_solo_runs(pair):
     """Plain, tree and draft steps all by their buckets' passes, as on CUDA: every method,
     greedy and sampled, three at first, then three more joining, over a pool too small for all
     (preemptions) beside a prefix cache."""
-    budget = 8 * sum(model.kv_layout().block_bytes(batch.PAGE) for model in pair)
-    prefix = PrefixCache(
-        budget, recurrent=has_states(pair[0].new_cache(8)), block_tokens=batch.PAGE
-    )
     cases = list(
         zip(batch.prompts(pair, [5, 40, 9, 30, 3, 22], seed=4), batch.configs(), strict=True)
     )
-    sched = batch.scheduler(pair, 6, tokens=24, prefix=prefix, kv_tokens=batch.POOL)
+    sched = batch.preempting_scheduler(pair)
     target, drafter = pair
     sched.steps = StepPasses(target, graphs=False)
     sched.trees = TreePasses(target, graphs=False)

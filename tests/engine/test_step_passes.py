@@ -19,35 +19,23 @@ import torch
 import torch.nn.functional as F
 
 from engine import kv_blocks
-from engine.cache_pool import CachePool
 from engine.decode import GenerationConfig, StaticPass
 from engine.grammar import Constraint
 from engine.models import common
 from engine.models.common import Segment
-from engine.prefix_cache import PrefixCache, has_states
-from engine.step_passes import StepPasses
+from engine.step_passes import StepPasses, kv_of
 from tests.helpers import batched_requests as batch
 from tests.helpers.static_outputs import assert_same
 from tests.helpers.tiny_grammar import STOP, char_tokenizer
-from tests.helpers.tiny_pairs import KINDS, load_tiny_pair
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "fresh_dynamo")
 
 NEW = 24
 
 
-@pytest.fixture(scope="module", params=KINDS)
-def pair(request, tmp_path_factory):
-    return load_tiny_pair(
-        tmp_path_factory.mktemp(request.param), request.param, dtype=torch.float64
-    )
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+@pytest.fixture
+def pair(float64_pair):
+    return float64_pair
 
 
 def counted_steps(sched, monkeypatch) -> list[list[int]]:
@@ -99,21 +87,8 @@ def test_plain_steps_by_their_buckets_passes_equal_solo_runs(pair, monkeypatch):
 
 
 def prefilled(pair, lengths: list[int]) -> list:
-    """Slots of one scheduler's pools (their K/V blocks and GDN states shared), each cache
-    holding a random prompt of its length and the block of its next token; the pool's
-    storage made for all of them (on the CPU it grows by doubling: a pass over the storage
-    before would be made again)."""
-    target = pair[0]
-    caches = [slot.cache for slot in CachePool(target, None, 64).slots(len(lengths))]
-    for cache, ids in zip(caches, batch.prompts(pair, lengths, seed=7), strict=True):
-        target.extend(torch.tensor(ids), cache)
-        kv_of(cache).check_room(1)
-    kv_of(caches[0]).pool.padding_block()
-    return caches
-
-
-def kv_of(cache):
-    return getattr(cache, "kv", cache)
+    """Caches holding random prompts and the block of their next token."""
+    return batch.prefilled_caches(pair, lengths, room=1)
 
 
 def segments_of(caches: list, bonuses: list[int]) -> list[Segment]:
@@ -195,20 +170,12 @@ def test_with_trees_beside_them_preemption_and_the_prefix_cache_outputs_equal_so
     attention in one paged launch; every method, greedy and sampled (the ar ones longer, so
     they step on after the trees), over a pool too small for them all (preemptions) beside a
     prefix cache of its blocks."""
-    target, _ = pair
     monkeypatch.setattr(common, "ONE_LAUNCH_DEVICES", ("cpu",))
-    budget = 8 * sum(model.kv_layout().block_bytes(batch.PAGE) for model in pair)  # 8 blocks more
-    prefix = PrefixCache(budget, recurrent=has_states(target.new_cache(8)), block_tokens=batch.PAGE)
     cfgs = [replace(c, max_new_tokens=40) if c.method == "ar" else c for c in batch.configs()]
     cases = list(zip(batch.prompts(pair, [5, 40, 9, 70, 3, 22], seed=9), cfgs, strict=True))
-    got = batch.Collector()
-    sched = batch.scheduler(pair, 6, tokens=24, prefix=prefix, kv_tokens=batch.POOL)
+    sched = batch.preempting_scheduler(pair)
     steps = counted_steps(sched, monkeypatch)
-    for index, case in enumerate(cases):
-        sched.add(got.request(index, *case))
-    batch.drain(sched, limit=3000)
-    for index, (prompt, cfg) in enumerate(cases):
-        assert got.output(index) == batch.solo(pair, prompt, cfg), batch.MIXED[index]
+    batch.assert_solo_outputs(sched, pair, cases)
     assert sched.preemptions >= 1 and steps
 
 

@@ -16,31 +16,19 @@ import pytest
 import torch
 
 from engine import kv_blocks
-from engine.cache_pool import CachePool
 from engine.models.common import Segment
-from engine.prefix_cache import PrefixCache, has_states
 from engine.step_passes import ALIGN, KeptArena, kv_of
 from engine.tree_passes import TreePasses
 from tests.helpers import batched_requests as batch
 from tests.helpers.paged_attention import trees_attention
 from tests.helpers.static_outputs import assert_same
-from tests.helpers.tiny_pairs import KINDS, load_tiny_pair
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module", params=KINDS)
-def pair(request, tmp_path_factory):
-    return load_tiny_pair(
-        tmp_path_factory.mktemp(request.param), request.param, dtype=torch.float64
-    )
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "fresh_dynamo")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+@pytest.fixture
+def pair(float64_pair):
+    return float64_pair
 
 
 def counted_trees(sched, monkeypatch) -> list[tuple[int, int, int]]:
@@ -83,35 +71,18 @@ def test_tree_steps_by_their_buckets_passes_equal_solo_runs(pair, monkeypatch):
 def test_with_preemption_and_the_prefix_cache_outputs_equal_solo_runs(pair, monkeypatch):
     """Tree steps over a pool too small for every sequence at once (preemptions), beside a
     prefix cache of its blocks."""
-    budget = 8 * sum(model.kv_layout().block_bytes(batch.PAGE) for model in pair)
-    prefix = PrefixCache(
-        budget, recurrent=has_states(pair[0].new_cache(8)), block_tokens=batch.PAGE
-    )
     cases = list(
         zip(batch.prompts(pair, [5, 40, 9, 70, 3, 22], seed=9), batch.configs(), strict=True)
     )
-    got = batch.Collector()
-    sched = batch.scheduler(pair, 6, tokens=24, prefix=prefix, kv_tokens=batch.POOL)
+    sched = batch.preempting_scheduler(pair)
     steps = counted_trees(sched, monkeypatch)
-    for index, case in enumerate(cases):
-        sched.add(got.request(index, *case))
-    batch.drain(sched, limit=3000)
-    for index, (prompt, cfg) in enumerate(cases):
-        assert got.output(index) == batch.solo(pair, prompt, cfg), batch.MIXED[index]
+    batch.assert_solo_outputs(sched, pair, cases)
     assert sched.preemptions >= 1 and steps
 
 
 def prefilled(pair, lengths: list[int]) -> list:
-    """Slots of one scheduler's pools, each cache holding a random prompt of its length; the
-    pool's storage made for all of them and their trees (on the CPU it grows by doubling: a
-    pass over the storage before would be made again)."""
-    target = pair[0]
-    caches = [slot.cache for slot in CachePool(target, None, 64).slots(len(lengths))]
-    for cache, ids in zip(caches, batch.prompts(pair, lengths, seed=7), strict=True):
-        target.extend(torch.tensor(ids), cache)
-        kv_of(cache).check_room(8)
-    kv_of(caches[0]).pool.padding_block()
-    return caches
+    """Caches holding random prompts and the blocks of a tree of 8 after them."""
+    return batch.prefilled_caches(pair, lengths, room=8)
 
 
 TREES = [  # (tokens, parents): a tree of 5, a chain of 3, a bonus alone

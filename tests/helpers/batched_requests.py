@@ -11,7 +11,7 @@ import torch
 from engine.cache_pool import CachePool
 from engine.decode import GenerationConfig, generate
 from engine.memory_plan import BLOCK_TOKENS
-from engine.prefix_cache import PrefixCache
+from engine.prefix_cache import PrefixCache, has_states
 from engine.scheduler import Finished, Request, Scheduler
 
 NEW = 16
@@ -106,3 +106,36 @@ def drain(sched: Scheduler, limit: int = 1000) -> int:
 
 def solo(pair, prompt, cfg) -> list[int]:
     return generate(*pair, prompt, cfg).output_ids
+
+
+def preempting_scheduler(pair, slots: int = 6, tokens: int = 24) -> Scheduler:
+    """A scheduler over a pool too small for its slots at once (preemptions), beside a prefix
+    cache of its blocks (8 blocks more)."""
+    budget = 8 * sum(model.kv_layout().block_bytes(PAGE) for model in pair)
+    prefix = PrefixCache(budget, recurrent=has_states(pair[0].new_cache(8)), block_tokens=PAGE)
+    return scheduler(pair, slots, tokens=tokens, prefix=prefix, kv_tokens=POOL)
+
+
+def assert_solo_outputs(sched: Scheduler, pair, cases: list, limit: int = 3000) -> None:
+    """`cases` ((prompt, cfg) each, of MIXED's methods) added at once and drained: each output
+    equals its solo run."""
+    got = Collector()
+    for index, case in enumerate(cases):
+        sched.add(got.request(index, *case))
+    drain(sched, limit=limit)
+    for index, (prompt, cfg) in enumerate(cases):
+        assert got.output(index) == solo(pair, prompt, cfg), MIXED[index]
+
+
+def prefilled_caches(pair, lengths: list[int], room: int) -> list:
+    """Slots of one scheduler's pools (their K/V blocks and GDN states shared), each target
+    cache holding a random prompt of its length and the blocks of `room` more tokens; the pool's
+    storage made for all of them (on the CPU it grows by doubling: a static pass over the
+    storage before would be made again)."""
+    target = pair[0]
+    caches = [slot.cache for slot in CachePool(target, None, 64).slots(len(lengths))]
+    for cache, ids in zip(caches, prompts(pair, lengths, seed=7), strict=True):
+        target.extend(torch.tensor(ids), cache)
+        getattr(cache, "kv", cache).check_room(room)
+    getattr(caches[0], "kv", caches[0]).pool.padding_block()
+    return caches
