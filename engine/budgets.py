@@ -29,9 +29,10 @@ The model, in three parts:
             kept only if it beats drafting none.
 A sequence decoding alone is asked `drafting_alone` instead: its drafted round runs generate()'s
 static passes (engine/scheduler.py `_solo_round`), a cost of its own, measured whole
-(`observe_solo`, a running mean) rather than fitted beside the batched passes; against it, a
-pass of its bonus alone, measured the same way (`observe_alone`; until then the pass fit at one
-token). Its gain is its mean accepted per drafted round.
+(`observe_solo`, a running mean of the seconds from its step's start to the next step's, so
+what a round costs beside its passes counts too) rather than fitted beside the batched passes;
+against it, a round of its bonus alone, measured the same way (`observe_alone`; until then the
+pass fit at one token). Its gain is its mean accepted per drafted round.
 The scheduler asks twice a step: `drafting` before the drafter runs (who drafts: gains from each
 sequence's running profile of past trees, entry = its part of the draft pass) and `nodes` after
 (how many of each fresh tree's nodes to verify: its own path probabilities, the draft paid). A

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import time
 from dataclasses import replace
 
 import pytest
@@ -151,8 +152,24 @@ def test_auto_alone_drafts_by_generates_passes_or_batches_its_bonus_alone(
         assert passes == [["prefill"], ["round"]] and min(chosen[:-1]) > 0 == chosen[-1]
     else:
         assert set(map(tuple, passes[1:])) == {("round",)} and set(chosen) == {0}
-    assert (sched.budgets.solo_round is not None) is drafts  # a solo round was measured
-    assert sched.budgets.bonus_round is not None  # and a batched round of its bonus alone
+    assert (sched.budgets.solo_round is not None) is drafts  # a solo round was timed
+    # and a batched round of its bonus alone (drafting, its only one was its last: untimed)
+    assert (sched.budgets.bonus_round is not None) is not drafts
+
+
+@pytest.mark.parametrize("drafts", [True, False], ids=["drafted", "bonus-alone"])
+def test_a_lone_auto_round_is_timed_to_the_next_step(pair, drafts, monkeypatch):
+    """What a lone round costs beside its passes (behind a server: its work between steps)
+    counts: its seconds run from its step's start to the next step's."""
+    cfg = GenerationConfig("auto", 15, max_new_tokens=NEW, prefill_chunk=16)
+    sched, got = scheduler(pair, slots=1), Collector()
+    monkeypatch.setattr(sched.budgets, "drafting_alone", lambda acceptance: drafts)
+    sched.add(got.request(0, prompts(pair, [6], seed=3)[0], cfg))
+    while not sched.idle:
+        sched.step()
+        time.sleep(0.02)
+    timed = sched.budgets.solo_round if drafts else sched.budgets.bonus_round
+    assert timed >= 0.02
 
 
 def test_a_cancelled_sequence_leaves_and_the_others_are_unchanged(pair):
