@@ -7,9 +7,10 @@ graphs (engine/tree_passes.py), most of what is left of a decoding step's host w
 it runs as `draft_steps` over `DraftSteps` of S sequences, each context padded to C rows: S
 the power of two at or above the step's drafting sequences (at most `--max-num-seqs`), C the
 power of two at or above its longest context (the tokens each committed since its last draft,
-up to MAX_CONTEXT; a longer one, a prompt's after its prefill, drafts eagerly). The contexts are gathered into the
-bucket's buffer on the device (one concatenation and one indexed copy); the rest is one copy
-from the host (positions, pool slots, bonuses, committed lengths, block tables).
+up to MAX_CONTEXT; a longer one, a prompt's after its prefill, drafts eagerly). The contexts
+are gathered into the bucket's buffer on the device (one concatenation and one indexed copy);
+the rest is one copy from the host (positions, pool slots, bonuses, committed lengths, block
+tables).
 
 Padding context rows store their K/V in the draft pool's padding block; so do padding
 sequences (past the step's), whose blocks attend over it alone. A sequence's block is stored
