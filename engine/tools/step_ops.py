@@ -132,31 +132,21 @@ class OneLaunch:
     def __getattr__(self, name: str) -> Callable:
         kernel = getattr(self.module, name)
 
-        def launch(*args, **kwargs):
-            with _disable_current_modes():  # the CPU's own ops are not counted
-                out = kernel(*args, **kwargs)
-            torch.empty(0)  # the one op counted: the launch
-            return out
-
-        return launch
+        return partial(as_one_op, kernel)
 
 
-class Replay:
-    """A static pass counted as its CUDA graph's replay: one op (the pass runs uncounted)."""
-
-    def __init__(self, step: Callable) -> None:
-        self.step = step
-
-    def __call__(self):
-        with _disable_current_modes():
-            out = self.step()
-        torch.empty(0)  # the one op counted: the replay
-        return out
+def as_one_op(call: Callable, *args, **kwargs):
+    """`call` run with the counting modes off (the CPU's own ops), then one empty tensor
+    dispatched: the one op counted, as a Triton kernel's launch or a CUDA graph's replay is."""
+    with _disable_current_modes():
+        out = call(*args, **kwargs)
+    torch.empty(0)
+    return out
 
 
 def graphed(scheduler: Scheduler) -> None:
     """The scheduler's plain and tree steps and its drafts by their buckets' static passes, as
-    on CUDA, each pass's run counted as its graph's one replay (`Replay`)."""
+    on CUDA, each pass's run counted as its graph's one replay (`as_one_op`)."""
     target, drafter = scheduler.target, scheduler.drafter
     scheduler.steps = StepPasses(target, graphs=False)
     most = scheduler.max_num_seqs
@@ -169,9 +159,9 @@ def graphed(scheduler: Scheduler) -> None:
 def _replayed(filled: Callable, *args):
     made = filled(*args)  # a StaticPass, or a tree step's bucket (its verify and commit)
     if isinstance(made, StaticPass):
-        return Replay(made)
-    commit = made.commit and Replay(made.commit)
-    return replace(made, verify=Replay(made.verify), commit=commit)
+        return partial(as_one_op, made)
+    commit = made.commit and partial(as_one_op, made.commit)
+    return replace(made, verify=partial(as_one_op, made.verify), commit=commit)
 
 
 @contextmanager
