@@ -54,8 +54,8 @@ another size, that size's lesson (prefilling sequences counted: they wait on the
 Lossless: a budget only says how many of the tree's first nodes are verified (a best-first tree
 of k nodes is the first k of a larger one), and every output token is still the target's own
 choice. Memory: per sequence an `Acceptance` keeps its profile (cap float64s) and a few numbers;
-the server one profile more and its last choice (`_paying`, kept while nothing it reads
-changed).
+the server one profile more and its last answer that none drafts (`_Quiet`, kept while
+nothing it read changed).
 """
 
 from __future__ import annotations
@@ -78,10 +78,11 @@ PROBE_MAX = 256
 PRIOR_WEIGHT = 0.05  # each of the prior's points, against ~50 of measured weight
 MAX_ITERATIONS = 20
 RESOLVE_AFTER = 8  # new samples before a cost fit's weights are solved again
-# Solves before a kept choice of who drafts is made anew with the new weights (unless what else
-# it reads changed): ~0.4 ms of host time for six sequences, ~10% of their plain step on the CPU
-# were it every 8 passes. A drafted step's node counts read the newest weights.
-CHOICE_SOLVES = 4
+# Passes before a kept answer that none drafts is made anew with the fits' newer weights (unless
+# what else it reads changed first): made anew, six sequences' choice costs ~0.4 ms of host time
+# in the serving loop, ~10% of their plain step on the CPU. A drafted step's node counts read
+# the newest weights.
+CHOICE_PASSES = 32
 _SERIALS = itertools.count()  # Acceptance.serial
 PRICE_STEPS = np.linspace(0.0, 1.0, 16)  # `choose`'s prices of a second, geometric steps
 SOLO_KEEP = 0.9  # a lone drafted round's running mean of seconds keeps this share each round
@@ -112,7 +113,7 @@ class LinearCost:
         self.prior: tuple[np.ndarray, np.ndarray] | None = None
         self._weights: np.ndarray | None = None
         self._unsolved = 0  # samples since the weights were solved
-        self.solves = 0  # how many times they were
+        self.samples = 0  # ever
 
     def observe(self, features: tuple[int, ...], seconds: float) -> None:
         if self.prior is None:  # the first sample sets the prior's scale
@@ -126,6 +127,7 @@ class LinearCost:
         ]
         self.moment = [m * FORGET + a * seconds for m, a in zip(self.moment, features, strict=True)]
         self._unsolved += 1
+        self.samples += 1
 
     @property
     def known(self) -> bool:
@@ -140,7 +142,6 @@ class LinearCost:
             gram, moment = np.array(self.gram), np.array(self.moment)
             solved = np.linalg.solve(gram + self.prior[0], moment + self.prior[1])
             self._weights, self._unsolved = np.maximum(solved, 0.0), 0
-            self.solves += 1
         return self._weights
 
     def seconds(self, *features: float) -> float:
@@ -292,6 +293,20 @@ def fairness(
     return tokens - sequences * math.log(max(seconds, 1e-12))
 
 
+@dataclass
+class _Quiet:
+    """`Budgets.drafting`'s last answer when no sequence drafted, kept for the steps in which
+    nothing it read can change: the same sequences, none of them changed (no draft, no tree
+    verified: each its serial and version), the same baseline, the fits in the same
+    CHOICE_PASSES samples, no probe due and every node room still at or past its cap. (The
+    fits' weights are not read meanwhile: in the serving loop a solve took ~100 us, its numpy
+    code cold after a pass.)"""
+
+    base: Baseline
+    fits: tuple[int, int]  # `Budgets._fits_epoch`
+    sequences: tuple[tuple[int, int], ...]
+
+
 @dataclass(frozen=True)
 class Baseline:
     """The step's work beside the sequences choosing: the pass's tokens and segments of more
@@ -313,7 +328,7 @@ class Budgets:
         self.bonus_round: float | None = None  # and of its round of the bonus alone
         self.population = (0.0, 0.0)  # every auto sequence's accepted, drafted rounds (decayed)
         self.trees = (np.zeros(0), 0.0)  # every fresh tree's node probabilities, trees (decayed)
-        self._paid: tuple[tuple, list[int]] | None = None  # `_paying`'s last answer, its key
+        self._quiet: _Quiet | None = None  # `drafting`'s last answer when none drafted
         self.probe_waits: dict[int, int] = {}  # a new sequence's wait to its first probe, by
         # batch size (see `batch_size`): the last drafted step's lesson there
 
@@ -385,7 +400,14 @@ class Budgets:
         self.bonus_round = _running_mean(self.bonus_round, seconds)
 
     def drafting(self, sequences: list[tuple[Acceptance, int]], base: Baseline) -> list[bool]:
-        """Which `auto` sequences (each its acceptance and node room) draft this step."""
+        """Which `auto` sequences (each its acceptance and node room) draft this step. A busy
+        batch's answer that none does is kept while it cannot change (`_Quiet`): made anew
+        each step, six sequences' took ~50 us of host time in the serving loop, a solve of
+        the fit ~100 us every 8 passes (its numpy code cold after a pass), where auto at six
+        at once was 0.96x ar's tok/s (engine/NOTES.md, session 29)."""
+        if self._still_quiet(sequences, base):
+            return [False] * len(sequences)
+        self._quiet = None
         for acc, _ in sequences:
             self._joined(acc, base.sequences)
         if not self.passes.known or not self.drafts.known:
@@ -400,20 +422,27 @@ class Budgets:
                 d or acc.skipped >= acc.probe_after // 2
                 for d, (acc, _) in zip(drafts, sequences, strict=True)
             ]
+        elif not _choice_moves(sequences):
+            changes = tuple((acc.serial, acc.version) for acc, _ in sequences)
+            self._quiet = _Quiet(base, self._fits_epoch(), changes)
         return drafts
+
+    def _still_quiet(self, sequences: list[tuple[Acceptance, int]], base: Baseline) -> bool:
+        """Whether the kept answer that none drafts holds for this step."""
+        quiet = self._quiet
+        if quiet is None or quiet.base != base or quiet.fits != self._fits_epoch():
+            return False
+        changes = tuple((acc.serial, acc.version) for acc, _ in sequences)
+        return quiet.sequences == changes and not _choice_moves(sequences)
+
+    def _fits_epoch(self) -> tuple[int, int]:
+        """Which CHOICE_PASSES samples each cost fit is in: a choice is made anew in the next."""
+        return self.passes.samples // CHOICE_PASSES, self.drafts.samples // CHOICE_PASSES
 
     def _paying(self, sequences: list[tuple[Acceptance, int]], base: Baseline) -> list[int]:
         """The node counts the sequences' predicted trees would get with the draft paid (all 0
-        when the draft pass would not pay for itself). Kept while nothing it reads changed:
-        the profiles and scales change only when a sequence drafts, the fits' weights it
-        reads every CHOICE_SOLVES solves, so most steps of a busy batch reuse it (the choice
-        costs the host ~0.4 ms there, between a pass's large operations)."""
-        passes, drafts = self.passes.weights, self.drafts.weights  # solved when due
-        key = (base, self.passes.solves // CHOICE_SOLVES, self.drafts.solves // CHOICE_SOLVES)
-        key += tuple((acc.serial, acc.version, min(room, acc.cap)) for acc, room in sequences)
-        if self._paid is not None and self._paid[0] == key:
-            return self._paid[1]
-        (_, per_token, per_tree), (fixed, per_sequence) = passes, drafts
+        when the draft pass would not pay for itself)."""
+        (_, per_token, per_tree), (fixed, per_sequence) = self.passes.weights, self.drafts.weights
         entry = per_tree + per_sequence
         candidates = [Candidate(acc.predicted(room), entry) for acc, room in sequences]
         seconds, n = self._seconds(base), base.sequences
@@ -421,8 +450,7 @@ class Budgets:
         if fairness(candidates, counts, n, seconds + fixed, per_token) <= -n * math.log(
             max(seconds, 1e-12)
         ):
-            counts = [0] * len(candidates)  # the draft pass would not pay for itself
-        self._paid = (key, counts)
+            return [0] * len(candidates)  # the draft pass would not pay for itself
         return counts
 
     def nodes(
@@ -466,6 +494,13 @@ class Budgets:
 
     def _seconds(self, base: Baseline) -> float:
         return self.passes.seconds(1, base.tokens, base.trees)
+
+
+def _choice_moves(sequences: list[tuple[Acceptance, int]]) -> bool:
+    """Whether a step's choice of who drafts may differ from one step to the next with none
+    of `sequences` changed: a probe due, or a node room within the cap (one token less a
+    step: `_paying` reads the room up to the cap)."""
+    return any(acc.probe_due or room < acc.cap for acc, room in sequences)
 
 
 def batch_size(sequences: int) -> int:

@@ -340,17 +340,18 @@ def test_attention_in_one_paged_launch_decodes_as_segment_by_segment(pair, monke
 
 
 def scripted_costs(sched: Scheduler, monkeypatch, period: int = 12, scale: float = 20.0) -> None:
-    """The scheduler's cost model fed a cost that swings every `period` passes between tokens
-    that cost nothing and tokens dearer than they bring, and cheap drafts; a random pair's
-    drafter is accepted almost never, so the model is told its drafts are (a calibration of
-    `scale`, 20x by default): `auto`'s budgets must swing with the cost (the real allocator,
-    its fits fed these seconds)."""
+    """The scheduler's cost model fed a cost that moves every `period` passes from tokens
+    that cost nothing to tokens that pay for a tree's likelier nodes only, to tokens dearer
+    than they bring, and round again, with cheap drafts; a random pair's drafter is accepted
+    almost never, so the model is told its drafts are (a calibration of `scale`, 20x by
+    default): `auto`'s budgets must follow the cost, whole trees, parts of trees and none
+    (the real allocator, its fits fed these seconds)."""
     monkeypatch.setattr(budgets.Acceptance, "scale", scale)
     passes = itertools.count()
     observe_pass, observe_draft = sched.budgets.observe_pass, sched.budgets.observe_draft
 
     def pass_seconds(tokens: int, trees: int, _: float) -> None:
-        per_token = 0.02 if next(passes) // period % 2 else 1e-7
+        per_token = (1e-7, 2e-4, 0.02)[next(passes) // period % 3]
         observe_pass(tokens, trees, 0.001 + 1e-5 * trees + per_token * tokens)
 
     sched.budgets.observe_pass = pass_seconds

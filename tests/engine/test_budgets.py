@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 
 from engine.budgets import (
-    CHOICE_SOLVES,
+    CHOICE_PASSES,
     PROBE_AFTER,
     PROBE_MAX,
-    RESOLVE_AFTER,
     Acceptance,
     Baseline,
     Budgets,
@@ -298,33 +297,111 @@ def test_a_sequence_takes_the_wait_of_the_batch_it_is_in_when_the_batch_changes_
     assert first.probe_after == PROBE_AFTER and first.probe_due
 
 
-def test_a_step_s_choice_is_kept_until_a_profile_or_the_fit_changes(monkeypatch):
-    """Steps of a busy batch where nothing the choice reads changed reuse it; a sequence's
-    fresh tree, another batch, or the cost fit solved CHOICE_SOLVES times since (a solve
-    every RESOLVE_AFTER passes) makes it anew."""
+def counting_choices(monkeypatch) -> list:
+    """`choose`'s calls, each answering no node for anyone."""
     import engine.budgets as budgets_module
 
-    budgets = measured(Budgets(), per_token=0.002)
     calls = []
     monkeypatch.setattr(budgets_module, "choose", lambda *a: calls.append(a) or [0] * len(a[0]))
+    return calls
+
+
+def busy_step(budgets: Budgets, sequences: list[Acceptance], room: int, base: Baseline):
+    """A plain step of a busy batch as the scheduler runs it: the pass observed, who drafts
+    asked, each that does not skipping a round."""
+    budgets.observe_pass(base.tokens, 0, 0.02)
+    drafts = budgets.drafting([(acc, room) for acc in sequences], base)
+    for acc, draws in zip(sequences, drafts, strict=True):
+        acc.skipped += not draws
+    return drafts
+
+
+def test_a_steps_answer_that_none_drafts_is_kept_until_something_it_read_changes(monkeypatch):
+    """Steps of a busy batch where nothing the choice reads changed reuse it; a sequence's
+    fresh tree, another batch, the cost fit CHOICE_PASSES samples on, a probe falling due,
+    or a node room coming within the cap make it anew."""
+    budgets = measured(Budgets(), per_token=0.002)
+    calls = counting_choices(monkeypatch)
+    budgets.probe_waits[8] = PROBE_MAX  # drafted steps of six taught: no probe soon
     sequences = [Acceptance(15) for _ in range(6)]
     for acc in sequences:
         acc.drafted(np.log(np.full(15, 0.3)))
-    asked = [(acc, 40) for acc in sequences]  # a node room past the cap reads as the cap
+    six = Baseline(6, 0, 6)
     for _ in range(3):
-        budgets.drafting(asked, Baseline(6, 0, 6))
-    assert len(calls) == 1
+        busy_step(budgets, sequences, 1000, six)
+    assert len(calls) <= 2  # the fit may cross into its next CHOICE_PASSES samples once
+    calls.clear()
     sequences[2].drafted(np.log(np.full(15, 0.6)))
-    budgets.drafting(asked, Baseline(6, 0, 6))
+    busy_step(budgets, sequences, 1000, six)
+    assert len(calls) == 1
+    for _ in range(CHOICE_PASSES):
+        busy_step(budgets, sequences, 1000, six)
     assert len(calls) == 2
-    solves = budgets.passes.solves
-    while budgets.passes.solves < solves + CHOICE_SOLVES:  # each solve read by a choice
-        for _ in range(RESOLVE_AFTER):
-            budgets.observe_pass(6, 0, 0.02)
-        budgets.drafting(asked, Baseline(6, 0, 6))
+    busy_step(budgets, sequences, 1000, Baseline(5, 0, 5))
     assert len(calls) == 3
-    budgets.drafting(asked, Baseline(5, 0, 5))
+    sequences[0].skipped = PROBE_MAX - 1  # due in the second step from here
+    assert busy_step(budgets, sequences, 1000, Baseline(5, 0, 5)) == [False] * 6
+    assert len(calls) == 3
+    assert busy_step(budgets, sequences, 1000, Baseline(5, 0, 5))[0]  # its probe
     assert len(calls) == 4
+    sequences[0].drafted(np.log(np.full(15, 0.3)))
+    busy_step(budgets, sequences, 1000, six)
+    assert len(calls) == 5
+    for acc in sequences:
+        acc.skipped = 0
+    for room in (17, 16, 15):  # the room reads as the cap while at or past it
+        busy_step(budgets, sequences, room, six)
+    assert len(calls) == 5
+    busy_step(budgets, sequences, 14, six)
+    assert len(calls) == 6
+
+
+def test_a_kept_answer_is_the_one_the_step_would_choose(monkeypatch):
+    """Two choosers with the same cost fits fed the same busy batch, one keeping its answers
+    that none drafts and one choosing every step: their answers agree step by step, as the
+    drafts turn good (trees pay) and poor (none does, probes now and then), another
+    sequence's tree comes and goes beside them, sequences leave and join, and rooms come
+    within the cap. (The fits stay as measured: a kept answer is the choice as of the fits'
+    last CHOICE_PASSES samples, as a choice made anew is.)"""
+    rng = np.random.default_rng(7)
+    kept, fresh = measured(Budgets(), 0.0003), measured(Budgets(), 0.0003)
+    monkeypatch.setattr(fresh, "_still_quiet", lambda *a: False)
+    made = {}  # each chooser's choices made anew
+    for budgets in (kept, fresh):
+        paying = budgets._paying
+        made[id(budgets)] = calls = []
+        monkeypatch.setattr(budgets, "_paying", lambda *a, p=paying, c=calls: c.append(1) or p(*a))
+    log_probs = np.log(np.linspace(0.9, 0.3, 15))
+    batches: dict[int, list[Acceptance]] = {id(kept): [], id(fresh): []}
+    answers = []
+    for step in range(800):
+        if step % 150 == 0:  # a sequence leaves, new ones join
+            for key, batch in batches.items():
+                batch = batch[1:] if len(batch) == 6 else batch
+                batches[key] = [*batch, *[Acceptance(15) for _ in range(6 - len(batch))]]
+        good = step // 200 % 2 == 1
+        base = Baseline(22, 1, 7) if step // 50 % 3 == 2 else Baseline(6, 0, 6)
+        accepted = int(rng.integers(8, 12)) if good else int(rng.integers(0, 2))
+        step_answers = []
+        for budgets in (kept, fresh):
+            sequences = batches[id(budgets)]
+            drafts = budgets.drafting([(acc, 810 - step) for acc in sequences], base)
+            drafted = [acc for acc, draws in zip(sequences, drafts, strict=True) if draws]
+            for acc, draws in zip(sequences, drafts, strict=True):
+                acc.skipped += not draws
+            for acc in drafted:
+                budgets.drafted(acc, log_probs)
+            if drafted:
+                counts = budgets.nodes([(acc, log_probs) for acc in drafted], base, 0.01)
+                for acc, count in zip(drafted, counts, strict=True):
+                    if count:
+                        budgets.verified(acc, log_probs[:count], min(count, accepted))
+            step_answers.append(drafts)
+        answers.append(step_answers)
+    assert all(a == b for a, b in answers)
+    drafted_steps = sum(any(a) for a, _ in answers)
+    assert drafted_steps > 100 and len(answers) - drafted_steps > 100
+    assert len(made[id(kept)]) < len(made[id(fresh)]) / 2
 
 
 def test_a_lone_sequence_drafts_when_its_measured_round_beats_its_bonus_alone():
