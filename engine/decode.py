@@ -681,10 +681,11 @@ class _Sequence:
 
     def finish(self) -> None:
         """Store what the sequence committed in the pool's prefix cache (if it uses one; not
-        while a preempted one re-prefills it: the caches hold part of it)."""
+        while a preempted one re-prefills it: the caches hold part of it). The drafter's
+        features are joined only to be stored (~80 us a demo request's)."""
         if self.resuming:
             self.caches.abandon()
-        else:
+        elif self.caches.prefix is not None:
             self.caches.finish(self.committed, self.context)
 
 

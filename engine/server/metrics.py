@@ -164,10 +164,12 @@ class ServerMetrics:
         self.generations.labels(method, finish_reason).inc()
         self.prompt_tokens.labels(method).inc(prompt_tokens)
         self.generated_tokens.labels(method).inc(len(result.output_ids))
+        acceptance_length = self.acceptance_length.labels(method)  # one lookup, not one a round
         for accepted in result.acceptance_lengths:
-            self.acceptance_length.labels(method).observe(accepted)
+            acceptance_length.observe(accepted)
+        tree_budget = self.tree_budget.labels(method)
         for nodes in result.budgets or ():
-            self.tree_budget.labels(method).observe(nodes)
+            tree_budget.observe(nodes)
         self.decode_speed.labels(method).observe(result.decode_tokens_per_s)
         if result.decode_tokens_per_s > 0:
             self.inter_token.labels(method).observe(1 / result.decode_tokens_per_s)

@@ -434,6 +434,23 @@ def test_a_sequence_skipping_drafts_keeps_its_features_in_pieces_joined_when_rea
         assert got.output(index) == solo(pair, prompt, replace(cfg, method="ar"))
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_a_sequences_features_are_joined_at_its_end_only_to_be_stored(pair, cached, monkeypatch):
+    """An `auto` sequence that did not draft ends holding its features in pieces: they are
+    joined (a copy of every token's) only when its prefix cache stores them for the drafter."""
+    target, _ = pair
+    prefix = PrefixCache(1 << 30, recurrent=has_states(target.new_cache(8))) if cached else None
+    sched, got = scheduler(pair, slots=2, prefix=prefix), Collector()
+    monkeypatch.setattr(sched.budgets, "drafting", lambda asked, _: [False] * len(asked))
+    cfg = GenerationConfig("auto", 15, max_new_tokens=NEW, prefill_chunk=16)
+    for index, prompt in enumerate(prompts(pair, [20, 33], seed=5)):
+        sched.add(got.request(index, prompt, cfg))
+    sched.step()
+    sequences = [active.seq for active in sched.running]
+    drain(sched)
+    assert [len(seq._kept) == 1 for seq in sequences] == [cached, cached]
+
+
 def test_an_auto_round_without_a_draft_leaves_its_trees_tokens_to_a_prefill(pair, monkeypatch):
     """Who drafts is decided before the step takes its blocks: an `auto` round without a draft
     holds one token of the pass, not its widest tree. Beside two such rounds a prompt prefills
