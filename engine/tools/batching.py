@@ -10,6 +10,10 @@ none always runs after the same one), the same N greedy chat requests (`cache_pr
 so every prompt is prefilled) one after another, then all at once; aggregate output tok/s =
 completion tokens / wall time of each, and their ratio, reported as the median with the min-max
 over the repeats. The outputs at once must equal those one after another (exit 1 if not).
+Beside each method's ratio: the most rounds a request took at once over their mean. Requests
+sent together end together only when their rounds match; past the shorter ones' ends the
+longest decodes in ever thinner steps (a tail), so a method whose rounds spread (a tree's
+acceptance differs by prompt; `ar` takes one a token) gains less from the batch.
 With `auto` beside other methods: auto's tok/s over the best other method's, repeat by repeat,
 one after another (concurrency 1) and at once (N), and the mean node count auto chose.
 TTFT: a ~`--long-tokens` prompt alone (streamed, 1 token: its time to first token is its prefill,
@@ -76,6 +80,12 @@ async def throughput(client, bodies: list[dict], at_once: bool) -> tuple[float, 
 
 def texts(answers: list[dict]) -> list[str]:
     return [answer["choices"][0]["message"]["content"] for answer in answers]
+
+
+def longest_over_mean(answers: list[dict]) -> float:
+    """The most rounds an answer took over the answers' mean rounds."""
+    rounds = [answer["speculative"]["rounds"] for answer in answers]
+    return max(rounds) / max(statistics.fmean(rounds), 1e-9)
 
 
 def mean_budget(answers: list[dict]) -> float | None:
@@ -161,6 +171,7 @@ async def measure(args: argparse.Namespace) -> dict:
                 runs[name]["serial"].append(one)
                 runs[name]["at_once"].append(many)
                 runs[name].setdefault("budgets", []).append(mean_budget(many_answers))
+                runs[name].setdefault("tail", []).append(longest_over_mean(many_answers))
                 report["equal"] &= texts(one_answers) == texts(many_answers)
         for name, run in runs.items():
             report["methods"][name] = {
@@ -169,6 +180,7 @@ async def measure(args: argparse.Namespace) -> dict:
                 "ratio": spread(
                     [m / o for m, o in zip(run["at_once"], run["serial"], strict=True)]
                 ),
+                "longest_over_mean_rounds": spread(run["tail"]),
             }
         if "auto" in runs and len(runs) > 1:
             report["auto_over_best"] = auto_over_best(runs)
@@ -197,7 +209,8 @@ def lines(report: dict, args: argparse.Namespace) -> list[str]:
     for name, row in report["methods"].items():
         out.append(
             f"  {name:12} one after another {show(row['one_after_another_tok_s'])} tok/s, "
-            f"at once {show(row['at_once_tok_s'])} tok/s: {show(row['ratio'], 'x')}"
+            f"at once {show(row['at_once_tok_s'])} tok/s: {show(row['ratio'], 'x')}; "
+            f"longest request's rounds {show(row['longest_over_mean_rounds'], 'x')} the mean"
         )
     ttft = report["ttft"]
     out.append(
