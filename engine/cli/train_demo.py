@@ -1,8 +1,9 @@
 """`python -m engine train-demo`: train the tiny demo target and its DFlash drafter on CPU.
 
-    python -m engine train-demo --out DIR [--reuse-target] [--mini] [--threads 2]
+    python -m engine train-demo --out DIR [--reuse-target] [--mini] [--dense] [--threads 2]
 
-Writes DIR/target (hybrid Qwen3.5-style target + tokenizer), DIR/draft (DFlash drafter) and
+Writes DIR/target (hybrid Qwen3.5-style target + tokenizer; `--dense`: a Qwen3 one, every layer
+attention, for engine/tools/ddtree_reference.py), DIR/draft (DFlash drafter) and
 DIR/training.json (held-out next-token accuracy, held-out linear tau, a greedy sample). The shipped
 engine/demo_model/ is `--out engine/demo_model`; `--mini` is the seconds-long smoke recipe.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 
@@ -23,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep OUT/target and its tokenizer; train only the drafter",
     )
     parser.add_argument("--mini", action="store_true", help="tiny sizes and steps (a smoke run)")
+    parser.add_argument(
+        "--dense", action="store_true", help="a dense Qwen3 target (every layer attention)"
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
 
 
@@ -42,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
             f"Error: --reuse-target: {args.out / 'target'} holds no trained target", file=sys.stderr
         )
         return 2
-    train_demo(args.out, MINI if args.mini else Recipe(), log, reuse_target=args.reuse_target)
+    recipe = replace(MINI if args.mini else Recipe(), dense=args.dense)
+    train_demo(args.out, recipe, log, reuse_target=args.reuse_target)
     log(f"wrote {args.out / 'target'}, {args.out / 'draft'}, {args.out / 'training.json'}")
     return 0

@@ -8,7 +8,8 @@ DIR is a checkout of github.com/liranringel/ddtree: its `ddtree_generate` is imp
 there and run as it is (nothing of it lives in this repository). It runs transformers models, so
 the pair must be one transformers loads: a dense Qwen3 target (its tree mask does not isolate
 branches inside a hybrid's GDN layers) and a z-lab-layout DFlash drafter whose target layers
-leave out the last one (transformers' last hidden state is normed). Both engines get the same
+leave out the last one (transformers' last hidden state is normed): `python -m engine
+train-demo --dense --out DIR` trains such a pair. Both engines get the same
 prompt ids (held-out prompts, engine/data/corpus.py, no chat template), greedy, no stop token,
 the same dtype and torch threads. Each repeat runs every prompt through both, the order
 alternating from one prompt and repeat to the next, so the machine's load lands on both alike.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,14 @@ def mini(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, list[str
     with torch_threads(1):
         report = td.train_demo(out, td.MINI, log=logs.append)
     return out, report, logs
+
+
+@pytest.fixture(scope="module")
+def mini_dense(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dense")
+    with torch_threads(1):
+        td.train_demo(out, replace(td.MINI, dense=True), log=lambda _: None)
+    return out
 
 
 def test_held_out_split_is_disjoint_deterministic_and_every_tenth_file():
@@ -196,6 +205,46 @@ def test_warm_started_drafter_reads_the_context_as_the_targets_last_attention_la
                 source.mlp(source.post_attention_layernorm(x)),
             )
         torch.testing.assert_close(drafter.norm(x), last_hidden)
+
+
+def test_dense_mini_target_is_qwen3_and_decodes_in_our_engine_as_in_transformers(mini_dense):
+    from transformers import Qwen3ForCausalLM
+
+    from engine.decode import GenerationConfig, generate
+    from engine.models import load_drafter, load_target
+
+    config = json.loads((mini_dense / "target" / "config.json").read_text())
+    assert config["model_type"] == "qwen3"
+    assert set(config.get("layer_types", ["full_attention"])) == {"full_attention"}
+    ids = torch.tensor([5, 17, 3, 9, 44, 2])
+    hf = Qwen3ForCausalLM.from_pretrained(mini_dense / "target", dtype=torch.float32).eval()
+    ours, drafter = load_target(mini_dense / "target"), load_drafter(mini_dense / "draft")
+    with torch.no_grad():
+        expected = hf(input_ids=ids[None]).logits[0]
+        logits, _ = ours.forward(ids, ours.new_cache(16))
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+        plain = generate(ours, None, ids.tolist(), GenerationConfig("ar", max_new_tokens=24))
+        tree = generate(ours, drafter, ids.tolist(), GenerationConfig("ddtree", max_new_tokens=24))
+    assert tree.output_ids == plain.output_ids
+    # the DDTree reference reads transformers' hidden states, whose last one is normed
+    assert list(drafter.target_layer_ids) == td.spread_layer_ids(td.MINI.num_layers - 1, 3)
+
+
+def test_warm_started_drafter_copies_a_dense_targets_last_layer_as_it_is(mini_dense):
+    from engine.models.dflash import DFlashConfig, DFlashDrafter
+
+    hf, tokenizer = td.load_target_for_training(mini_dense / "target")
+    config = td.drafter_config(td.MINI, hf.config, tokenizer.token_to_id(td.MASK_TOKEN))
+    drafter = DFlashDrafter(DFlashConfig.from_dict(config))
+    td.warm_start(drafter, hf)
+    source = hf.model.layers[-1]
+    x = torch.randn(3, td.MINI.hidden_size)
+    with torch.no_grad():
+        for layer in drafter.layers:  # plain RMSNorms (no 1 + w) and an ungated q_proj
+            torch.testing.assert_close(layer.input_layernorm(x), source.input_layernorm(x))
+            torch.testing.assert_close(layer.self_attn.q_proj(x), source.self_attn.q_proj(x))
+            torch.testing.assert_close(layer.mlp(x), source.mlp(x))
+        torch.testing.assert_close(drafter.norm(x), hf.model.norm(x))
 
 
 def test_mini_dirs_are_fp16_with_a_tokenizer_whose_mask_token_the_drafter_uses(mini):
