@@ -423,8 +423,7 @@ class Budgets:
                 for d, (acc, _) in zip(drafts, sequences, strict=True)
             ]
         elif not _choice_moves(sequences):
-            changes = tuple((acc.serial, acc.version) for acc, _ in sequences)
-            self._quiet = _Quiet(base, self._fits_epoch(), changes)
+            self._quiet = _Quiet(base, self._fits_epoch(), _versions(sequences))
         return drafts
 
     def _still_quiet(self, sequences: list[tuple[Acceptance, int]], base: Baseline) -> bool:
@@ -432,8 +431,7 @@ class Budgets:
         quiet = self._quiet
         if quiet is None or quiet.base != base or quiet.fits != self._fits_epoch():
             return False
-        changes = tuple((acc.serial, acc.version) for acc, _ in sequences)
-        return quiet.sequences == changes and not _choice_moves(sequences)
+        return quiet.sequences == _versions(sequences) and not _choice_moves(sequences)
 
     def _fits_epoch(self) -> tuple[int, int]:
         """Which CHOICE_PASSES samples each cost fit is in: a choice is made anew in the next."""
@@ -494,6 +492,11 @@ class Budgets:
 
     def _seconds(self, base: Baseline) -> float:
         return self.passes.seconds(1, base.tokens, base.trees)
+
+
+def _versions(sequences: list[tuple[Acceptance, int]]) -> tuple[tuple[int, int], ...]:
+    """Which sequences, each as it stands (its serial and version): `_Quiet.sequences`."""
+    return tuple((acc.serial, acc.version) for acc, _ in sequences)
 
 
 def _choice_moves(sequences: list[tuple[Acceptance, int]]) -> bool:
