@@ -11,6 +11,7 @@ engine/demo_model/ is `--out engine/demo_model`; `--mini` is the seconds-long sm
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import replace
@@ -42,12 +43,28 @@ def run(args: argparse.Namespace) -> int:
     def log(message: str) -> None:
         print(f"[{time.monotonic() - start:7.1f}s] {message}", flush=True)
 
-    if args.reuse_target and not (args.out / "target" / "config.json").exists():
-        print(
-            f"Error: --reuse-target: {args.out / 'target'} holds no trained target", file=sys.stderr
-        )
+    if args.reuse_target and (error := _reuse_error(args.out / "target", args.dense)):
+        print(f"Error: --reuse-target: {error}", file=sys.stderr)
         return 2
     recipe = replace(MINI if args.mini else Recipe(), dense=args.dense)
     train_demo(args.out, recipe, log, reuse_target=args.reuse_target)
     log(f"wrote {args.out / 'target'}, {args.out / 'draft'}, {args.out / 'training.json'}")
     return 0
+
+
+def _reuse_error(target: Path, dense: bool) -> str | None:
+    """Why `target` cannot be reused by a run with(out) --dense: none there, or the other kind
+    (its drafter would read the features another pair's does)."""
+    config = target / "config.json"
+    if not config.exists():
+        return f"{target} holds no trained target"
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as error:
+        return f"{config}: not a readable config ({error})"
+    if (model_type == "qwen3") != dense:
+        kind = "a dense" if model_type == "qwen3" else "a hybrid"
+        return (
+            f"{target} holds {kind} target ({model_type}): {'add' if not dense else 'drop'} --dense"
+        )
+    return None

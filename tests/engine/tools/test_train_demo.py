@@ -272,6 +272,14 @@ def test_reuse_target_needs_a_trained_target(tmp_path, capsys):
     assert "holds no trained target" in capsys.readouterr().err
 
 
+def test_reuse_target_refuses_the_other_kind_of_target(mini, mini_dense, capsys):
+    hybrid = ["train-demo", "--out", str(mini[0]), "--reuse-target", "--mini", "--dense"]
+    assert main(hybrid) == 2
+    assert "holds a hybrid target (qwen3_5_text): drop --dense" in capsys.readouterr().err
+    assert main(["train-demo", "--out", str(mini_dense), "--reuse-target", "--mini"]) == 2
+    assert "holds a dense target (qwen3): add --dense" in capsys.readouterr().err
+
+
 def test_shipped_demo_pair_is_small_and_complete():
     files = [p for p in DEMO_MODEL.rglob("*") if p.is_file()]
     assert sum(p.stat().st_size for p in files) <= 20 * 2**20
