@@ -64,7 +64,5 @@ def _reuse_error(target: Path, dense: bool) -> str | None:
         return f"{config}: not a readable config ({error})"
     if (model_type == "qwen3") != dense:
         kind = "a dense" if model_type == "qwen3" else "a hybrid"
-        return (
-            f"{target} holds {kind} target ({model_type}): {'add' if not dense else 'drop'} --dense"
-        )
+        return f"{target} holds {kind} target ({model_type}): {'drop' if dense else 'add'} --dense"
     return None
