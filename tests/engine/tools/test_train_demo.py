@@ -234,7 +234,8 @@ def test_warm_started_drafter_copies_a_dense_targets_last_layer_as_it_is(mini_de
     from engine.models.dflash import DFlashConfig, DFlashDrafter
 
     hf, tokenizer = td.load_target_for_training(mini_dense / "target")
-    config = td.drafter_config(td.MINI, hf.config, tokenizer.token_to_id(td.MASK_TOKEN))
+    recipe = replace(td.MINI, dense=True)
+    config = td.drafter_config(recipe, hf.config, tokenizer.token_to_id(td.MASK_TOKEN))
     drafter = DFlashDrafter(DFlashConfig.from_dict(config))
     td.warm_start(drafter, hf)
     source = hf.model.layers[-1]
