@@ -47,9 +47,15 @@ step from then on. A new sequence's profile starts as the server's (every fresh 
 by POPULATION_DECAY): it drafts its first round when that profile says a tree pays (or the server
 has drafted none yet), not to learn what the others' trees already tell; its wait to its first
 probe is the server's last lesson at the size of the batch it joins (`probe_waits`, by batches
-of 1, 2, up to 4, up to 8...: doubled by each drafted step of that size that did not pay, reset
-by one that did; drafting may pay alone and not at six), and when its batch grows or thins to
+of 2, up to 4, up to 8...: doubled by each drafted step of that size that did not pay, reset by
+one that did; drafting may pay alone and not at six), and when its batch grows or thins to
 another size, that size's lesson (prefilling sequences counted: they wait on the step too).
+Alone there is no such lesson: each sequence waits PROBE_AFTER rounds, then as long as its own
+probes taught it. What a lone draft returns is its own text's acceptance, which the last prompt
+does not tell (the demo's six chats accept 0.7 to 6.3 drafted tokens a round); a server-wide
+lone lesson, doubled by the chats whose trees do not pay, stopped every later chat's probes
+within its 96 tokens, and auto decoded plainly where ddtree:15 was 1.2x ar (engine/NOTES.md,
+session 32).
 
 Lossless: a budget only says how many of the tree's first nodes are verified (a best-first tree
 of k nodes is the first k of a larger one), and every output token is still the target's own
@@ -475,12 +481,16 @@ class Budgets:
 
     def solo_paid(self, acc: Acceptance, pays: bool) -> None:
         """A lone sequence's probe, or a drafted round after which drafting still pays (or
-        not): its wait to the next probe, and a new sequence's, reset or double."""
+        not): its own wait to the next probe resets or doubles (alone, no lesson is kept for
+        the next sequence: see the module docstring)."""
         acc.paid(pays)
-        self._learned(pays, 1)
 
     def _learned(self, paid: bool, sequences: int) -> None:
+        """A drafted step of `sequences` paid or not: the wait of a sequence joining a batch
+        of that size (two or more) resets or doubles."""
         size = batch_size(sequences)
+        if size == 1:
+            return
         wait = self.probe_waits.get(size, PROBE_AFTER)
         self.probe_waits[size] = PROBE_AFTER if paid else min(2 * wait, PROBE_MAX)
 

@@ -259,8 +259,8 @@ def test_probes_of_sequences_that_joined_at_different_times_share_one_draft_pass
 def test_a_new_sequence_waits_for_its_first_probe_as_long_as_the_last_probes_taught():
     """Drafted steps of six that did not pay double the wait to the first probe of a sequence
     joining a batch of five to eight (to PROBE_MAX), as they do the probing sequences'; one
-    joining alone keeps PROBE_AFTER (drafting may pay alone), and a lone round after which
-    drafting does not pay doubles that one. A step of six that paid sets its wait back."""
+    joining alone keeps PROBE_AFTER (drafting may pay alone). A step of six that paid sets its
+    wait back."""
     budgets = measured(Budgets(), per_token=0.002)  # dear tokens: no tree pays at six
     assert budgets.new_sequence(15, batch=6).probe_after == PROBE_AFTER
     weak = np.log(np.full(15, 0.3))
@@ -270,13 +270,35 @@ def test_a_new_sequence_waits_for_its_first_probe_as_long_as_the_last_probes_tau
         waited = budgets.new_sequence(15, batch=7).probe_after
         assert waited == min(PROBE_AFTER << probes, PROBE_MAX)
     assert budgets.new_sequence(15).probe_after == PROBE_AFTER
-    budgets.solo_paid(budgets.new_sequence(15), False)
-    assert budgets.new_sequence(15).probe_after == 2 * PROBE_AFTER
     cheap = measured(Budgets(), per_token=0.00001)
     cheap.probe_waits = dict(budgets.probe_waits)
     strong = np.log(np.full(15, 0.95))
     cheap.nodes([(cheap.new_sequence(15, 6), strong) for _ in range(6)], Baseline(6, 0, 6), 0.001)
     assert cheap.new_sequence(15, batch=6).probe_after == PROBE_AFTER
+
+
+def test_alone_a_sequence_s_probes_teach_its_own_wait_and_not_the_next_sequence_s():
+    """Alone, what a draft returns is the sequence's own text's acceptance: a chat whose drafts
+    miss doubles its own wait to its next probe, each miss again, but the next chat, whose
+    drafts may land, still probes after PROBE_AFTER rounds (a server-wide lone lesson stopped
+    every later chat's probes: engine/NOTES.md, session 32)."""
+    budgets = measured(Budgets(), per_token=0.0003)
+    budgets.observe_solo(0.012)
+    budgets.observe_alone(0.003)
+    log_probs = np.log(np.linspace(0.9, 0.1, 15))
+    for _ in range(4):  # chats whose drafts miss, one after another
+        missing = budgets.new_sequence(15)
+        waits = []
+        for _ in range(5):
+            missing.drafted(log_probs)
+            budgets.verified(missing, log_probs, 0)
+            budgets.solo_paid(missing, budgets.drafting_alone(missing))
+            waits.append(missing.probe_after)
+        assert waits == [min(PROBE_AFTER << n, PROBE_MAX) for n in range(1, 6)]
+    landing = budgets.new_sequence(15)
+    assert landing.probe_after == PROBE_AFTER
+    landing.skipped = PROBE_AFTER
+    assert budgets.drafting_alone(landing)
 
 
 def test_a_sequence_takes_the_wait_of_the_batch_it_is_in_when_the_batch_changes_size():
