@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.cache_pool import CachePool
+from engine.cli.bench import positive_int
 from engine.decode import GenerationConfig, _Sequence
 from engine.methods import METHODS
 from engine.scheduler import Finished, Request, Scheduler
@@ -385,19 +386,13 @@ def _methods(text: str) -> tuple[str, ...]:
     return methods
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, not {text!r}")
-    return int(text)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="tiny widths (a CPU test's run)")
-    parser.add_argument("--layers", type=_positive, default=4, help="the smaller stack's layers")
-    parser.add_argument("--prefix", type=_positive, default=PREFIX, help="prompt tokens")
-    parser.add_argument("--new-tokens", type=_positive, default=NEW_TOKENS)
+    parser.add_argument("--layers", type=positive_int, default=4, help="the smaller stack's layers")
+    parser.add_argument("--prefix", type=positive_int, default=PREFIX, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=positive_int, default=NEW_TOKENS)
     parser.add_argument("--concurrency", type=_counts, default=CONCURRENCY)
     parser.add_argument("--methods", type=_methods, help="default: ar,ddtree:15 (and auto)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -2,9 +2,9 @@
 
 Run on a CUDA machine (sized to finish within 8 minutes on an H200 with the defaults):
 
-    python -m engine.tools.gpu_check [--out gpu_check.json] [--layers 4] [--prefix 4096] \\
-        [--memory-layers 4] [--memory-prompt 32768] [--rounds-layers 4] \\
-        [--batched-layers 4] [--batched-prefix 4096]
+    python -m engine.tools.gpu_check [--out gpu_check.json] [--only S,..|--skip S,..] \\
+        [--deadline SECONDS] [--layers 4] [--prefix 4096] [--memory-layers 4] \\
+        [--memory-prompt 32768] [--rounds-layers 4] [--batched-layers 4] [--batched-prefix 4096]
 
     # the batched figures alone (estimated 2-4 minutes on an H200; not yet run on CUDA):
     python -m engine.tools.gpu_batched [--layers 4] [--prefix 4096]
@@ -22,20 +22,26 @@ Run on a CUDA machine (sized to finish within 8 minutes on an H200 with the defa
    Triton compiles counted after the smallest and largest context ran (target 0).
 5. Memory (engine/tools/gpu_memory.py): loading a Qwen3.6-27B-layout checkpoint of
    --memory-layers layers peaks within 1.05x its weights, and a --memory-prompt-token prefill
-   (32k) on it stays within the memory plan (engine/memory_plan.py). --memory-layers 0 skips it.
+   (32k) on it stays within the memory plan (engine/memory_plan.py).
 6. Rounds (engine/tools/gpu_rounds.py `check_rounds`, with --rounds-layers layers and twice as
-   many; 0 skips them): the ar step against the bandwidth floor, verify / step, host syncs per
+   many): the ar step against the bandwidth floor, verify / step, host syncs per
    round, graphs vs eager, recompiles of whole generations as the prefix grows.
-7. Batched (engine/tools/gpu_batched.py `check_batched`, --batched-layers and twice as many; 0
-   skips them): aggregate tok/s and per-sequence inter-token latency at concurrency 1, 4, 8, 16
+7. Batched (engine/tools/gpu_batched.py `check_batched`, --batched-layers and twice as
+   many): aggregate tok/s and per-sequence inter-token latency at concurrency 1, 4, 8, 16
    for ar, ddtree:15 (and auto) through the scheduler, and the verify pass's cost by token count
    (the table a cost model uses), each also fitted to 64 layers; ar's and ddtree:15's tok/s with
    their steps replayed as CUDA graphs over eager at the highest concurrency (target >= 0.98:
    engine/step_passes.py, engine/tree_passes.py).
 
-Prints a report ending in every figure beside its target, and writes it as JSON with --out.
-Exit status: 0 every figure met its target, 1 one did not, 2 no CUDA device or no triton
-(nothing was run).
+The sections, in that order: correctness, kernels, stack, recompiles, memory, rounds, batched
+(`--only` or `--skip` some). Each is kept as soon as it ends (engine/tools/sections.py): a line
+on stderr as each starts and ends, the report rewritten to --out after each, a section that
+raises recorded and the next ones run, none started past --deadline seconds. So a device run
+cut off at its time limit still returns what finished: give the machine's command a limit
+above the deadline by the longest section's time.
+Prints a report ending in every figure beside its target. Exit status: 0 every figure met its
+target, 1 one did not (a section that raised or was not started counts as one), 2 no CUDA
+device or no triton, or a bad argument (nothing was run).
 """
 
 from __future__ import annotations
@@ -43,23 +49,25 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import json
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from engine import kernels
+from engine.cli.bench import positive_int, seconds
 from engine.kernels import reference
 from engine.kernels.batched import ancestor_matrix
 from engine.models.common import Rotary
 from engine.tools.gpu_batched import check_batched, print_batched
 from engine.tools.gpu_memory import LOAD_PEAK_LIMIT, check_memory, print_memory_report
 from engine.tools.gpu_rounds import check_rounds, counted_compiles
+from engine.tools.sections import Section, run_sections, write_json
 
 # Qwen3.6-27B text config (config.json "text_config").
 HIDDEN = 5120
@@ -73,6 +81,7 @@ GDN_VALUE_DIM = GDN_V_HEADS * GDN_HEAD_DIM  # 6144
 GDN_CONV_DIM = 2 * GDN_KEY_DIM + GDN_VALUE_DIM  # 10240: conv over [q ; k ; v]
 VERIFY_TOKENS = 16  # DDTree budget 15 + the bonus root
 GRAPHED_OVER_EAGER = 0.98  # steps as CUDA graphs must not be slower than eager
+SECTIONS = ("correctness", "kernels", "stack", "recompiles", "memory", "rounds", "batched")
 CONTEXTS = (64, 100, 128, 255, 512, 1000, 1024, 2047, 3000, 4096, 6000, 8192, 12345, 16384, 32768)
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float64: 1e-10}
@@ -477,17 +486,22 @@ class Figure:
 
 
 def figures(report: dict) -> list[Figure]:
-    """Every figure of the report with its target (the issue's, or the check's own limit)."""
-    rows = report["correctness"]
-    failed = sum(not row["passed"] for row in rows)
-    stack = report["stack_ms"]
-    ratio = stack["triton: verify 16-token tree"] / stack["triton: decode step"]
-    recompiles = sum(report["recompiles"].values())
-    out = [
-        Figure("kernels vs references (failed)", failed, f"0 of {len(rows)}", failed == 0),
-        Figure("layer stack verify(16) / decode", round(ratio, 3), "<= 1.15", ratio <= 1.15),
-        Figure("recompiles while the context grows", recompiles, "0", recompiles == 0),
-    ]
+    """Every figure of the report's sections with its target (the issue's, or the check's own
+    limit); a section that raised or was not started is a failed figure of its own."""
+    out = []
+    if (rows := report.get("correctness")) is not None:
+        failed = sum(not row["passed"] for row in rows)
+        out.append(
+            Figure("kernels vs references (failed)", failed, f"0 of {len(rows)}", not failed)
+        )
+    if stack := report.get("stack"):
+        ratio = stack["triton: verify 16-token tree"] / stack["triton: decode step"]
+        out.append(
+            Figure("layer stack verify(16) / decode", round(ratio, 3), "<= 1.15", ratio <= 1.15)
+        )
+    if (counts := report.get("recompiles")) is not None:
+        recompiles = sum(counts.values())
+        out.append(Figure("recompiles while the context grows", recompiles, "0", not recompiles))
     if memory := report.get("memory"):
         load = memory["load_peak_ratio"]
         within = memory["prefill_peak_bytes"] <= memory["plan_total_bytes"]
@@ -502,6 +516,10 @@ def figures(report: dict) -> list[Figure]:
         out.append(Figure(row["name"], value, target, bool(row["passed"]), unit))
     if batched := report.get("batched"):
         out += batched_figures(batched)
+    for name, error in report.get("errors", {}).items():
+        out.append(Figure(f"section {name}", f"raised {error}", "completes", False))
+    for name in report.get("skipped", []):
+        out.append(Figure(f"section {name}", "not started (deadline)", "completes", False))
     return out
 
 
@@ -540,19 +558,22 @@ def _no_device_reason() -> str | None:
 
 def _print_report(report: dict) -> None:
     print(f"device: {report['device']}")
-    for row in report["correctness"]:
+    for row in report.get("correctness", ()):
         verdict = "ok  " if row["passed"] else "FAIL"
         detail = row["error"] or f"max|diff| {row['max_abs_diff']:.3g}"
         print(f"  {verdict} {row['kernel']:<22} {row['tree']:<10} {row['dtype']:<9} {detail}")
-    print(f"kernel ms (bf16, random tree, attention prefix {report['prefix']}):")
-    for name, cols in report["kernel_ms"].items():
-        print(f"  {name:<26} " + "  ".join(f"{k} {v:.4f}" for k, v in cols.items()))
-    print(f"layer stack ms ({report['layers']} layers, prefix {report['prefix']}, bf16):")
-    for name, ms in report["stack_ms"].items():
-        print(f"  {name:<36} {ms:.3f}")
-    print(f"compiles while the context grows {CONTEXTS[1]} .. {CONTEXTS[-2]}:")
-    for form, compiles in report["recompiles"].items():
-        print(f"  {form:<14} {compiles}")
+    if "kernels" in report:
+        print(f"kernel ms (bf16, random tree, attention prefix {report['prefix']}):")
+        for name, cols in report["kernels"].items():
+            print(f"  {name:<26} " + "  ".join(f"{k} {v:.4f}" for k, v in cols.items()))
+    if "stack" in report:
+        print(f"layer stack ms ({report['layers']} layers, prefix {report['prefix']}, bf16):")
+        for name, ms in report["stack"].items():
+            print(f"  {name:<36} {ms:.3f}")
+    if "recompiles" in report:
+        print(f"compiles while the context grows {CONTEXTS[1]} .. {CONTEXTS[-2]}:")
+        for form, compiles in report["recompiles"].items():
+            print(f"  {form:<14} {compiles}")
     if "memory" in report:
         print_memory_report(report["memory"])
     if "batched" in report:
@@ -564,17 +585,63 @@ def _print_report(report: dict) -> None:
         print(f"  {verdict:<4} {fig['name']:<44} {value:>14}   target {fig['target']}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def sections(device: torch.device, args: argparse.Namespace) -> list[Section]:
+    """The run's sections in SECTIONS' order, less those --only and --skip leave out."""
+    runs = {
+        "correctness": lambda: [vars(c) for c in check_correctness(device, args.prefix)],
+        "kernels": lambda: time_kernels(device, args.prefix),
+        "stack": lambda: time_stack(device, args.layers, args.prefix),
+        "recompiles": lambda: check_recompiles(device),
+        "memory": lambda: check_memory(device, args.memory_layers, args.memory_prompt),
+        "rounds": lambda: check_rounds(device, layers=args.rounds_layers),
+        "batched": lambda: check_batched(
+            device, layers=args.batched_layers, prefix=args.batched_prefix
+        ),
+    }
+    chosen = args.only or [name for name in SECTIONS if name not in (args.skip or ())]
+    return [Section(name, runs[name]) for name in SECTIONS if name in chosen]
+
+
+def section_names(text: str) -> list[str]:
+    """--only's and --skip's comma-separated section names, each one of SECTIONS."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected section names among {', '.join(SECTIONS)}"
+        )
+    return names
+
+
+def out_path(text: str) -> Path:
+    """--out: a file in a directory that exists (checked before the device work, not after)."""
+    path = Path(text)
+    if not path.parent.is_dir() or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: not a file in an existing directory")
+    return path
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="write the report as JSON to this file")
-    parser.add_argument("--layers", type=int, default=4, help="layers in the timed stack")
-    parser.add_argument("--prefix", type=int, default=4096, help="committed tokens before the tree")
-    parser.add_argument("--memory-layers", type=int, default=4, help="0 skips the memory check")
-    parser.add_argument("--memory-prompt", type=int, default=32768, help="prefill tokens")
-    parser.add_argument("--rounds-layers", type=int, default=4, help="0 skips the round figures")
-    parser.add_argument("--batched-layers", type=int, default=4, help="0 skips the batched figures")
-    parser.add_argument("--batched-prefix", type=int, default=4096, help="each request's prompt")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", type=out_path, help="the report as JSON, after each section")
+    choice = parser.add_mutually_exclusive_group()
+    choice.add_argument("--only", type=section_names, help="run these sections alone (comma list)")
+    choice.add_argument("--skip", type=section_names, help="leave these sections out (comma list)")
+    parser.add_argument("--deadline", type=seconds, help="start no section after these seconds")
+    parser.add_argument("--layers", type=positive_int, default=4, help="layers in the timed stack")
+    parser.add_argument("--prefix", type=positive_int, default=4096, help="tokens before the tree")
+    parser.add_argument(
+        "--memory-layers", type=positive_int, default=4, help="the loaded checkpoint's"
+    )
+    parser.add_argument("--memory-prompt", type=positive_int, default=32768, help="prefill tokens")
+    parser.add_argument("--rounds-layers", type=positive_int, default=4, help="the rounds' stack")
+    parser.add_argument("--batched-layers", type=positive_int, default=4, help="the batched stack")
+    parser.add_argument("--batched-prefix", type=positive_int, default=4096, help="each prompt's")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if reason := _no_device_reason():
         print(f"gpu_check: {reason}: nothing to check", file=sys.stderr)
         return 2
@@ -582,27 +649,19 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     report = {
         "device": torch.cuda.get_device_name(device),
-        "correctness": [vars(c) for c in check_correctness(device, args.prefix)],
-        "kernel_ms": time_kernels(device, args.prefix),
         "layers": args.layers,
         "prefix": args.prefix,
-        "stack_ms": time_stack(device, args.layers, args.prefix),
-        "recompiles": check_recompiles(device),
     }
-    if args.memory_layers:
-        report["memory"] = check_memory(device, args.memory_layers, args.memory_prompt)
-    if args.rounds_layers:
-        report["rounds"] = check_rounds(device, layers=args.rounds_layers)
-    if args.batched_layers:
-        report["batched"] = check_batched(
-            device, layers=args.batched_layers, prefix=args.batched_prefix
-        )
-    report["seconds"] = round(time.monotonic() - started, 1)
-    report["figures"] = [vars(f) for f in figures(report)]
+
+    def save(report: dict) -> None:
+        report["seconds"] = round(time.monotonic() - started, 1)
+        report["figures"] = [vars(f) for f in figures(report)]
+        if args.out:
+            write_json(args.out, report)
+
+    run_sections(sections(device, args), report, save, args.deadline)
+    save(report)
     _print_report(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
     return 0 if all(f["passed"] for f in report["figures"]) else 1
 
 

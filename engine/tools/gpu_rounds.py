@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from engine.cli.bench import positive_int
 from engine.decode import GenerationConfig, generate
 from engine.models.common import materialize
 from engine.models.dflash import DFlashConfig, DFlashDrafter
@@ -349,18 +350,11 @@ def print_rounds(figures: list[dict], layers: int, prefix: int) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=_positive, default=4, help="the smaller stack's layers")
-    parser.add_argument("--prefix", type=_positive, default=32768, help="prompt tokens")
-    parser.add_argument("--budget", type=_positive, default=15, help="ddtree node budget")
+    parser.add_argument("--layers", type=positive_int, default=4, help="the smaller stack's layers")
+    parser.add_argument("--prefix", type=positive_int, default=32768, help="prompt tokens")
+    parser.add_argument("--budget", type=positive_int, default=15, help="ddtree node budget")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     return parser.parse_args(argv)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:

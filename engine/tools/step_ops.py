@@ -48,6 +48,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from engine import kernels
 from engine.cache_pool import CachePool
+from engine.cli.bench import positive_int
 from engine.decode import GenerationConfig, StaticPass, _Sequence
 from engine.draft_passes import DraftPasses
 from engine.methods import METHODS
@@ -261,23 +262,18 @@ def run_at_once(scheduler: Scheduler, prompts: list[list[int]], cfg: GenerationC
     return sum(len(f.result.output_ids) for f in finished)
 
 
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
 def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=DEMO / "target")
     parser.add_argument("--draft", type=Path, default=DEMO / "draft")
     parser.add_argument("--method", default="ddtree:15", help="ar, linear, ddtree:N or auto")
-    parser.add_argument("--concurrency", type=positive, default=6)
-    parser.add_argument("--max-tokens", type=positive, default=96)
-    parser.add_argument("--batched-tokens", type=positive, default=256)
-    parser.add_argument("--slot-tokens", type=positive, default=1024)
-    parser.add_argument("--random-layers", type=positive, help="a random pair of this many layers")
+    parser.add_argument("--concurrency", type=positive_int, default=6)
+    parser.add_argument("--max-tokens", type=positive_int, default=96)
+    parser.add_argument("--batched-tokens", type=positive_int, default=256)
+    parser.add_argument("--slot-tokens", type=positive_int, default=1024)
+    parser.add_argument(
+        "--random-layers", type=positive_int, help="a random pair of this many layers"
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="its weights'")
     parser.add_argument("--cuda-launches", action="store_true", help="count attention as CUDA")
     parser.add_argument("--graphs", action="store_true", help="steps as replayed CUDA graphs")

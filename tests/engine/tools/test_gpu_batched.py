@@ -73,7 +73,7 @@ def test_gpu_check_holds_graphed_steps_to_eager_s_speed(method, graphed, passed)
 def _gpu_check_report(batched: dict) -> dict:
     rows = [{"passed": True}]
     stack = {"triton: verify 16-token tree": 1.0, "triton: decode step": 1.0}
-    return {"correctness": rows, "stack_ms": stack, "recompiles": {}, "batched": batched}
+    return {"correctness": rows, "stack": stack, "recompiles": {}, "batched": batched}
 
 
 def test_the_pass_timer_times_alike_decode_passes_and_restores_the_model():
