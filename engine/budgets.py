@@ -54,8 +54,8 @@ Alone there is no such lesson: each sequence waits PROBE_AFTER rounds, then as l
 probes taught it. What a lone draft returns is its own text's acceptance, which the last prompt
 does not tell (the demo's six chats accept 0.7 to 6.3 drafted tokens a round); a server-wide
 lone lesson, doubled by the chats whose trees do not pay, stopped every later chat's probes
-within its 96 tokens, and auto decoded plainly where ddtree:15 was 1.2x ar (engine/NOTES.md,
-session 32).
+within its 96 tokens, and auto decoded plainly where ddtree:15 was 1.13-1.20x ar
+(engine/NOTES.md, session 32).
 
 Lossless: a budget only says how many of the tree's first nodes are verified (a best-first tree
 of k nodes is the first k of a larger one), and every output token is still the target's own
