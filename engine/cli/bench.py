@@ -60,6 +60,7 @@ from engine.machine_state import (
     summary,
     uneven_load,
 )
+from engine.tools.arguments import positive_int, seconds
 
 WARMUP_TOKENS = 16
 ROUND_STAGES = ("draft", "tree", "verify", "commit")
@@ -131,24 +132,6 @@ def parse_levels(text: str) -> list[int]:
     if not levels or levels[0] < 1:
         raise argparse.ArgumentTypeError(f"concurrency levels must be >= 1, got {text!r}")
     return levels
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number >= 1."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
-def seconds(text: str) -> float:
-    """An argparse type: a number of seconds >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -47,11 +47,11 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.cache_pool import CachePool
-from engine.cli.bench import positive_int
 from engine.decode import GenerationConfig, _Sequence
 from engine.methods import METHODS
 from engine.scheduler import Finished, Request, Scheduler
 from engine.step_passes import StepPasses
+from engine.tools.arguments import positive_int
 from engine.tools.gpu_rounds import FULL_LAYERS, counted_syncs, per_layer_fit, random_pair
 
 CONCURRENCY = (1, 4, 8, 16)

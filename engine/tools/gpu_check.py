@@ -60,10 +60,10 @@ import torch
 import torch.nn.functional as F
 
 from engine import kernels
-from engine.cli.bench import positive_int, seconds
 from engine.kernels import reference
 from engine.kernels.batched import ancestor_matrix
 from engine.models.common import Rotary
+from engine.tools.arguments import positive_int, seconds
 from engine.tools.gpu_batched import check_batched, print_batched
 from engine.tools.gpu_memory import LOAD_PEAK_LIMIT, check_memory, print_memory_report
 from engine.tools.gpu_rounds import check_rounds, counted_compiles

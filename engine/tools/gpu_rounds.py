@@ -40,11 +40,11 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from engine.cli.bench import positive_int
 from engine.decode import GenerationConfig, generate
 from engine.models.common import materialize
 from engine.models.dflash import DFlashConfig, DFlashDrafter
 from engine.models.qwen3_5 import Qwen3_5Config, Qwen3_5Model
+from engine.tools.arguments import positive_int
 from engine.tools.gpu_memory import stack_config
 
 FULL_LAYERS = 64  # Qwen3.6-27B

@@ -48,7 +48,6 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from engine import kernels
 from engine.cache_pool import CachePool
-from engine.cli.bench import positive_int
 from engine.decode import GenerationConfig, StaticPass, _Sequence
 from engine.draft_passes import DraftPasses
 from engine.methods import METHODS
@@ -58,6 +57,7 @@ from engine.models.dflash import DFlashDrafter
 from engine.scheduler import Request, Scheduler
 from engine.step_passes import StepPasses
 from engine.tokenizer import load_tokenizer
+from engine.tools.arguments import positive_int
 from engine.tools.batching import TOPICS, parse_method
 from engine.tools.ddtree_reference import OpCount
 from engine.tools.gpu_rounds import random_pair

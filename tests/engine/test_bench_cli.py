@@ -21,11 +21,10 @@ from engine.cli.bench import (
     methods_for,
     parse_budgets,
     parse_levels,
-    positive_int,
     run_verdict,
-    seconds,
     summarise,
 )
+from engine.tools.arguments import positive_int, seconds
 from tests.helpers.tiny_hybrid import save_tiny_hybrid, save_tiny_hybrid_drafter, torch_threads
 
 
