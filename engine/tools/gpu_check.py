@@ -32,9 +32,12 @@ Run on a CUDA machine (sized to finish within 8 minutes on an H200 with the defa
    (the table a cost model uses), each also fitted to 64 layers; ar's and ddtree:15's tok/s with
    their steps replayed as CUDA graphs over eager at the highest concurrency (target >= 0.98:
    engine/step_passes.py, engine/tree_passes.py).
+8. Ties (engine/tools/batch_ties.py `check_ties`): the demo pair in bf16 on CUDA, its chat
+   prompts served at once and alone for ar, ddtree:15 and auto; every output that differs must
+   differ at a near-tie (the two tokens' logits within a few bf16 ulps; ~1 minute estimated).
 
-The sections, in that order: correctness, kernels, stack, recompiles, memory, rounds, batched
-(`--only` or `--skip` some). Each is kept as soon as it ends (engine/tools/sections.py): a line
+The sections, in that order: correctness, kernels, stack, recompiles, memory, rounds, batched,
+ties (`--only` or `--skip` some). Each is kept as soon as it ends (engine/tools/sections.py): a line
 on stderr as each starts and ends, the report rewritten to --out after each, a section that
 raises recorded and the next ones run, none started past --deadline seconds. So a device run
 cut off at its time limit still returns what finished: give the machine's command a limit
@@ -64,6 +67,7 @@ from engine.kernels import reference
 from engine.kernels.batched import ancestor_matrix
 from engine.models.common import Rotary
 from engine.tools.arguments import positive_int, seconds
+from engine.tools.batch_ties import check_ties, tie_lines
 from engine.tools.gpu_batched import check_batched, print_batched
 from engine.tools.gpu_memory import LOAD_PEAK_LIMIT, check_memory, print_memory_report
 from engine.tools.gpu_rounds import check_rounds, counted_compiles
@@ -81,7 +85,7 @@ GDN_VALUE_DIM = GDN_V_HEADS * GDN_HEAD_DIM  # 6144
 GDN_CONV_DIM = 2 * GDN_KEY_DIM + GDN_VALUE_DIM  # 10240: conv over [q ; k ; v]
 VERIFY_TOKENS = 16  # DDTree budget 15 + the bonus root
 GRAPHED_OVER_EAGER = 0.98  # steps as CUDA graphs must not be slower than eager
-SECTIONS = ("correctness", "kernels", "stack", "recompiles", "memory", "rounds", "batched")
+SECTIONS = ("correctness", "kernels", "stack", "recompiles", "memory", "rounds", "batched", "ties")
 CONTEXTS = (64, 100, 128, 255, 512, 1000, 1024, 2047, 3000, 4096, 6000, 8192, 12345, 16384, 32768)
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float64: 1e-10}
@@ -516,6 +520,11 @@ def figures(report: dict) -> list[Figure]:
         out.append(Figure(row["name"], value, target, bool(row["passed"]), unit))
     if batched := report.get("batched"):
         out += batched_figures(batched)
+    if ties := report.get("ties"):
+        beyond = sum(not item["near_tie"] for item in ties["divergences"])
+        out.append(
+            Figure("batched vs alone at bf16: flips beyond a near-tie", beyond, "0", not beyond)
+        )
     for name, error in report.get("errors", {}).items():
         out.append(Figure(f"section {name}", f"raised {error}", "completes", False))
     for name in report.get("skipped", []):
@@ -578,6 +587,8 @@ def _print_report(report: dict) -> None:
         print_memory_report(report["memory"])
     if "batched" in report:
         print_batched(report["batched"])
+    if "ties" in report:
+        print("\n".join(tie_lines(report["ties"], "bfloat16 (the demo pair)")))
     print(f"figures ({report['seconds']} s):")
     for fig in report["figures"]:
         value = f"{fig['value']} {fig['unit']}".strip()
@@ -597,6 +608,7 @@ def sections(device: torch.device, args: argparse.Namespace) -> list[Section]:
         "batched": lambda: check_batched(
             device, layers=args.batched_layers, prefix=args.batched_prefix
         ),
+        "ties": lambda: check_ties(device.type),
     }
     chosen = args.only or [name for name in SECTIONS if name not in (args.skip or ())]
     return [Section(name, runs[name]) for name in SECTIONS if name in chosen]
