@@ -5,9 +5,10 @@ the logit gap at every divergence (issue 36, Must 5).
         [--device cpu|cuda] [--methods ar,ddtree:15,auto] [--prompts 8] [--max-tokens 96] [--json]
 
 In float64 (tests/engine/test_batching.py) a sequence's tokens are the same whatever runs beside
-it. At bf16 they need not be: a batched pass multiplies more rows at once, and a product's kernel
-(and so its rounding) may depend on its row count, so two logits within a rounding of each other
-can swap places. For every request that diverges, at its first differing token, a plain forward
+it. At bf16 they need not be: the logits hold 8 significant bits, so candidates often tie or sit
+an ulp apart, and a batched pass rounds differently from a lone round (more rows a product,
+whose kernel may depend on its row count; padded attention against contiguous), so two such
+logits can swap places. For every request that diverges, at its first differing token, a plain forward
 over the prompt and the tokens both runs share gives the two candidates' logits; their gap is
 counted in units in the last place (ulps) of the dtype at the larger one, and the divergence is
 a near-tie when the gap is at most NEAR_TIE_ULPS. Ties are common at bf16 (8 significant bits),

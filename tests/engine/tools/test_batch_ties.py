@@ -51,12 +51,14 @@ def test_one_output_a_prefix_of_the_other_is_not_a_near_tie(bf16_target) -> None
 
 
 def test_at_bf16_batched_outputs_equal_alone_ones_or_flip_a_near_tie() -> None:
-    """The demo pair in bf16 on the CPU: at once, ar's steps multiply six rows where alone they
-    multiply one, whose kernel rounds differently; on the batching tool's chats 2-3 of 8 of
-    ar's answers flip a tie 0 or 1 ulp apart (engine/NOTES.md, session 33). A fault flips the
-    closest ties first too, so what fails it is how many differ: each method keeps at least
-    half equal (5-8 of 8 here; a batched query that misses one key leaves 0-1). Each
-    divergence is shown (the assertion's message; `-s` prints it too)."""
+    """The demo pair in bf16 on the CPU: its logits hold 8 significant bits, so candidates
+    often tie or sit an ulp apart, and a batched pass rounds differently from a lone round
+    (ar: six rows a product against one, padded attention against contiguous); on the
+    batching tool's chats 2-3 of 8 of ar's answers flip a tie 0 or 1 ulp apart
+    (engine/NOTES.md, session 33). A fault flips the closest ties first too, so what fails it
+    is how many differ: each method keeps at least half equal (5-8 of 8 here; a batched query
+    that misses one key leaves 0-1). Each divergence is shown (the assertion's message; `-s`
+    prints it too)."""
     report = check_ties(max_tokens=64)
     shown = "\n".join(batch_ties.tie_lines(report, "bfloat16"))
     print(shown)
