@@ -19,8 +19,8 @@ float64 tests are the proof of exactness; this shows what the served dtype does.
 
 The demo pair's chat prompts (engine/tools/batching.py's), greedy, each method's requests sent
 at once through one scheduler of as many slots, then each alone through the same scheduler (as
-the server runs a lone request). Exit status: 0 every divergence a near-tie, 1 one is not,
-2 a bad argument.
+the server runs a lone request). Exit status: 0 every divergence a near-tie and at least
+MIN_EQUAL_SHARE of each method's outputs equal, 1 not, 2 a bad argument.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ DEMO = Path(__file__).parents[1] / "demo_model"
 # The demo pair's flips on the CPU at bf16 were 0 and 1 ulp apart (engine/NOTES.md, session 33);
 # 4 leaves room for a deeper stack's rounding, far below a real fault's whole units.
 NEAR_TIE_ULPS = 4.0
+# A fault flips the closest ties first too, but flips most outputs: batching as it should left
+# 5-8 of 8 equal a method on the demo's chats, a batched query missing one key 0-1.
+MIN_EQUAL_SHARE = 0.5
 SLOT_TOKENS = 1024  # each slot's tokens: a chat prompt and its answer
 METHOD_NAMES = ("ar", "ddtree:15", "auto")
 
@@ -148,6 +151,10 @@ def compare(
         report["methods"][name] = {"requests": len(prompts), "equal": len(prompts) - len(found)}
         report["divergences"] += [asdict(item) for item in found]
     report["near_ties"] = all(item["near_tie"] for item in report["divergences"])
+    report["least_equal_share"] = min(
+        row["equal"] / row["requests"] for row in report["methods"].values()
+    )
+    report["passed"] = report["near_ties"] and report["least_equal_share"] >= MIN_EQUAL_SHARE
     return report
 
 
@@ -229,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     pair = {"model": args.model, "draft": args.draft}
     report = check_ties(args.device, DTYPES[args.dtype], methods, **sizes, **pair)
     print(json.dumps(report) if args.json else "\n".join(tie_lines(report, args.dtype)))
-    return 0 if report["near_ties"] else 1
+    return 0 if report["passed"] else 1
 
 
 if __name__ == "__main__":

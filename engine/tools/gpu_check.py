@@ -34,11 +34,12 @@ Run on a CUDA machine (sized to finish within 8 minutes on an H200 with the defa
    engine/step_passes.py, engine/tree_passes.py).
 8. Ties (engine/tools/batch_ties.py `check_ties`): the demo pair in bf16 on CUDA, its chat
    prompts served at once and alone for ar, ddtree:15 and auto; every output that differs must
-   differ at a near-tie (the two tokens' logits within a few bf16 ulps; ~1 minute estimated).
+   differ at a near-tie (the two tokens' logits within a few bf16 ulps), and at least half of
+   each method's outputs must be equal (~1 minute estimated).
 
 The sections, in that order: correctness, kernels, stack, recompiles, memory, rounds, batched,
-ties (`--only` or `--skip` some). Each is kept as soon as it ends (engine/tools/sections.py): a line
-on stderr as each starts and ends, the report rewritten to --out after each, a section that
+ties (`--only` or `--skip` some). Each is kept as soon as it ends (engine/tools/sections.py): a
+line on stderr as each starts and ends, the report rewritten to --out after each, a section that
 raises recorded and the next ones run, none started past --deadline seconds. So a device run
 cut off at its time limit still returns what finished: give the machine's command a limit
 above the deadline by the longest section's time.
@@ -67,7 +68,7 @@ from engine.kernels import reference
 from engine.kernels.batched import ancestor_matrix
 from engine.models.common import Rotary
 from engine.tools.arguments import positive_int, seconds
-from engine.tools.batch_ties import check_ties, tie_lines
+from engine.tools.batch_ties import MIN_EQUAL_SHARE, check_ties, tie_lines
 from engine.tools.gpu_batched import check_batched, print_batched
 from engine.tools.gpu_memory import LOAD_PEAK_LIMIT, check_memory, print_memory_report
 from engine.tools.gpu_rounds import check_rounds, counted_compiles
@@ -522,9 +523,12 @@ def figures(report: dict) -> list[Figure]:
         out += batched_figures(batched)
     if ties := report.get("ties"):
         beyond = sum(not item["near_tie"] for item in ties["divergences"])
-        out.append(
-            Figure("batched vs alone at bf16: flips beyond a near-tie", beyond, "0", not beyond)
-        )
+        share = round(ties["least_equal_share"], 3)
+        target, enough = f">= {MIN_EQUAL_SHARE}", share >= MIN_EQUAL_SHARE
+        out += [
+            Figure("batched vs alone at bf16: flips beyond a near-tie", beyond, "0", not beyond),
+            Figure("batched vs alone at bf16: least share equal", share, target, enough),
+        ]
     for name, error in report.get("errors", {}).items():
         out.append(Figure(f"section {name}", f"raised {error}", "completes", False))
     for name in report.get("skipped", []):
