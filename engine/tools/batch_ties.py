@@ -8,13 +8,12 @@ In float64 (tests/engine/test_batching.py) a sequence's tokens are the same what
 it. At bf16 they need not be: the logits hold 8 significant bits, so candidates often tie or sit
 an ulp apart, and a batched pass rounds differently from a lone round (more rows a product,
 whose kernel may depend on its row count; padded attention against contiguous), so two such
-logits can swap places. For every request that diverges, at its first differing token, a plain forward
-over the prompt and the tokens both runs share gives the two candidates' logits; their gap is
-counted in units in the last place (ulps) of the dtype at the larger one, and the divergence is
-a near-tie when the gap is at most NEAR_TIE_ULPS. Ties are common at bf16 (8 significant bits),
-and any perturbation flips the closest tie first, a fault's as well as rounding's: what tells
-them apart is how many outputs differ (on the demo's chats, batching as it should leaves 5-8 of
-8 equal a method; every batched query missing one key leaves 0-1), so both are reported. The
+logits can swap places. At each output's first differing token, a plain forward over the prompt
+and the tokens both runs share gives the two candidates' logits; their gap is counted in units
+in the last place (ulps) of the dtype at the larger one, a near-tie when at most NEAR_TIE_ULPS.
+Any perturbation flips the closest tie first, a fault's as well as rounding's: what tells them
+apart is how many outputs differ (on the demo's chats, batching as it should leaves 5-8 of 8
+equal a method; every batched query missing one key leaves 0-1), so both are reported. The
 float64 tests are the proof of exactness; this shows what the served dtype does.
 
 The demo pair's chat prompts (engine/tools/batching.py's), greedy, each method's requests sent
@@ -47,7 +46,7 @@ from engine.tools.batching import TOPICS, parse_method
 
 DEMO = Path(__file__).parents[1] / "demo_model"
 # The demo pair's flips on the CPU at bf16 were 0 and 1 ulp apart (engine/NOTES.md, session 33);
-# 4 leaves room for a deeper stack's rounding, far below a real fault's whole units.
+# 4 leaves room for a deeper stack's rounding.
 NEAR_TIE_ULPS = 4.0
 # A fault flips the closest ties first too, but flips most outputs: batching as it should left
 # 5-8 of 8 equal a method on the demo's chats, a batched query missing one key 0-1.
@@ -63,7 +62,7 @@ class Divergence:
     method: str
     prompt: int  # its index among the prompts
     position: int  # the first output token that differs
-    alone: int  # the token served alone
+    alone: int  # the token served alone (-1: none, that output ended before it)
     batched: int  # and batched
     alone_logit: float | None  # each in a plain forward over the shared tokens (None: one
     batched_logit: float | None  # output is a prefix of the other, no token to weigh)
@@ -141,12 +140,8 @@ def compare(
         config = replace(cfg, method=method, budget=budget or cfg.budget)
         together = outputs(scheduler, prompts, config)
         alone = [outputs(scheduler, [prompt], config)[0] for prompt in prompts]
-        found = [
-            divergence(target, name, index, prompt, solo, batched)
-            for index, (prompt, solo, batched) in enumerate(
-                zip(prompts, alone, together, strict=True)
-            )
-        ]
+        runs = enumerate(zip(prompts, alone, together, strict=True))
+        found = [divergence(target, name, index, *run) for index, run in runs]
         found = [item for item in found if item is not None]
         report["methods"][name] = {"requests": len(prompts), "equal": len(prompts) - len(found)}
         report["divergences"] += [asdict(item) for item in found]
