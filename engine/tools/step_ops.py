@@ -54,11 +54,11 @@ from engine.methods import METHODS
 from engine.models import common, load_drafter, load_target
 from engine.models.common import Segment
 from engine.models.dflash import DFlashDrafter
-from engine.scheduler import Request, Scheduler
+from engine.scheduler import Scheduler
 from engine.step_passes import StepPasses
-from engine.tokenizer import load_tokenizer
 from engine.tools.arguments import positive_int
-from engine.tools.batching import TOPICS, parse_method
+from engine.tools.batch_ties import demo_prompts, outputs
+from engine.tools.batching import parse_method
 from engine.tools.ddtree_reference import OpCount
 from engine.tools.gpu_rounds import random_pair
 from engine.tree_passes import TreePasses
@@ -203,12 +203,7 @@ def models_and_prompts(args: argparse.Namespace) -> tuple:
         prompts = torch.randint(0, target.config.vocab_size - 1, shape, generator=generator)
         return target, drafter, prompts.tolist(), ()
     target, drafter = load_target(args.model), load_drafter(args.draft)
-    tokenizer = load_tokenizer(args.model)
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": TOPICS[i % len(TOPICS)]}])
-        for i in range(args.concurrency)
-    ]
-    return target, drafter, prompts, tuple(tokenizer.eos_token_ids)
+    return target, drafter, *demo_prompts(args.model, args.concurrency)
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -250,16 +245,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 def run_at_once(scheduler: Scheduler, prompts: list[list[int]], cfg: GenerationConfig) -> int:
     """Every prompt added at once, the scheduler stepped until idle; the tokens generated."""
-    finished: list = []
-    for prompt in prompts:
-        scheduler.add(Request(list(prompt), cfg, on_finish=finished.append))
-    with torch.inference_mode():
-        while not scheduler.idle:
-            scheduler.step()
-    failed = [f.error for f in finished if f.error is not None]
-    if failed:
-        raise failed[0]
-    return sum(len(f.result.output_ids) for f in finished)
+    return sum(len(ids) for ids in outputs(scheduler, prompts, cfg))
 
 
 def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> int:
